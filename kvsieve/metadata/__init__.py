@@ -1,0 +1,13 @@
+"""The KV ledger (paged pools, allocator, block ledger) and what ``prepare()`` translates it into."""
+from __future__ import annotations
+
+from .attention_metadata import TRANSLATIONS, AttentionMetadata
+from .block_lists import build_block_lists
+from .block_offsets import BlockOffsetTable
+from .kv_cache import BlockAllocator, KVCacheManager, KVCacheSpec
+from .ragged_page_table import RaggedPageTable
+
+__all__ = [
+    "AttentionMetadata", "TRANSLATIONS", "build_block_lists", "BlockOffsetTable", "BlockAllocator",
+    "KVCacheManager", "KVCacheSpec", "RaggedPageTable",
+]

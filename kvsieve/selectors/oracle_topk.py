@@ -1,0 +1,78 @@
+"""Oracle top-k: the exact top-k of the true attention probabilities per KV-head group (summed
+over the group's query heads), at token or block granularity; the upper bound of the evaluation.
+It reads every key, so it saves nothing: it measures what a perfect selector could keep."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ..sparse.params import SparseMetadataParams
+
+__all__ = ["OracleTopKConfig", "OracleTopKSelector", "attention_mass"]
+
+_ROW_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class OracleTopKConfig:
+    """``budget`` tokens per query (``budget // block_size`` blocks at block granularity)."""
+
+    budget: int = 256
+    block_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"oracle_topk: block_size must be >= 1, got {self.block_size}")
+        if self.budget < self.block_size:
+            raise ValueError(f"oracle_topk: budget must be >= block_size={self.block_size}, got {self.budget}")
+
+
+def attention_mass(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """fp32 ``[n, Hkv, L]``: causal softmax probabilities summed over each group's query heads.
+
+    q ``[n, Hq, D]``, k ``[L, Hkv, D]``, ``kv_lens [n]`` bounds each row (positions beyond get 0).
+    """
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    s = torch.einsum("nhgd,lhd->nhgl", q.float().view(n, hkv, hq // hkv, d), k.float()) * sm_scale
+    valid = torch.arange(k.shape[0], device=q.device) < kv_lens.to(q.device).unsqueeze(1)
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1).nan_to_num(0.0).sum(dim=2)
+
+
+@register_selector
+class OracleTopKSelector(SparseSelector):
+    name = "oracle_topk"
+    config_class = OracleTopKConfig
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), granularity="token")
+
+    def metadata_params(self) -> SparseMetadataParams:
+        c = self.config
+        return SparseMetadataParams(indices_block_size=c.block_size, max_selected_per_token=c.budget // c.block_size)
+
+    def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
+        bs = self.config.block_size
+        k_sel = self.config.budget // bs
+        lens = inputs.metadata.token_kv_lens
+        out = torch.full((inputs.q.shape[0], inputs.num_kv_heads, k_sel), -1, dtype=torch.int32, device=inputs.q.device)
+        for i in range(inputs.metadata.num_seqs):
+            t0, t1 = inputs.query_range(i)
+            keys = inputs.request_keys(i)
+            if inputs.attention_kind == "mla":
+                keys = keys.unsqueeze(1)
+            for c0 in range(t0, t1, _ROW_CHUNK):
+                c1 = min(c0 + _ROW_CHUNK, t1)
+                mass = attention_mass(inputs.q[c0:c1], keys, lens[c0:c1], inputs.sm_scale)
+                valid = torch.arange(mass.shape[-1], device=mass.device) < lens[c0:c1, None, None].to(mass.device)
+                if bs > 1:
+                    nb = -(-mass.shape[-1] // bs)
+                    pad = nb * bs - mass.shape[-1]
+                    mass = torch.nn.functional.pad(mass, (0, pad)).view(*mass.shape[:2], nb, bs).sum(-1)
+                    valid = torch.nn.functional.pad(valid, (0, pad)).view(*valid.shape[:2], nb, bs).any(-1)
+                score = mass.masked_fill(~valid, -1.0)
+                kk = min(k_sel, score.shape[-1])
+                val, idx = score.topk(kk, dim=-1)
+                out[c0:c1, :, :kk] = torch.where(val >= 0, idx, -1).to(torch.int32)
+        return SparseRuntimeParams.from_topk(out, block_size=bs)

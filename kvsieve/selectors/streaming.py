@@ -1,0 +1,58 @@
+"""StreamingLLM (arXiv 2309.17453): attention sinks plus a recent window; the lower bound of
+the evaluation. Needs no keys, so it serves GQA and MLA, context and generation."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ..sparse.params import SparseMetadataParams
+
+__all__ = ["StreamingConfig", "StreamingSelector", "streaming_topk"]
+
+
+@dataclass(frozen=True)
+class StreamingConfig:
+    """``budget`` tokens per query: the first ``num_sink`` plus the most recent ``budget - num_sink``."""
+
+    budget: int = 256
+    num_sink: int = 4
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise ValueError(f"streaming: budget must be >= 1, got {self.budget}")
+        if not 0 <= self.num_sink < self.budget:
+            raise ValueError(f"streaming: num_sink must be in [0, budget={self.budget}), got {self.num_sink}")
+
+
+def streaming_topk(kv_lens: torch.Tensor, budget: int, num_sink: int) -> torch.Tensor:
+    """int32 ``[num_tokens, budget]``: sinks then window per query, ``-1`` where nothing is selected.
+
+    ``kv_lens [num_tokens]``: positions each query may attend. A query with ``kv_len <= budget``
+    gets every position.
+    """
+    window = budget - num_sink
+    lens = kv_lens.to(torch.int64).unsqueeze(1)
+    sinks = torch.arange(num_sink, device=kv_lens.device).expand(lens.shape[0], num_sink)
+    recent = lens - window + torch.arange(window, device=kv_lens.device)
+    sinks = torch.where(sinks < lens, sinks, -1)
+    # a window position that falls among the sinks (short context) is already selected
+    recent = torch.where(recent >= torch.clamp(lens.new_full(lens.shape, num_sink), max=lens), recent, -1)
+    return torch.cat([sinks, recent], dim=1).to(torch.int32)
+
+
+@register_selector
+class StreamingSelector(SparseSelector):
+    name = "streaming"
+    config_class = StreamingConfig
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), granularity="token")
+
+    def metadata_params(self) -> SparseMetadataParams:
+        return SparseMetadataParams(max_selected_per_token=self.config.budget)
+
+    def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
+        lens = inputs.metadata.token_kv_lens
+        sel = streaming_topk(lens, self.config.budget, self.config.num_sink)
+        sel = sel.unsqueeze(1).expand(-1, inputs.num_kv_heads, -1)
+        return SparseRuntimeParams.from_topk(sel)

@@ -1,0 +1,19 @@
+"""The plug-in contract: params, selector base class, registry, config lowering, the layer, backends."""
+from __future__ import annotations
+
+from .algorithm import Capabilities, SelectorInputs, SparseSelector
+from .attention import LayerStats, SparseAttention, commit_evictions
+from .backends import AttentionBackend, AttentionGeometry, available_backends, get_backend
+from .engine import Engine
+from .config import LayerPlan, SparseAttentionConfig, lower_config
+from .params import SparseMetadataParams, SparseRuntimeParams
+from .registry import ENTRY_POINT_GROUP, available_selectors, create_selector, get_selector_class, register_selector
+from .selection import attended_counts, selection_mask
+
+__all__ = [
+    "Capabilities", "Engine", "SelectorInputs", "SparseSelector", "LayerStats", "SparseAttention", "commit_evictions",
+    "AttentionBackend", "AttentionGeometry", "available_backends", "get_backend", "LayerPlan",
+    "SparseAttentionConfig", "lower_config", "SparseMetadataParams", "SparseRuntimeParams", "ENTRY_POINT_GROUP",
+    "available_selectors", "create_selector", "get_selector_class", "register_selector", "attended_counts",
+    "selection_mask",
+]

@@ -1,0 +1,61 @@
+"""The golden: per request, gather the paged KV into contiguous NHD tensors, mask to the
+selection, and run plain softmax attention in fp32. Written for clarity, not speed."""
+from __future__ import annotations
+
+import torch
+
+from ...metadata import AttentionMetadata
+from ..params import SparseRuntimeParams
+from ..selection import selection_mask
+from .base import AttentionBackend, AttentionGeometry
+
+__all__ = ["VanillaBackend", "masked_attention"]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference softmax attention in fp32.
+
+    q ``[n, Hq, D]``, k ``[L, Hkv, D]``, v ``[L, Hkv, Dv]``, mask bool ``[Hkv, n, L]``.
+    Returns out ``[n, Hq, Dv]`` fp32 and lse ``[n, Hq]`` fp32 (out 0 / lse +inf on empty rows).
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    g = hq // hkv
+    qf = q.float().view(q.shape[0], hkv, g, q.shape[2])
+    s = torch.einsum("nhgd,lhd->hgnl", qf, k.float()) * sm_scale
+    m = mask.unsqueeze(1)  # [Hkv, 1, n, L]
+    s = s.masked_fill(~m, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [Hkv, g, n]
+    empty = torch.isneginf(lse)
+    p = torch.exp(s - torch.where(empty, 0.0, lse).unsqueeze(-1)).masked_fill(~m, 0.0)
+    out = torch.einsum("hgnl,lhd->nhgd", p, v.float())
+    lse = torch.where(empty, torch.inf, lse)
+    n = q.shape[0]
+    return out.reshape(n, hq, v.shape[-1]), lse.permute(2, 0, 1).reshape(n, hq)
+
+
+class VanillaBackend(AttentionBackend):
+    name = "vanilla"
+    required_translations = ("block_lists",)
+
+    def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
+                params: SparseRuntimeParams | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if params is not None and params.threshold_scale_factor > 0:
+            raise ValueError("the vanilla backend does not implement skip-softmax "
+                             "(threshold_scale_factor > 0); use the 'triton' backend")
+        mgr = metadata.kv_cache_manager
+        out = torch.zeros(q.shape[0], q.shape[1], geometry.value_dim, dtype=torch.float32, device=q.device)
+        lse = torch.full((q.shape[0], q.shape[1]), torch.inf, dtype=torch.float32, device=q.device)
+        token_lens = metadata.token_kv_lens
+        for i, rid in enumerate(metadata.request_ids):
+            t0, t1 = (int(x) for x in metadata.query_start_host[i: i + 2])
+            if t1 == t0:
+                continue
+            kv_len = int(metadata.kv_lens_host[i])
+            k, v = mgr.gather(layer_idx, rid)
+            if geometry.kind == "mla":
+                k, v = k.unsqueeze(1), v[:, : geometry.kv_lora_rank].unsqueeze(1)
+            mask = selection_mask(params, slice(t0, t1), token_lens, kv_len, geometry.num_kv_heads).to(q.device)
+            o, l = masked_attention(q[t0:t1], k, v, mask, geometry.sm_scale)
+            out[t0:t1], lse[t0:t1] = o, l
+        return out.to(q.dtype), lse

@@ -1,0 +1,204 @@
+"""The carrier between selectors and backends: ``SparseRuntimeParams``.
+
+Layouts (DESIGN.md 3.3). All index tensors are int32 and live on the KV cache's device.
+
+* ``sparse_kv_indices [num_kv_heads, total_kept]`` with ``sparse_kv_offsets [num_contexts + 1]``:
+  request-local prompt positions to keep, head-major; context request ``n`` and head ``h`` own
+  ``sparse_kv_indices[h, off[n]:off[n+1]]``, sorted ascending (in-place compaction is safe).
+* ``sparse_attn_indices [num_kv_heads, total_selected]`` with
+  ``sparse_attn_offsets [num_query_tokens + 1]``: query token ``t`` and KV head ``h`` attend
+  ``indices[h, off[t]:off[t+1]]``; entries are request-local token positions
+  (``sparse_attn_indices_block_size == 1``) or block ids covering ``[i*B, (i+1)*B)``;
+  ``-1`` marks padding; valid entries ascending and unique.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["SparseRuntimeParams", "SparseMetadataParams"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SparseMetadataParams:
+    """Per-layer lowered settings a selector hands to the metadata (buffer sizing).
+
+    ``max_selected_per_token`` bounds ``sparse_attn_indices`` per (query token, KV head);
+    ``indices_block_size`` is the granularity the selector emits; ``prompt_budget`` bounds the
+    tokens kept by ``predict_kv`` (``None`` when the selector never evicts).
+    """
+
+    indices_block_size: int = 1
+    max_selected_per_token: int | None = None
+    prompt_budget: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SparseRuntimeParams:
+    """What one layer's selector decided for one step; consumed by every backend."""
+
+    sparse_kv_indices: torch.Tensor | None = None
+    sparse_kv_offsets: torch.Tensor | None = None
+    sparse_attn_indices: torch.Tensor | None = None
+    sparse_attn_offsets: torch.Tensor | None = None
+    sparse_attn_indices_block_size: int = 1
+    sparse_attn_kv_lens: torch.Tensor | None = None
+    threshold_scale_factor: float = 0.0
+    aux_pool: Any = field(default=None, compare=False)
+
+    @staticmethod
+    def from_topk(topk: torch.Tensor, block_size: int = 1, **fields: Any) -> SparseRuntimeParams:
+        """Pack a per-token selection ``topk [num_tokens, num_kv_heads, k]`` (``-1`` = none, any
+        order, no duplicates among valid entries) into the head-major carrier: each segment is
+        sorted ascending with the padding moved to its tail."""
+        if topk.dim() != 3:
+            raise ValueError(f"topk must be [num_tokens, num_kv_heads, k], got shape {tuple(topk.shape)}")
+        t, h, k = topk.shape
+        big = torch.iinfo(torch.int32).max
+        sel = topk.to(torch.int64)
+        sel = torch.where(sel < 0, big, sel).sort(dim=-1).values
+        sel = torch.where(sel == big, -1, sel).to(torch.int32)
+        indices = sel.permute(1, 0, 2).reshape(h, t * k).contiguous()
+        offsets = torch.arange(0, (t + 1) * k, k, dtype=torch.int32, device=topk.device)
+        return SparseRuntimeParams(sparse_attn_indices=indices, sparse_attn_offsets=offsets,
+                                   sparse_attn_indices_block_size=block_size, **fields)
+
+    @property
+    def has_attn_selection(self) -> bool:
+        return self.sparse_attn_indices is not None
+
+    def validate(
+        self,
+        *,
+        num_kv_heads: int,
+        num_query_tokens: int | None = None,
+        num_contexts: int | None = None,
+        kv_lens: torch.Tensor | None = None,
+        prompt_lens: torch.Tensor | None = None,
+    ) -> None:
+        """Check dtype, shape, offsets, range and order; raise ``ValueError`` naming the field.
+
+        ``kv_lens [num_query_tokens]`` (valid positions each query may see) enables the range
+        check of attention indices; ``prompt_lens [num_contexts]`` that of the kept indices.
+        """
+        if self.sparse_attn_indices_block_size < 1:
+            raise ValueError(
+                "sparse_attn_indices_block_size must be >= 1 (1 = token indices), got "
+                f"{self.sparse_attn_indices_block_size}"
+            )
+        if self.threshold_scale_factor < 0:
+            raise ValueError(f"threshold_scale_factor must be >= 0 (0 = off), got {self.threshold_scale_factor}")
+        if (self.sparse_kv_indices is None) != (self.sparse_kv_offsets is None):
+            raise ValueError("sparse_kv_indices and sparse_kv_offsets must be given together")
+        if (self.sparse_attn_indices is None) != (self.sparse_attn_offsets is None):
+            raise ValueError("sparse_attn_indices and sparse_attn_offsets must be given together")
+        if self.sparse_kv_indices is not None:
+            _check_pair(
+                "sparse_kv", self.sparse_kv_indices, self.sparse_kv_offsets, num_kv_heads, num_contexts
+            )
+            _check_segments(
+                "sparse_kv_indices", self.sparse_kv_indices, self.sparse_kv_offsets, prompt_lens,
+                block_size=1, allow_padding=False,
+            )
+        if self.sparse_attn_indices is not None:
+            _check_pair(
+                "sparse_attn", self.sparse_attn_indices, self.sparse_attn_offsets, num_kv_heads,
+                num_query_tokens,
+            )
+            _check_segments(
+                "sparse_attn_indices", self.sparse_attn_indices, self.sparse_attn_offsets, kv_lens,
+                block_size=self.sparse_attn_indices_block_size, allow_padding=True,
+            )
+        if self.sparse_attn_kv_lens is not None:
+            lens = self.sparse_attn_kv_lens
+            if lens.dtype != torch.int32 or lens.dim() != 1:
+                raise ValueError(
+                    f"sparse_attn_kv_lens must be a 1-D int32 tensor, got {lens.dtype} {tuple(lens.shape)}"
+                )
+            if num_query_tokens is not None and lens.numel() != num_query_tokens:
+                raise ValueError(
+                    f"sparse_attn_kv_lens must have num_query_tokens={num_query_tokens} entries, got {lens.numel()}"
+                )
+
+
+def _check_pair(
+    prefix: str, indices: torch.Tensor, offsets: torch.Tensor, num_kv_heads: int, num_rows: int | None
+) -> None:
+    iname, oname = f"{prefix}_indices", f"{prefix}_offsets"
+    if indices.dtype != torch.int32:
+        raise ValueError(f"{iname} must be int32, got {indices.dtype}")
+    if offsets.dtype != torch.int32:
+        raise ValueError(f"{oname} must be int32, got {offsets.dtype}")
+    if indices.dim() != 2 or indices.shape[0] != num_kv_heads:
+        raise ValueError(
+            f"{iname} must have shape [num_kv_heads={num_kv_heads}, total], got {tuple(indices.shape)}"
+        )
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{oname} must be 1-D with at least one entry, got shape {tuple(offsets.shape)}")
+    if num_rows is not None and offsets.numel() != num_rows + 1:
+        raise ValueError(f"{oname} must have {num_rows + 1} entries (rows + 1), got {offsets.numel()}")
+    if offsets.device != indices.device:
+        raise ValueError(f"{oname} is on {offsets.device} but {iname} is on {indices.device}")
+    off = offsets.to("cpu", torch.int64)
+    if int(off[0]) != 0:
+        raise ValueError(f"{oname}[0] must be 0, got {int(off[0])}")
+    if bool((off[1:] < off[:-1]).any()):
+        bad = int(torch.nonzero(off[1:] < off[:-1])[0])
+        raise ValueError(f"{oname} must be non-decreasing; {oname}[{bad + 1}] < {oname}[{bad}]")
+    if int(off[-1]) != indices.shape[1]:
+        raise ValueError(f"{oname}[-1]={int(off[-1])} must equal {iname}.shape[1]={indices.shape[1]}")
+
+
+def _check_segments(
+    name: str,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    valid_lens: torch.Tensor | None,
+    *,
+    block_size: int,
+    allow_padding: bool,
+) -> None:
+    """Range, padding and strict ascending order of each (head, row) segment, vectorized."""
+    idx = indices.to("cpu", torch.int64)
+    off = offsets.to("cpu", torch.int64)
+    if idx.numel() == 0:
+        return
+    lowest = -1 if allow_padding else 0
+    if bool((idx < lowest).any()):
+        what = "-1 (padding) or a position >= 0" if allow_padding else "a position >= 0"
+        raise ValueError(f"{name} entries must be {what}; found {int(idx.min())}")
+    total = idx.shape[1]
+    row_of = torch.repeat_interleave(torch.arange(off.numel() - 1), off[1:] - off[:-1])
+    valid = idx >= 0
+    if valid_lens is not None:
+        lens = valid_lens.to("cpu", torch.int64)
+        if lens.numel() != off.numel() - 1:
+            raise ValueError(f"{name}: expected {off.numel() - 1} valid lengths, got {lens.numel()}")
+        limit = (lens[row_of] + block_size - 1) // block_size
+        over = valid & (idx >= limit.unsqueeze(0))
+        if bool(over.any()):
+            h, j = (int(v) for v in torch.nonzero(over)[0])
+            unit = "token" if block_size == 1 else f"block (size {block_size})"
+            raise ValueError(
+                f"{name}[{h}, {j}]={int(idx[h, j])} is out of range: row {int(row_of[j])} has "
+                f"{int(limit[j])} valid {unit} positions"
+            )
+    if total < 2:
+        return
+    same_row = (row_of[1:] == row_of[:-1]).unsqueeze(0)
+    both_valid = valid[:, 1:] & valid[:, :-1]
+    unsorted = same_row & both_valid & (idx[:, 1:] <= idx[:, :-1])
+    if bool(unsorted.any()):
+        h, j = (int(v) for v in torch.nonzero(unsorted)[0])
+        raise ValueError(
+            f"{name} must be strictly ascending (sorted, unique) within each (head, row) segment; "
+            f"[{h}, {j}]={int(idx[h, j])} then [{h}, {j + 1}]={int(idx[h, j + 1])}"
+        )
+    if allow_padding:
+        # padding only at the tail of a segment: a valid entry may not follow a -1
+        after_pad = same_row & valid[:, 1:] & ~valid[:, :-1]
+        if bool(after_pad.any()):
+            h, j = (int(v) for v in torch.nonzero(after_pad)[0])
+            raise ValueError(f"{name}: -1 padding must trail each segment; valid entry after -1 at [{h}, {j + 1}]")

@@ -1,0 +1,61 @@
+"""Selections as masks and counts, in plain PyTorch (shared by the golden and the reports)."""
+from __future__ import annotations
+
+import torch
+
+from .params import SparseRuntimeParams
+
+__all__ = ["selection_mask", "attended_counts"]
+
+
+def selection_mask(params: SparseRuntimeParams | None, rows: slice, token_kv_lens: torch.Tensor,
+                   kv_len: int, num_kv_heads: int) -> torch.Tensor:
+    """Boolean ``[num_kv_heads, n_rows, kv_len]``: which positions each query row attends.
+
+    ``rows`` selects query tokens ``[start, stop)`` (one request); ``token_kv_lens [num_tokens]``
+    bounds each row causally. ``params=None`` (or no attention indices) means dense-causal.
+    Block entries ``i`` cover ``[i*B, (i+1)*B)``; ``-1`` and out-of-range entries select nothing.
+    """
+    lens = token_kv_lens[rows].to(torch.int64).cpu()
+    n = lens.numel()
+    pos = torch.arange(kv_len)
+    causal = pos.unsqueeze(0) < lens.unsqueeze(1)  # [n, L]
+    if params is None or params.sparse_attn_indices is None:
+        return causal.unsqueeze(0).expand(num_kv_heads, n, kv_len).clone()
+    bs = params.sparse_attn_indices_block_size
+    idx = params.sparse_attn_indices.cpu().to(torch.int64)
+    off = params.sparse_attn_offsets.cpu().to(torch.int64)
+    num_units = -(-kv_len // bs)
+    mask = torch.zeros(num_kv_heads, n, num_units + 1, dtype=torch.bool)  # last column collects junk
+    for r in range(n):
+        t = rows.start + r
+        sel = idx[:, off[t]: off[t + 1]]  # [Hkv, k]
+        sel = torch.where((sel >= 0) & (sel < num_units), sel, num_units)
+        mask[:, r].scatter_(1, sel, True)
+    mask = mask[:, :, :num_units].repeat_interleave(bs, dim=2)[:, :, :kv_len]
+    return mask & causal.unsqueeze(0)
+
+
+def attended_counts(params: SparseRuntimeParams | None, token_kv_lens: torch.Tensor, num_kv_heads: int,
+                    page_size: int = 1) -> torch.Tensor:
+    """int64 ``[num_tokens, num_kv_heads]``: positions read per query after rounding to pages.
+
+    ``page_size=1`` counts exact tokens (what the Vanilla golden reads). With ``page_size > 1``
+    every touched page counts whole (clipped to the query's valid length), which is what a
+    page-gathering kernel pays.
+    """
+    lens = token_kv_lens.to(torch.int64).cpu()
+    n = lens.numel()
+    if n == 0:
+        return torch.zeros(0, num_kv_heads, dtype=torch.int64)
+    if params is None or params.sparse_attn_indices is None:
+        return lens.unsqueeze(1).expand(n, num_kv_heads).clone()
+    max_len = int(lens.max())
+    mask = selection_mask(params, slice(0, n), token_kv_lens, max_len, num_kv_heads)  # [H, n, L]
+    if page_size > 1:
+        pages = -(-max_len // page_size)
+        pad = pages * page_size - max_len
+        touched = torch.nn.functional.pad(mask, (0, pad)).view(num_kv_heads, n, pages, page_size).any(-1)
+        mask = touched.repeat_interleave(page_size, dim=2)[:, :, :max_len]
+        mask &= torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)
+    return mask.sum(-1).T.contiguous()

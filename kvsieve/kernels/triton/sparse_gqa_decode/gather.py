@@ -105,7 +105,7 @@ def _gather_attn_fwd(
         compute = True
         if SKIP:
             # BLASST: skip when exp(tile_max - running_max) < lambda for every real row.
-            keep_row = (tl.exp2(tile_max - m_i) >= lam) & row_valid
+            keep_row = (tl.exp2(tile_max - tl.maximum(m_i, -3.0e38)) >= lam) & row_valid
             compute = tl.sum(keep_row.to(tl.int32), 0) > 0
             n_skip += tl.where(compute, 0, 1)
         if compute:

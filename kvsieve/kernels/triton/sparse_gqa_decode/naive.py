@@ -37,11 +37,11 @@ def gather_rows(cache: torch.Tensor, bt_row: torch.Tensor, head: int, pos: torch
 
 
 def walk_tiles(s: torch.Tensor, v: torch.Tensor, block_n: int, num_splits: int,
-               lam: float | None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+               lam: float | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Online softmax over ``s [R, L]`` (scaled logits, -inf = masked) and ``v [L, dv]``.
 
     Walks ``ceil(L / block_n)`` tiles split into ``num_splits`` contiguous chunks, applies the
-    skip-softmax rule when ``lam`` is not None, merges the splits by LSE. Returns
+    skip-softmax rule when ``lam`` (scalar or per row ``[R]``) is not None, merges the splits by LSE. Returns
     ``(out [R, dv], lse [R], skipped_tiles, walked_tiles)``.
     """
     r, length = s.shape
@@ -59,7 +59,7 @@ def walk_tiles(s: torch.Tensor, v: torch.Tensor, block_n: int, num_splits: int,
             cols = slice(tile * block_n, min(tile * block_n + block_n, length))
             st = s[:, cols]
             t_max = st.amax(1)
-            if lam is not None and not bool((torch.exp(t_max - m) >= lam).any()):
+            if lam is not None and not bool((torch.exp(t_max - m.clamp(min=-3.0e38)) >= lam).any()):
                 skipped += 1
                 continue
             m_new = torch.maximum(m, t_max)

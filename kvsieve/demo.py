@@ -36,13 +36,13 @@ def run_demo(args: argparse.Namespace) -> dict:
     k = torch.randn(args.context, hkv, d)
     v = torch.randn(args.context, hkv, d)
     needle = args.context // 3
-    k[needle] = torch.randn(hkv, d) * 4.0
+    k[needle] = torch.randn(hkv, d) * 2.0
     q = torch.randn(args.context, hq, d)
     for eng in (sparse, dense):
         eng.step([0], [args.context], 1, [(q, k, v)])
     errors, fractions = [], []
     for _ in range(args.steps):
-        qs = k[needle].repeat_interleave(hq // hkv, dim=0).unsqueeze(0) + 0.5 * torch.randn(1, hq, d)
+        qs = 0.4 * k[needle].repeat_interleave(hq // hkv, dim=0).unsqueeze(0) + torch.randn(1, hq, d)
         ks, vs = torch.randn(1, hkv, d), torch.randn(1, hkv, d)
         (o_s, _), = sparse.step([0], [1], 0, [(qs, ks, vs)])
         (o_d, _), = dense.step([0], [1], 0, [(qs, ks, vs)])

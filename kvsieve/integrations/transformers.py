@@ -1,0 +1,317 @@
+"""Run a Hugging Face ``transformers`` decoder through kvsieve: paged cache, selectors, backend.
+
+::
+
+    from kvsieve import SparseAttentionConfig
+    from kvsieve.integrations.transformers import KvsieveSession
+
+    cfg = SparseAttentionConfig("oracle_topk", {"budget": 64}, phases=("generation",))
+    session = KvsieveSession(model, cfg, backend="vanilla")
+    new_tokens = session.generate(input_ids, max_new_tokens=8)        # [B, n]
+    session.attended_fraction("generation")                          # per layer
+
+Constructing a session registers the attention function ``"kvsieve"`` with transformers'
+``AttentionInterface`` and a mask function under the same name with ``AttentionMaskInterface``
+(it returns ``None``: kvsieve applies causality from its own ledger, so transformers never builds
+an ``[S, L]`` mask), then calls ``model.set_attn_implementation("kvsieve")``. Every attention
+module gets a reference to the session; the attention function maps transformers' ``query
+[B, Hq, S, D]`` / ``key, value [B, Hkv, S_kv, D]`` (after RoPE, before GQA repetition) onto
+kvsieve's token-major ``[B*S, H, D]`` and runs that layer's :class:`SparseAttention`.
+
+Two ways to drive it:
+
+* **session-driven** (:meth:`KvsieveSession.prefill`, :meth:`decode`, :meth:`generate`): the model
+  runs with ``use_cache=False``, so kvsieve's paged cache is the only KV cache; one model forward
+  is one kvsieve step (``Engine.begin_step`` before layer 0, ``end_step`` after the last layer).
+* **transformers-driven** (``model.generate`` after the session is built): transformers still
+  keeps its own cache and hands over the whole history; the function keeps only the last ``S``
+  positions (the step's new tokens) for kvsieve. A forward whose key length equals its query
+  length starts new requests (the previous ones are freed).
+
+Batches are ``B`` equal-length rows without padding (request ids ``0..B-1``).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
+from ..sparse import Engine, SparseAttention, SparseAttentionConfig, get_backend, lower_config
+from ..sparse.backends import AttentionBackend, AttentionGeometry
+from ..sparse.params import SparseRuntimeParams
+
+__all__ = ["KvsieveSession", "ATTN_IMPLEMENTATION", "register_attention", "LayerObserver"]
+
+ATTN_IMPLEMENTATION = "kvsieve"
+_SESSION_ATTR = "kvsieve_session"
+
+#: ``observer(layer_idx, q [T, Hq, D], out [T, Hq, D], metadata, layer)`` after each layer forward.
+LayerObserver = Callable[[int, torch.Tensor, torch.Tensor, AttentionMetadata, SparseAttention], None]
+
+
+def _attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                       **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract; returns ``(out [B, S, Hq, D], None)``."""
+    session = getattr(module, _SESSION_ATTR, None)
+    if session is None:
+        raise RuntimeError(f"attention implementation {ATTN_IMPLEMENTATION!r} needs a KvsieveSession built on "
+                           "this model (KvsieveSession(model, config))")
+    return session._attend(module.layer_idx, query, key, value), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """Mask function for ``AttentionMaskInterface``: kvsieve masks causally from its ledger."""
+    return None
+
+
+def register_attention() -> None:
+    """Register ``"kvsieve"`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+class _DenseSdpaFastPath(AttentionBackend):
+    """Wraps a backend: a layer step with no selection (``params`` ``None``) runs torch SDPA over
+    each request's K/V gathered from the paged cache; any selection goes to the wrapped backend.
+
+    The dense prefill of a 4K prompt through the Vanilla golden materializes ``[H, S, L]`` fp32
+    scores per layer; SDPA is the same math, fused. SDPA returns no LSE, so the fast rows carry
+    ``lse = NaN`` (transformers never reads it).
+    """
+
+    def __init__(self, inner: AttentionBackend) -> None:
+        self.inner = inner
+        self.name = f"{inner.name}+sdpa_dense"
+        self.required_translations = inner.required_translations
+        self.kv_page_granular = inner.kv_page_granular
+
+    def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
+                params: SparseRuntimeParams | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if params is not None or geometry.kind != "gqa":
+            return self.inner.forward(q, metadata, layer_idx, geometry, params)
+        mgr = metadata.kv_cache_manager
+        out = torch.zeros(q.shape[0], q.shape[1], geometry.value_dim, dtype=q.dtype, device=q.device)
+        for i, rid in enumerate(metadata.request_ids):
+            t0, t1 = (int(x) for x in metadata.query_start_host[i: i + 2])
+            if t1 == t0:
+                continue
+            k, v = mgr.gather(layer_idx, rid)  # [L, Hkv, D]
+            n, kv_len = t1 - t0, k.shape[0]
+            mask = None
+            if 1 < n < kv_len:  # bottom-right aligned causal mask
+                mask = torch.arange(kv_len, device=q.device) <= (kv_len - n + torch.arange(n, device=q.device))[:, None]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[t0:t1].transpose(0, 1).unsqueeze(0), k.to(q.dtype).transpose(0, 1).unsqueeze(0),
+                v.to(q.dtype).transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=n == kv_len and n > 1,
+                scale=geometry.sm_scale, enable_gqa=True)
+            out[t0:t1] = o[0].transpose(0, 1)
+        return out, torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
+
+    def effective_attended_tokens(self, params: SparseRuntimeParams | None, metadata: AttentionMetadata,
+                                  geometry: AttentionGeometry) -> torch.Tensor:
+        return self.inner.effective_attended_tokens(params, metadata, geometry)
+
+
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
+        raise ValueError(f"model: expected a decoder with .layers[i].self_attn, got {type(model).__name__}")
+    return [layer.self_attn for layer in layers]
+
+
+class KvsieveSession:
+    """Owns a kvsieve :class:`Engine` (paged cache + one :class:`SparseAttention` per decoder layer)
+    attached to a transformers causal LM.
+
+    ``config``: the selector (``None`` = dense everywhere); ``backend``: a kvsieve backend name;
+    ``dense_fast_path``: run steps without a selection through torch SDPA over the paged KV
+    (see :class:`_DenseSdpaFastPath`); ``max_tokens``: per-request capacity of the paged cache.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: SparseAttentionConfig | None = None, *,
+                 backend: str = "vanilla", max_tokens: int = 8448, max_batch: int = 1, tokens_per_block: int = 16,
+                 dense_fast_path: bool = True, debug: bool = False) -> None:
+        if max_tokens < 1 or max_batch < 1 or tokens_per_block < 1:
+            raise ValueError(f"max_tokens, max_batch and tokens_per_block must be >= 1, got "
+                             f"{max_tokens}, {max_batch}, {tokens_per_block}")
+        cfg = model.config
+        self.model = model
+        self.modules = _attention_modules(model)
+        self.num_layers = len(self.modules)
+        num_q = cfg.num_attention_heads
+        num_kv = getattr(cfg, "num_key_value_heads", None) or num_q
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_q
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        blocks_per_seq = -(-max_tokens // tokens_per_block)
+        self.cache = KVCacheManager(KVCacheSpec(
+            num_layers=self.num_layers, num_blocks=max_batch * blocks_per_seq + 1, tokens_per_block=tokens_per_block,
+            num_kv_heads=num_kv, head_dim=head_dim, dtype=dtype, device=device, max_requests=max_batch,
+            max_blocks_per_seq=blocks_per_seq))
+        inner = get_backend(backend)
+        self.backend = _DenseSdpaFastPath(inner) if dense_fast_path else inner
+        self.layers = [
+            SparseAttention(layer_idx=i, num_q_heads=num_q, num_kv_heads=num_kv, head_dim=head_dim,
+                            backend=self.backend, sm_scale=float(getattr(m, "scaling", head_dim ** -0.5)), debug=debug)
+            for i, m in enumerate(self.modules)
+        ]
+        self.engine = Engine(self.cache, self.layers, max_num_requests=max_batch,
+                             max_num_tokens=max_batch * max_tokens)
+        self.max_batch = max_batch
+        self.device = device
+        self.observers: list[LayerObserver] = []
+        self.config: SparseAttentionConfig | None = None
+        self._request_ids: list[int] = []
+        self._next_pos = 0
+        self._step_open = False
+        self._driven = False
+        self._stats = {p: np.zeros((self.num_layers, 2), dtype=np.int64) for p in ("context", "generation")}
+        self._phase = "context"
+        self.set_config(config)
+        register_attention()
+        for m in self.modules:
+            setattr(m, _SESSION_ATTR, self)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    # ---- configuration ------------------------------------------------------------------
+    def set_config(self, config: SparseAttentionConfig | None) -> None:
+        """Lower ``config`` to per-layer plans and install them; takes effect at the next step."""
+        plans = lower_config(config, num_layers=self.num_layers, device=self.device)
+        for layer, plan in zip(self.layers, plans):
+            if plan is not None:
+                plan.selector.check_support(attention_kind="gqa")
+            layer.plan = plan
+        self.config = config
+
+    # ---- session-driven stepping --------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Start new requests with prompts ``input_ids [B, S]``; returns last-position logits ``[B, V]``."""
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids must be [batch, seq_len >= 1], got {tuple(input_ids.shape)}")
+        return self._run(input_ids, new_requests=True)
+
+    @torch.inference_mode()
+    def decode(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Append ``token_ids [B]`` (or ``[B, S]`` for several tokens) and return logits ``[B, V]``."""
+        ids = token_ids.view(-1, 1) if token_ids.dim() == 1 else token_ids
+        if not self._request_ids:
+            raise RuntimeError("decode before prefill: no live requests")
+        return self._run(ids, new_requests=False)
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
+        """Greedy decoding; returns the new tokens ``[B, n]`` (``n <= max_new_tokens``; stops when
+        every row produced ``eos_token_id``)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        logits = self.prefill(input_ids)
+        return self.continue_greedy(logits, max_new_tokens, eos_token_id)
+
+    def continue_greedy(self, logits: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None
+                        ) -> torch.Tensor:
+        """Greedy decoding from the last logits ``[B, V]`` of the live requests; new tokens ``[B, n]``."""
+        out = []
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        for i in range(max_new_tokens):
+            tok = logits.argmax(-1)
+            out.append(tok)
+            if eos_token_id is not None:
+                done |= tok == eos_token_id
+                if bool(done.all()):
+                    break
+            if i + 1 < max_new_tokens:
+                logits = self.decode(tok)
+        return torch.stack(out, dim=1)
+
+    @property
+    def num_cached_positions(self) -> int:
+        """Positions the live requests have seen (the next RoPE position), eviction notwithstanding."""
+        return self._next_pos
+
+    def rewind(self, length: int) -> None:
+        """Drop every position ``>= length`` of the live requests (e.g. to reuse a prompt's cache
+        for another selector that keeps no state of its own). Not valid after eviction."""
+        if not 0 <= length <= self._next_pos:
+            raise ValueError(f"length must be in [0, {self._next_pos}], got {length}")
+        for rid in self._request_ids:
+            if self.cache.valid_len(rid) != self._next_pos:
+                raise ValueError(f"rewind: request {rid} was compacted by eviction; prefill again instead")
+            self.cache.truncate(rid, length)
+        self._next_pos = length
+
+    def _run(self, ids: torch.Tensor, *, new_requests: bool) -> torch.Tensor:
+        b, s = ids.shape
+        start = 0 if new_requests else self._next_pos
+        self._open_step(b, s, new_requests)
+        self._driven = True
+        try:
+            pos = torch.arange(start, start + s, device=self.device).expand(b, s)
+            logits = self.model(input_ids=ids.to(self.device), position_ids=pos, use_cache=False,
+                                logits_to_keep=1).logits
+        finally:
+            self._driven = False
+            if self._step_open:
+                self._close_step()
+        return logits[:, -1]
+
+    # ---- the step around the layers -----------------------------------------------------
+    def _open_step(self, batch: int, num_new: int, new_requests: bool) -> None:
+        if batch > self.max_batch:
+            raise ValueError(f"batch of {batch} rows exceeds max_batch={self.max_batch}")
+        if new_requests:
+            for rid in list(self.cache.request_ids):
+                self.engine.free(rid)
+            self._request_ids = list(range(batch))
+            self._next_pos = 0
+        elif batch != len(self._request_ids):
+            raise ValueError(f"a step of {batch} rows for {len(self._request_ids)} live requests")
+        self.engine.begin_step(self._request_ids, [num_new] * batch, num_contexts=batch if new_requests else 0)
+        self._phase = "context" if new_requests else "generation"
+        self._next_pos += num_new
+        self._step_open = True
+
+    def _close_step(self) -> None:
+        self.engine.end_step()
+        self._step_open = False
+
+    def _attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """query ``[B, Hq, S, D]``, key/value ``[B, Hkv, S_kv, D]`` (``S_kv >= S``) -> ``[B, S, Hq, D]``."""
+        b, hq, s, d = query.shape
+        if not self._step_open:
+            if self._driven or layer_idx != 0:
+                raise RuntimeError(f"kvsieve step not open at layer {layer_idx}")
+            self._open_step(b, s, new_requests=key.shape[2] == s)
+        k = key[:, :, -s:].transpose(1, 2).reshape(b * s, key.shape[1], d)
+        v = value[:, :, -s:].transpose(1, 2).reshape(b * s, value.shape[1], value.shape[-1])
+        q = query.transpose(1, 2).reshape(b * s, hq, d)
+        layer = self.layers[layer_idx]
+        md = self.engine.metadata
+        out, _ = layer.forward(q, k, v, md)
+        stats = layer.last_stats
+        self._stats[self._phase][layer_idx] += (stats.attended, stats.dense)
+        for observer in self.observers:
+            observer(layer_idx, q, out, md, layer)
+        if not self._driven and layer_idx == self.num_layers - 1:
+            self._close_step()
+        return out.view(b, s, hq, -1)
+
+    # ---- reporting ----------------------------------------------------------------------
+    def attended_fraction(self, phase: str = "generation") -> list[float | None]:
+        """Per layer: attended / dense positions summed over the steps of ``phase`` since the last
+        :meth:`reset_stats` (``None`` for a layer that saw no such step)."""
+        if phase not in self._stats:
+            raise ValueError(f"phase must be one of {sorted(self._stats)}, got {phase!r}")
+        acc = self._stats[phase]
+        return [float(a / n) if n else None for a, n in acc]
+
+    def reset_stats(self) -> None:
+        for acc in self._stats.values():
+            acc[:] = 0

@@ -1,0 +1,153 @@
+"""Each translation of AttentionMetadata.prepare() checked against the ledger on random batches."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvsieve.metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
+
+
+def random_batch(rng, page, beam_width=1, speculative=False):
+    m = KVCacheManager(KVCacheSpec(num_layers=1, num_blocks=600, tokens_per_block=page, num_kv_heads=1,
+                                   head_dim=4, max_requests=16, max_blocks_per_seq=64))
+    n_ctx, n_gen = int(rng.integers(0, 4)), int(rng.integers(1, 5))
+    rids, seq = [], []
+    for i in range(n_ctx):
+        rid = 100 + i
+        n = int(rng.integers(1, 3 * page + 5))
+        m.add_request(rid, n)
+        rids.append(rid)
+        seq.append(n)
+    for i in range(n_gen):
+        rid = 200 + i
+        hist = int(rng.integers(1, 6 * page))
+        m.add_request(rid, hist)
+        draft = int(rng.integers(1, 4)) if speculative else 1
+        m.append_tokens(rid, draft)
+        if speculative:
+            m.reserve_tokens(rid, int(rng.integers(1, 2 * page + 2)))
+        rids.append(rid)
+        seq.append(draft)
+    md = AttentionMetadata(kv_cache_manager=m, max_num_requests=16, max_num_tokens=512, max_num_sequences=64,
+                           translations=("block_lists", "ragged_page_table", "block_offsets"))
+    md.beam_width = beam_width
+    md.request_ids = rids
+    md.seq_lens = seq
+    md.num_contexts = n_ctx
+    md.prepare()
+    return m, md, rids, seq, n_ctx
+
+
+PAGES = [1, 3, 16, 64]
+
+
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("seed", range(4))
+def test_block_lists_and_ragged_table_match_ledger(page, seed):
+    rng = np.random.default_rng(seed)
+    m, md, rids, seq, n_ctx = random_batch(rng, page, speculative=seed % 2 == 1)
+    rpt = md.ragged_page_table
+    indptr = rpt.paged_kv_indptr.tolist()
+    for b, rid in enumerate(rids):
+        assert md.block_ids_per_seq[b] == m.block_ids(rid)
+        valid = m.valid_len(rid)
+        pages = -(-valid // page)
+        assert indptr[b + 1] - indptr[b] == pages
+        assert rpt.paged_kv_indices[indptr[b]: indptr[b + 1]].tolist() == m.block_ids(rid)[:pages]
+        assert int(rpt.paged_kv_last_page_len[b]) == valid - (pages - 1) * page
+    assert rpt.qo_indptr.tolist() == [0, *np.cumsum(seq).tolist()]
+    # batch indices and positions of new tokens: the last seq[b] positions of each request
+    exp_b = np.repeat(np.arange(len(rids)), seq)
+    exp_p = np.concatenate([np.arange(m.valid_len(r) - s, m.valid_len(r)) for r, s in zip(rids, seq)])
+    assert rpt.batch_indices.tolist() == exp_b.tolist()
+    assert rpt.positions.tolist() == exp_p.tolist()
+    assert md.positions.tolist() == exp_p.tolist()
+    assert md.token_kv_lens.tolist() == (exp_p + 1).tolist()
+
+
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("beam_width", [1, 3])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_block_offset_table_matches_ledger(page, beam_width, speculative):
+    rng = np.random.default_rng(page * 10 + beam_width)
+    m, md, rids, seq, n_ctx = random_batch(rng, page, beam_width, speculative)
+    t = md.block_offset_table
+    dev = t.kv_cache_block_offsets
+    rows = []
+    for b, rid in enumerate(rids):
+        rows += [rid] * (1 if b < n_ctx else beam_width)
+    assert t.num_rows == len(rows)
+    longest = max(len(m.block_ids(r)) for r in rids)
+    assert t.width == (m.spec.max_blocks_per_seq if speculative else longest)
+    for r, rid in enumerate(rows):
+        blocks = np.array(m.block_ids(rid))
+        assert dev[0, r, 0, : len(blocks)].tolist() == (2 * blocks).tolist()
+        assert dev[0, r, 1, : len(blocks)].tolist() == (2 * blocks + 1).tolist()
+        pad = dev[0, r, :, len(blocks): t.width]  # padded entries point at the sentinel block 0
+        assert bool((pad[0] == 0).all()) and bool((pad[1] == 1).all())
+    assert np.array_equal(t.host[:, : t.num_rows, :, : t.width], t.last_snapshot)
+
+
+def test_snapshot_is_private_and_persistent_buffer_stays():
+    rng = np.random.default_rng(0)
+    m, md, rids, seq, n_ctx = random_batch(rng, 16)
+    t = md.block_offset_table
+    snap = t.last_snapshot
+    before = snap.copy()
+    t.host[:] = 7  # a later fill writes the persistent buffer; the in-flight snapshot is untouched
+    assert np.array_equal(snap, before) and not np.shares_memory(snap, t.host)
+
+
+def test_device_buffers_are_updated_in_place():
+    rng = np.random.default_rng(1)
+    m, md, rids, seq, n_ctx = random_batch(rng, 16)
+    ptrs = (md._kv_lens_device.data_ptr(), md._token_to_req.data_ptr(), md._block_table_device.data_ptr(),
+            md.ragged_page_table.paged_kv_indices_buf.data_ptr(), md.block_offset_table.device_buf.data_ptr())
+    for rid in rids:
+        m.append_tokens(rid, 1)
+    md.seq_lens = [1] * len(rids)
+    md.num_contexts = 0
+    md.prepare()
+    assert ptrs == (md._kv_lens_device.data_ptr(), md._token_to_req.data_ptr(), md._block_table_device.data_ptr(),
+                    md.ragged_page_table.paged_kv_indices_buf.data_ptr(), md.block_offset_table.device_buf.data_ptr())
+    assert md.kv_lens.tolist() == [m.valid_len(r) for r in rids]
+
+
+def test_addressable_and_valid_lengths_are_separate():
+    m = KVCacheManager(KVCacheSpec(num_layers=1, num_blocks=20, tokens_per_block=4, max_requests=2, max_blocks_per_seq=8))
+    m.add_request(1, 6)
+    m.reserve_tokens(1, 7)  # 13 addressable -> 4 pages; valid 6 -> 2 pages
+    md = AttentionMetadata(kv_cache_manager=m, max_num_requests=2, max_num_tokens=8,
+                           translations=("ragged_page_table", "block_offsets"))
+    md.request_ids, md.seq_lens, md.num_contexts = [1], [1], 0
+    md.prepare()
+    assert md.kv_lens.tolist() == [6]
+    assert md.ragged_page_table.paged_kv_indptr.tolist() == [0, 2]
+    assert md.block_offset_table.width == 8  # speculative: whole row, reserved pages included
+    assert md.block_table.shape[1] == 4
+
+
+def test_derived_counts_and_cross_attention_identity():
+    m = KVCacheManager(KVCacheSpec(num_layers=1, num_blocks=20, tokens_per_block=4, max_requests=4, max_blocks_per_seq=8))
+    md = AttentionMetadata(kv_cache_manager=m, max_num_requests=4, max_num_tokens=32)
+    md.seq_lens = [5, 3, 1, 1]
+    md.num_contexts = 2
+    assert (md.num_tokens, md.num_ctx_tokens, md.num_generations) == (10, 8, 2)
+    assert not md.is_cross_attention
+    md.seq_lens_kv = torch.tensor([5, 3, 1, 1], dtype=torch.int32)
+    assert md.is_cross_attention
+    assert md.seq_lens_cuda.data_ptr() == md._seq_lens_device.data_ptr()
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        md.seq_lens = [30, 30]
+    with pytest.raises(ValueError, match="unknown"):
+        AttentionMetadata(kv_cache_manager=m, max_num_requests=4, max_num_tokens=8, translations=("nope",))
+
+
+def test_prepare_requires_appended_tokens():
+    m = KVCacheManager(KVCacheSpec(num_layers=1, num_blocks=20, tokens_per_block=4, max_requests=4, max_blocks_per_seq=8))
+    m.add_request(9, 2)
+    md = AttentionMetadata(kv_cache_manager=m, max_num_requests=4, max_num_tokens=32)
+    md.request_ids, md.seq_lens, md.num_contexts = [9], [5], 1
+    with pytest.raises(ValueError, match="append the step's tokens"):
+        md.prepare()

@@ -16,8 +16,12 @@ shared memory within the 227 KiB limit):
   side of the MMA, padded to 16 rows, so these programs use ``mma.sync`` (wgmma/tcgen05 need
   >= 64 rows). Throughput comes from many programs and deep cp.async pipelining
   (``num_stages``), not from the tensor cores: decode is bandwidth bound.
-* MLA decode packs ``block_h`` query heads per program (64 on sm90/sm100 so the QK^T and PV
-  products have 64 rows and reach wgmma/tcgen05); the 512-wide fp32 accumulator needs 8 warps.
+* MLA decode packs ``block_h`` query heads per program. sm100: 64 heads, 8 warps -> tcgen05
+  (accumulator in TMEM), 0 spills. sm90: a 64-row wgmma tile keeps the [64, 512] fp32
+  accumulator in registers and spills (>= 28 B at every block_n/warps/stages tried, 332 B at 16
+  warps), so sm90 ships 32 heads per program (mma.sync, 0 spills); reaching wgmma there needs
+  the V columns split over two warpgroup accumulators (FlashMLA style), not done.
+* Dense prefill: 64-row query tiles reach wgmma/tcgen05; sm90 needs 8 warps to avoid spills.
 * Split-K: used when the (token, kv head, head block) programs do not fill the GPU and each
   has many KV tiles; at least ``MIN_TILES_PER_SPLIT`` tiles per split so the merge is amortised.
 """
@@ -64,7 +68,7 @@ GQA_DECODE: dict[str, DecodeConfig] = {
 # Absorbed MLA decode (kv_lora_rank 512 + rope 64).
 MLA_DECODE: dict[str, DecodeConfig] = {
     "interpreter": DecodeConfig(block_n=64, block_h=16, num_warps=4, num_stages=1, max_splits=1),
-    "sm90": DecodeConfig(block_n=32, block_h=64, num_warps=8, num_stages=2, max_splits=32),
+    "sm90": DecodeConfig(block_n=32, block_h=32, num_warps=8, num_stages=2, max_splits=32),
     "sm100": DecodeConfig(block_n=32, block_h=64, num_warps=8, num_stages=2, max_splits=32),
     "other": DecodeConfig(block_n=16, block_h=16, num_warps=4, num_stages=2, max_splits=32),
 }
@@ -72,7 +76,7 @@ MLA_DECODE: dict[str, DecodeConfig] = {
 # Dense tiled prefill, head_dim <= 128.
 PREFILL: dict[str, PrefillConfig] = {
     "interpreter": PrefillConfig(block_m=16, block_n=64, num_warps=4, num_stages=1),
-    "sm90": PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    "sm90": PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3),
     "sm100": PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
     "other": PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=2),
 }

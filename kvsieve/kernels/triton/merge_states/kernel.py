@@ -8,8 +8,6 @@ import triton.language as tl
 from .. import launch
 from .._checks import FLOAT_DTYPES, check_tensor, next_pow2
 
-LN2 = 0.6931471805599453
-
 
 @triton.jit
 def _merge_states_kernel(V, S, O, LSE, num_states,

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .._checks import next_pow2
 
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = 1.4426950408889634
 
 

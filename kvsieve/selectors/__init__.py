@@ -1,7 +1,15 @@
 """Built-in selectors, one module per algorithm; importing this package registers them."""
 from __future__ import annotations
 
+from .block_select import BlockSelectConfig, BlockSelectSelector
 from .oracle_topk import OracleTopKConfig, OracleTopKSelector
+from .quest import QuestConfig, QuestSelector
+from .rocketkv import RocketKVConfig, RocketKVSelector
+from .snapkv import SnapKVConfig, SnapKVSelector
 from .streaming import StreamingConfig, StreamingSelector
 
-__all__ = ["OracleTopKConfig", "OracleTopKSelector", "StreamingConfig", "StreamingSelector"]
+__all__ = [
+    "BlockSelectConfig", "BlockSelectSelector", "OracleTopKConfig", "OracleTopKSelector", "QuestConfig",
+    "QuestSelector", "RocketKVConfig", "RocketKVSelector", "SnapKVConfig", "SnapKVSelector", "StreamingConfig",
+    "StreamingSelector",
+]

@@ -1,0 +1,183 @@
+"""Stage 2 of RocketKV, shared by ``rocketkv`` and ``quest``: page summaries and page top-k.
+
+*Summaries.* Per page of ``page_size`` tokens and per KV head, the element-wise min and max of K,
+kept in an auxiliary pool of the KV cache manager that shares the main cache's block ids:
+``[num_blocks, 2, Hkv, tokens_per_block // page_size, D]`` (index 0 = min, 1 = max) in the summary
+dtype (bf16, fp8 e5m2 or fp32; values are rounded to nearest). A page is recomputed from the
+cache whenever a token is written into it, and every page of a request after compaction.
+
+*Scoring* of page ``p`` for query head ``j`` (``sm_scale`` applied, fp32):
+
+* ``sign`` (RocketKV): per channel take ``max_d`` where the KV group's summed query channel is
+  positive and ``min_d`` otherwise, then ``q_j . k_hat``; an optional top-``topr`` channel
+  filter (largest ``|q|`` summed over the group) zeroes the other channels first.
+* ``bound`` (Quest): ``sum_d max(q_d * min_d, q_d * max_d)``, an upper bound of ``q . k`` over the page.
+
+Then softmax over the query's valid pages, mean over the group's query heads, the newest page is
+forced in, and the top ``min(topk, pages)`` pages per (query token, KV head) are kept (ties to
+the lower page). Indices are page ids (block granularity ``page_size``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..metadata import KVCacheManager
+from ..sparse import SelectorInputs, SparseRuntimeParams
+from ._paged import pack_selection, top_units
+
+__all__ = ["SUMMARY_DTYPES", "SCORE_MODES", "PageSummaries", "page_scores", "select_pages", "select_pages_golden"]
+
+SUMMARY_DTYPES = {"bfloat16": torch.bfloat16, "float8_e5m2": torch.float8_e5m2, "float32": torch.float32}
+SCORE_MODES = ("sign", "bound")
+
+
+class PageSummaries:
+    """The per-layer min/max pools of one KV cache for one (page size, dtype)."""
+
+    def __init__(self, cache: KVCacheManager, page_size: int, dtype: torch.dtype) -> None:
+        tpb = cache.tokens_per_block
+        if cache.spec.kind != "gqa":
+            raise ValueError("page summaries need a GQA cache (kind='gqa')")
+        if tpb % page_size:
+            raise ValueError(f"page_size={page_size} must divide the KV cache's tokens_per_block={tpb}")
+        self.cache, self.page_size, self.dtype = cache, page_size, dtype
+        shape = (2, cache.spec.num_kv_heads, tpb // page_size, cache.spec.head_dim)
+        name = f"page_summary_p{page_size}_{str(dtype).removeprefix('torch.')}"
+        self.pools = cache.add_aux_pool(name, shape, dtype)
+
+    def refresh(self, layer_idx: int, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> None:
+        """Recompute, from the cache, the pages holding positions ``[starts[b], lens[b])`` of the
+        requests in ``slots`` (int arrays ``[B]``); ``lens`` are the valid lengths to summarize."""
+        ps, tpb, dev = self.page_size, self.cache.tokens_per_block, self.cache.spec.device
+        first = starts.astype(np.int64) // ps
+        count = np.maximum(-(-lens.astype(np.int64) // ps) - first, 0)
+        if int(count.sum()) == 0:
+            return
+        req = np.repeat(np.arange(len(slots)), count)
+        page = np.repeat(first, count) + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        pos = torch.from_numpy(page * ps).unsqueeze(1) + torch.arange(ps)  # [n, ps]
+        valid = (pos < torch.from_numpy(lens.astype(np.int64)[req]).unsqueeze(1)).to(dev)
+        table = torch.from_numpy(self.cache.block_table[slots[req]].astype(np.int64))  # [n, max_blocks]
+        blk = torch.gather(table, 1, pos // tpb).to(dev)
+        keys = self.cache.k_cache(layer_idx)[blk, :, (pos % tpb).to(dev)].float()  # [n, ps, Hkv, D]
+        mask = valid[:, :, None, None]
+        kmin = keys.masked_fill(~mask, float("inf")).amin(dim=1)
+        kmax = keys.masked_fill(~mask, float("-inf")).amax(dim=1)
+        page_blk = blk[:, 0]
+        sub = torch.from_numpy((page * ps % tpb) // ps).to(dev)
+        pool = self.pools[layer_idx]
+        pool[page_blk, 0, :, sub] = kmin.to(self.dtype)
+        pool[page_blk, 1, :, sub] = kmax.to(self.dtype)
+
+    def read(self, layer_idx: int, slots: np.ndarray, lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(kmin, kmax)`` each ``[B, Np, Hkv, D]`` of the first ``ceil(lens/page)`` pages
+        (``Np`` = the longest); pages past a request's length hold arbitrary values."""
+        ps, tpb = self.page_size, self.cache.tokens_per_block
+        n_pages = max(int(-(-int(lens.max()) // ps)), 1)
+        page = torch.arange(n_pages) * ps
+        table = torch.from_numpy(self.cache.block_table[slots].astype(np.int64))  # [B, max_blocks]
+        blk = table[:, page // tpb].to(self.cache.spec.device)  # [B, Np]
+        summ = self.pools[layer_idx][blk, :, :, ((page % tpb) // ps).to(blk.device)]  # [B, Np, 2, Hkv, D]
+        summ = summ.float()
+        return summ[:, :, 0], summ[:, :, 1]
+
+
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, n_pages: torch.Tensor, *,
+                mode: str, topr: int, sm_scale: float) -> torch.Tensor:
+    """fp32 ``[T, Hkv, Np]``: softmax-over-pages page scores, averaged over each KV group.
+
+    ``q [T, Hq, D]``; ``kmin``/``kmax [T, Np, Hkv, D]`` (the summaries of each token's request);
+    ``n_pages [T]`` int64 valid pages per token (others score ``-inf``).
+    """
+    t, hq, d = q.shape
+    hkv = kmin.shape[2]
+    qg = q.float().view(t, hkv, hq // hkv, d)
+    if topr < d:
+        channels = qg.abs().sum(dim=2).topk(topr, dim=-1).indices  # [T, Hkv, topr]
+        keep = torch.zeros(t, hkv, d, dtype=torch.bool, device=q.device).scatter_(-1, channels, True)
+        qg = qg * keep.unsqueeze(2)
+    if mode == "sign":
+        positive = (qg.sum(dim=2) > 0).unsqueeze(1)  # [T, 1, Hkv, D]
+        logits = torch.einsum("thgd,tphd->thgp", qg, torch.where(positive, kmax, kmin))
+    else:
+        logits = (torch.einsum("thgd,tphd->thgp", qg.clamp(min=0), kmax)
+                  + torch.einsum("thgd,tphd->thgp", qg.clamp(max=0), kmin))
+    valid = torch.arange(kmin.shape[1], device=q.device) < n_pages.unsqueeze(1)  # [T, Np]
+    logits = (logits * sm_scale).masked_fill(~valid[:, None, None, :], float("-inf"))
+    return torch.softmax(logits, dim=-1).mean(dim=2).masked_fill(~valid[:, None, :], float("-inf"))
+
+
+def _finish(scores: torch.Tensor, n_pages: torch.Tensor, topk: int) -> torch.Tensor:
+    """Force the newest page (scores are <= 1, so 2 wins) and take the top pages: ``[T, Hkv, k]``."""
+    newest = (n_pages - 1).clamp(min=0)[:, None, None].expand(-1, scores.shape[1], 1)
+    scores = scores.scatter(-1, newest, 2.0)
+    return top_units(scores, min(topk, scores.shape[-1]))
+
+
+def select_pages(inputs: SelectorInputs, summaries: PageSummaries, *, mode: str, topk: int, topr: int
+                 ) -> SparseRuntimeParams | None:
+    """Fast path: batched over every generation token; context rows (mixed batch) stay dense."""
+    md = inputs.metadata
+    if md.num_generations == 0:
+        return None
+    ps, c = summaries.page_size, md.num_contexts
+    g0 = int(md.query_start_host[c])
+    token_lens = md.token_kv_lens.to(torch.int64)
+    n_pages = -(-token_lens // ps)  # [T]
+    req = torch.from_numpy(md.token_to_req_host[g0: md.num_tokens].astype(np.int64) - c).to(inputs.q.device)
+    kmin, kmax = summaries.read(inputs.layer_idx, md.slots[c:], md.kv_lens_host[c: md.num_seqs])
+    scores = page_scores(inputs.q[g0:], kmin[req], kmax[req], n_pages[g0:], mode=mode, topr=topr,
+                         sm_scale=inputs.sm_scale)
+    gen = _finish(scores, n_pages[g0:], topk)
+    sel = torch.full((md.num_tokens, inputs.num_kv_heads, gen.shape[-1]), -1, dtype=torch.int64, device=gen.device)
+    sel[g0:] = gen
+    dense = torch.where(torch.arange(md.num_tokens, device=gen.device) < g0, n_pages, 0)
+    return pack_selection(sel, dense, ps)
+
+
+def select_pages_golden(inputs: SelectorInputs, *, page_size: int, dtype: torch.dtype, mode: str, topk: int,
+                        topr: int) -> SparseRuntimeParams | None:
+    """Plain-PyTorch reference: per request summarize the gathered keys page by page, then per
+    generation token and KV head score, softmax, average and pick. Same output as :func:`select_pages`."""
+    md = inputs.metadata
+    if md.num_generations == 0:
+        return None
+    c, hkv, g = md.num_contexts, inputs.num_kv_heads, inputs.group_size
+    rows, dense = [], []
+    width = 1
+    for i in range(md.num_seqs):
+        t0, t1 = inputs.query_range(i)
+        keys = inputs.request_keys(i).float()
+        summ = [(keys[p: p + page_size].amin(0).to(dtype).float(), keys[p: p + page_size].amax(0).to(dtype).float())
+                for p in range(0, keys.shape[0], page_size)]
+        for t in range(t0, t1):
+            n = -(-(int(md.positions_host[t]) + 1) // page_size)
+            if i < c:
+                rows.append(None)
+                dense.append(n)
+                continue
+            per_head = []
+            for h in range(hkv):
+                qg = inputs.q[t, h * g: (h + 1) * g].float()  # [G, D]
+                if topr < qg.shape[1]:
+                    mask = torch.zeros(qg.shape[1], dtype=torch.bool)
+                    mask[qg.abs().sum(0).topk(topr).indices] = True
+                    qg = qg * mask
+                kmin = torch.stack([s[0][h] for s in summ[:n]])  # [n, D]
+                kmax = torch.stack([s[1][h] for s in summ[:n]])
+                if mode == "sign":
+                    logits = qg @ torch.where(qg.sum(0) > 0, kmax, kmin).T
+                else:
+                    logits = torch.stack([torch.maximum(qg * kmin[p], qg * kmax[p]).sum(-1) for p in range(n)], -1)
+                score = torch.softmax(logits * inputs.sm_scale, dim=-1).mean(0)
+                score[n - 1] = 2.0
+                per_head.append(top_units(score, min(topk, n)))
+            width = max(width, min(topk, n))
+            rows.append(per_head)
+            dense.append(0)
+    sel = torch.full((len(rows), hkv, width), -1, dtype=torch.int64)
+    for t, per_head in enumerate(rows):
+        for h, picked in enumerate(per_head or []):
+            sel[t, h, : picked.numel()] = picked
+    return pack_selection(sel, torch.tensor(dense, dtype=torch.int64), page_size)

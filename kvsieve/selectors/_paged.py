@@ -1,0 +1,71 @@
+"""Shared plumbing of the built-in selectors: batched reads of the paged cache, deterministic
+top-k, and packing per-token selections (with dense rows) into :class:`SparseRuntimeParams`."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..metadata import KVCacheManager
+from ..sparse import SparseRuntimeParams
+
+__all__ = ["gather_padded_keys", "top_units", "pack_selection", "check_power_of_two"]
+
+
+def check_power_of_two(owner: str, field: str, value: int) -> None:
+    """Raise ``ValueError`` naming ``owner.field`` unless ``value`` is a power of two >= 1."""
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"{owner}: {field} must be a power of two >= 1 (1, 2, 4, 8, ...), got {value}")
+
+
+def gather_padded_keys(cache: KVCacheManager, layer_idx: int, slots: np.ndarray, lens: np.ndarray
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys of several requests in one gather through the block table (no per-request loop).
+
+    ``slots``/``lens``: int arrays ``[B]`` (cache slots, keys to read per request).
+    Returns K ``[B, Lmax, Hkv, D]`` in the cache dtype (rows past a request's length hold
+    arbitrary finite values) and ``valid`` bool ``[B, Lmax]``.
+    """
+    dev = cache.spec.device
+    lmax = int(lens.max()) if len(lens) else 0
+    p = cache.tokens_per_block
+    pos = torch.arange(lmax, device=dev)
+    nblk = max(-(-lmax // p), 1)
+    table = torch.from_numpy(cache.block_table[slots, :nblk].astype(np.int64)).to(dev)  # [B, nblk]
+    blk = table[:, pos // p]  # [B, Lmax]
+    keys = cache.k_cache(layer_idx)[blk, :, pos % p]  # [B, Lmax, Hkv, D]
+    valid = pos.unsqueeze(0) < torch.as_tensor(lens, device=dev, dtype=torch.int64).unsqueeze(1)
+    return keys, valid
+
+
+def top_units(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 ``[..., k]``: the ``k`` highest entries of ``scores [..., N]``, ties broken by the
+    lower index (a stable descending sort, so the golden and the fast path agree on plateaus).
+    Entries whose score is ``-inf`` (invalid units) come back as ``-1``; needs ``k <= N``."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    picked = torch.gather(scores, -1, order)
+    return torch.where(torch.isneginf(picked), -1, order)
+
+
+def pack_selection(sel: torch.Tensor, dense_units: torch.Tensor | None, block_size: int) -> SparseRuntimeParams:
+    """Pack ``sel [T, Hkv, k]`` (unit ids, ``-1`` = none) into the head-major carrier.
+
+    ``dense_units [T]`` int64 (or ``None``): where ``> 0``, the row attends every unit
+    ``0 .. dense_units[t]-1`` instead (context rows of a mixed batch stay dense), so segments
+    have length ``k`` or ``dense_units[t]``.
+    """
+    packed = SparseRuntimeParams.from_topk(sel, block_size=block_size)
+    if dense_units is None or not bool((dense_units > 0).any()):
+        return packed
+    t, h, k = sel.shape
+    dev = sel.device
+    seg = torch.where(dense_units > 0, dense_units, k).to(torch.int64)
+    offsets = torch.zeros(t + 1, dtype=torch.int64, device=dev)
+    offsets[1:] = torch.cumsum(seg, 0)
+    total = int(offsets[-1])
+    row = torch.repeat_interleave(torch.arange(t, device=dev), seg)  # [total]
+    j = torch.arange(total, device=dev) - offsets[row]
+    sparse = packed.sparse_attn_indices.view(h, t, k)[:, row, j.clamp(max=k - 1)]  # [Hkv, total]
+    dense = (dense_units[row] > 0).unsqueeze(0)
+    indices = torch.where(dense, j.to(torch.int32).unsqueeze(0), sparse).contiguous()
+    return SparseRuntimeParams(sparse_attn_indices=indices, sparse_attn_offsets=offsets.to(torch.int32),
+                               sparse_attn_indices_block_size=block_size)

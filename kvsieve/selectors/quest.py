@@ -1,0 +1,54 @@
+"""Quest (arXiv 2406.10774): query-aware page selection at decode time.
+
+Per page of ``page_size`` tokens the K min/max summaries (shared with RocketKV stage 2,
+:mod:`._page_summary`) give the upper bound ``sum_d max(q_d * min_d, q_d * max_d)`` of ``q . k``;
+the top ``token_budget // page_size`` pages per (query token, KV head) are attended, the newest
+page always among them. For GQA the per-head bounds are turned into a softmax over pages and
+averaged over the group (with one query head per KV head this is exactly Quest's ranking).
+Nothing is evicted; prefill stays dense.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..sparse import Capabilities, register_selector
+from ..sparse.params import SparseMetadataParams
+from .rocketkv import PageSelectorBase, check_page_knobs
+
+__all__ = ["QuestConfig", "QuestSelector"]
+
+
+@dataclass(frozen=True)
+class QuestConfig:
+    """``page_size`` (16) and ``token_budget`` (256) are the defaults of Quest's
+    ``scripts/bench_textgen.py``; ``summary_dtype`` ``"bfloat16"`` (Quest keeps its metadata in
+    the KV dtype), or ``"float8_e5m2"``/``"float32"``."""
+
+    token_budget: int = 256
+    page_size: int = 16
+    summary_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.token_budget < self.page_size:
+            raise ValueError(f"quest: token_budget must be >= page_size={self.page_size} (at least one page), "
+                             f"got {self.token_budget}")
+        check_page_knobs("quest", self.page_size, self.token_budget // max(self.page_size, 1), self.summary_dtype)
+
+    @property
+    def topk(self) -> int:
+        return self.token_budget // self.page_size
+
+
+@register_selector
+class QuestSelector(PageSelectorBase):
+    name = "quest"
+    config_class = QuestConfig
+    capabilities = Capabilities(phases=frozenset({"generation"}), granularity="block")
+    mode = "bound"
+
+    def metadata_params(self) -> SparseMetadataParams:
+        return SparseMetadataParams(indices_block_size=self.config.page_size)
+
+    def _page_knobs(self, head_dim: int) -> tuple[int, int, int, str]:
+        c = self.config
+        return c.page_size, c.topk, head_dim, c.summary_dtype

@@ -28,13 +28,14 @@ def _merge_states_kernel(V, S, O, LSE, num_states,
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m_safe)
     w_sum = tl.sum(w, 0)
-    inv = tl.where(w_sum > 0, 1.0 / w_sum, 0.0)
+    has = w_sum > 0
+    inv = tl.where(has, 1.0 / tl.where(has, w_sum, 1.0), 0.0)
     v_ptr = (V + t * stride_vt + h * stride_vh + s_idx[:, None] * stride_vs
              + d_idx[None, :] * stride_vd)
     v = tl.load(v_ptr, mask=s_mask[:, None] & (d_idx[None, :] < D), other=0.0).to(tl.float32)
     out = tl.sum(v * (w * inv)[:, None], 0)
     tl.store(O + t * stride_ot + h * stride_oh + d_idx * stride_od, out, mask=d_idx < D)
-    lse_out = tl.where(w_sum > 0, m_safe + tl.log(w_sum), float("inf"))
+    lse_out = tl.where(has, m_safe + tl.log(tl.where(has, w_sum, 1.0)), float("inf"))
     tl.store(LSE + t * stride_lt + h * stride_lh, lse_out)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from ..metadata import AttentionMetadata
 from .algorithm import SelectorInputs
-from .backends import AttentionBackend, AttentionGeometry, get_backend
+from .backends import AttentionBackend, AttentionGeometry, default_backend, get_backend
 from .config import LayerPlan
 from .params import SparseRuntimeParams
 
@@ -47,14 +47,17 @@ class SparseAttention:
     ``(out [T, Hq, Dv], lse [T, Hq])``."""
 
     def __init__(self, *, layer_idx: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                 plan: LayerPlan | None = None, backend: AttentionBackend | str = "vanilla", kind: str = "gqa",
-                 kv_lora_rank: int = 0, sm_scale: float | None = None, debug: bool = True) -> None:
+                 plan: LayerPlan | None = None, backend: AttentionBackend | str | None = None, kind: str = "gqa",
+                 kv_lora_rank: int = 0, sm_scale: float | None = None, debug: bool = True,
+                 device: str | torch.device = "cpu") -> None:
         self.layer_idx = layer_idx
         self.geometry = AttentionGeometry(
             kind=kind, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim), kv_lora_rank=kv_lora_rank,
         )
         self.plan = plan
+        if backend is None:
+            backend = default_backend(device)
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.debug = debug
         self.last_params: SparseRuntimeParams | None = None

@@ -46,6 +46,7 @@ class SparseRuntimeParams:
     sparse_attn_indices_block_size: int = 1
     sparse_attn_kv_lens: torch.Tensor | None = None
     threshold_scale_factor: float = 0.0
+    threshold_scale_factor_decode: float | None = None
     aux_pool: Any = field(default=None, compare=False)
 
     @staticmethod
@@ -64,6 +65,12 @@ class SparseRuntimeParams:
         offsets = torch.arange(0, (t + 1) * k, k, dtype=torch.int32, device=topk.device)
         return SparseRuntimeParams(sparse_attn_indices=indices, sparse_attn_offsets=offsets,
                                    sparse_attn_indices_block_size=block_size, **fields)
+
+    @property
+    def decode_threshold(self) -> float:
+        """Skip-softmax factor of generation tokens (``threshold_scale_factor`` unless set apart)."""
+        d = self.threshold_scale_factor_decode
+        return self.threshold_scale_factor if d is None else d
 
     @property
     def has_attn_selection(self) -> bool:
@@ -88,8 +95,10 @@ class SparseRuntimeParams:
                 "sparse_attn_indices_block_size must be >= 1 (1 = token indices), got "
                 f"{self.sparse_attn_indices_block_size}"
             )
-        if self.threshold_scale_factor < 0:
-            raise ValueError(f"threshold_scale_factor must be >= 0 (0 = off), got {self.threshold_scale_factor}")
+        for name in ("threshold_scale_factor", "threshold_scale_factor_decode"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = off), got {value}")
         if (self.sparse_kv_indices is None) != (self.sparse_kv_offsets is None):
             raise ValueError("sparse_kv_indices and sparse_kv_offsets must be given together")
         if (self.sparse_attn_indices is None) != (self.sparse_attn_offsets is None):

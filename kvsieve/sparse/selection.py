@@ -42,20 +42,13 @@ def attended_counts(params: SparseRuntimeParams | None, token_kv_lens: torch.Ten
 
     ``page_size=1`` counts exact tokens (what the Vanilla golden reads). With ``page_size > 1``
     every touched page counts whole (clipped to the query's valid length), which is what a
-    page-gathering kernel pays.
+    page-gathering kernel pays (``kvsieve.kernels.triton.effective_attended_tokens``).
     """
-    lens = token_kv_lens.to(torch.int64).cpu()
-    n = lens.numel()
-    if n == 0:
-        return torch.zeros(0, num_kv_heads, dtype=torch.int64)
+    lens = token_kv_lens.to(torch.int64)
     if params is None or params.sparse_attn_indices is None:
-        return lens.unsqueeze(1).expand(n, num_kv_heads).clone()
-    max_len = int(lens.max())
-    mask = selection_mask(params, slice(0, n), token_kv_lens, max_len, num_kv_heads)  # [H, n, L]
-    if page_size > 1:
-        pages = -(-max_len // page_size)
-        pad = pages * page_size - max_len
-        touched = torch.nn.functional.pad(mask, (0, pad)).view(num_kv_heads, n, pages, page_size).any(-1)
-        mask = touched.repeat_interleave(page_size, dim=2)[:, :, :max_len]
-        mask &= torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1)
-    return mask.sum(-1).T.contiguous()
+        return lens.unsqueeze(1).expand(lens.numel(), num_kv_heads).cpu().clone()
+    from ..kernels.triton.kv_helpers.indexing import effective_attended_tokens  # lazy: imports triton
+
+    counts = effective_attended_tokens(params.sparse_attn_indices, params.sparse_attn_offsets,
+                                       token_kv_lens.to(torch.int32), params.sparse_attn_indices_block_size, page_size)
+    return counts.to(torch.int64).cpu()

@@ -1,5 +1,8 @@
-"""Backend selection: a name -> backend table; each backend is a narrow object (see ``base``)."""
+"""Backend selection: a name -> backend table, loaded lazily (a backend's kernels import only
+when it is chosen); each backend is a narrow object (see ``base``)."""
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -7,10 +10,15 @@ from .base import AttentionBackend, AttentionGeometry
 from .torch_backend import TorchBackend
 from .vanilla import VanillaBackend, masked_attention
 
-__all__ = ["AttentionBackend", "AttentionGeometry", "VanillaBackend", "TorchBackend", "masked_attention", "get_backend",
-           "available_backends", "default_backend"]
+__all__ = ["AttentionBackend", "AttentionGeometry", "VanillaBackend", "TorchBackend", "masked_attention",
+           "get_backend", "available_backends", "default_backend"]
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {VanillaBackend.name: VanillaBackend, TorchBackend.name: TorchBackend}
+# name -> "module:Class" relative to this package
+_BACKENDS = {
+    "vanilla": "vanilla:VanillaBackend",
+    "torch": "torch_backend:TorchBackend",
+    "triton": "triton_backend:TritonBackend",
+}
 # the fast path per device type; "vanilla" is the golden, never a default
 _DEFAULTS = {"cpu": "torch", "cuda": "triton"}
 
@@ -23,7 +31,8 @@ def get_backend(name: str) -> AttentionBackend:
     """A fresh backend instance by name; unknown names list the known ones."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown backend {name!r}; known backends: {available_backends()}")
-    return _BACKENDS[name]()
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)()
 
 
 def default_backend(device: str | torch.device) -> str:

@@ -58,7 +58,7 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                 params: SparseRuntimeParams | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if params is not None and params.threshold_scale_factor > 0:
+        if params is not None and (params.threshold_scale_factor > 0 or params.decode_threshold > 0):
             raise ValueError("the torch backend does not implement skip-softmax "
                              "(threshold_scale_factor > 0); use the 'triton' backend")
         mgr = metadata.kv_cache_manager

@@ -50,22 +50,15 @@ def pack_selection(sel: torch.Tensor, dense_units: torch.Tensor | None, block_si
     """Pack ``sel [T, Hkv, k]`` (unit ids, ``-1`` = none) into the head-major carrier.
 
     ``dense_units [T]`` int64 (or ``None``): where ``> 0``, the row attends every unit
-    ``0 .. dense_units[t]-1`` instead (context rows of a mixed batch stay dense), so segments
-    have length ``k`` or ``dense_units[t]``.
+    ``0 .. dense_units[t]-1`` instead (context rows of a mixed batch stay dense). Every row gets
+    the same slice length, ``max(k, max(dense_units))``, ``-1`` padded, as backends that batch
+    the step's tokens expect.
     """
-    packed = SparseRuntimeParams.from_topk(sel, block_size=block_size)
-    if dense_units is None or not bool((dense_units > 0).any()):
-        return packed
-    t, h, k = sel.shape
-    dev = sel.device
-    seg = torch.where(dense_units > 0, dense_units, k).to(torch.int64)
-    offsets = torch.zeros(t + 1, dtype=torch.int64, device=dev)
-    offsets[1:] = torch.cumsum(seg, 0)
-    total = int(offsets[-1])
-    row = torch.repeat_interleave(torch.arange(t, device=dev), seg)  # [total]
-    j = torch.arange(total, device=dev) - offsets[row]
-    sparse = packed.sparse_attn_indices.view(h, t, k)[:, row, j.clamp(max=k - 1)]  # [Hkv, total]
-    dense = (dense_units[row] > 0).unsqueeze(0)
-    indices = torch.where(dense, j.to(torch.int32).unsqueeze(0), sparse).contiguous()
-    return SparseRuntimeParams(sparse_attn_indices=indices, sparse_attn_offsets=offsets.to(torch.int32),
-                               sparse_attn_indices_block_size=block_size)
+    if dense_units is not None and bool((dense_units > 0).any()):
+        t, h, k = sel.shape
+        width = max(k, int(dense_units.max()))
+        units = torch.arange(width, device=sel.device)
+        dense = torch.where(units < dense_units.unsqueeze(1), units, -1)  # [T, width]
+        padded = torch.nn.functional.pad(sel, (0, width - k), value=-1)
+        sel = torch.where((dense_units > 0)[:, None, None], dense.unsqueeze(1).expand(t, h, width), padded)
+    return SparseRuntimeParams.from_topk(sel, block_size=block_size)

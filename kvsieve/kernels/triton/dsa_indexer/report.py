@@ -1,0 +1,91 @@
+"""AOT resource report of the DSA kernels (indexer logits, radix and GVR top-k), no GPU needed.
+
+``python -m kvsieve.kernels.triton.dsa_indexer.report`` compiles each kernel at its shipped
+sm90/sm100 launch config and prints registers, spills, shared memory and MMA family, with the
+helpers of ``kvsieve.kernels.triton.report`` (same table format). Shapes: DeepSeek-V3.2 indexer
+(64 heads x 128, bf16 and FP8 keys, page 64), top-k k = 2048.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import tempfile
+
+from .. import report
+from ..report import KernelSpec, format_table
+from ..topk.dispatch import TOPK_LAUNCH
+from ..topk.naive import GVR_BINS, GVR_SAMPLE
+from .plan import INDEXER_LAUNCH
+
+__all__ = ["dsa_specs", "compile_dsa_report", "main"]
+
+
+def dsa_specs(cc: int) -> list[KernelSpec]:
+    """The shipped configurations for compute capability ``cc`` (90 or 100)."""
+    from ..topk.kernel import _gvr_topk_kernel, _radix_topk_kernel
+    from .kernel import _indexer_logits_kernel
+
+    arch = report.ARCH_KEY[cc]
+    ix, tk = INDEXER_LAUNCH[arch], TOPK_LAUNCH[arch]
+    specs = []
+    for name, qk, paged in (("dsa_indexer decode bf16", "*bf16", True), ("dsa_indexer decode fp8", "*fp8e4nv", True),
+                            ("dsa_indexer prefill bf16", "*bf16", False)):
+        ptrs = {"Q": qk, "K": qk, "KS": "*fp32", "W": "*fp32", "BT": "*i32", "TOK2REQ": "*i32", "KSTART": "*i32",
+                "KLEN": "*i32", "O": "*fp32"}
+        consts = dict(H=64, D=128, PAGE_SIZE=64 if paged else 1, BLOCK_H=64, BLOCK_D=128, BLOCK_N=ix.block_n,
+                      PAGED=paged, HAS_SCALE=qk == "*fp8e4nv", F32DOT=False)
+        specs.append(KernelSpec(name, _indexer_logits_kernel, ptrs, consts, ix.num_warps, ix.num_stages))
+    topk_ptrs = {"S": "*fp32", "LEN": "*i32", "OUT": "*i32", "STATS": "*i32", "CKEY": "*i32", "CIDX": "*i32"}
+    specs.append(KernelSpec("topk radix", _radix_topk_kernel, topk_ptrs, dict(BLOCK=tk.block, NUM_BINS=GVR_BINS),
+                            tk.num_warps, 1))
+    specs.append(KernelSpec("topk gvr", _gvr_topk_kernel, topk_ptrs,
+                            dict(BLOCK=tk.block, SAMPLE=GVR_SAMPLE, NUM_BINS=GVR_BINS, HAS_STATS=False),
+                            tk.num_warps, 1))
+    return specs
+
+
+def compile_dsa_report(ccs: tuple[int, ...] = (90, 100)) -> list[dict]:
+    """Compile every DSA kernel config per compute capability; rows as ``report.compile_report``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise ValueError("TRITON_INTERPRET: expected unset; AOT compilation needs the compiler")
+    rows = []
+    for cc in ccs:
+        for spec in dsa_specs(cc):
+            with tempfile.TemporaryDirectory() as cache:
+                os.environ["TRITON_CACHE_DIR"] = cache
+                os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+                buf = io.StringIO()
+                with contextlib.redirect_stdout(buf):
+                    k = triton.compile(report._source(spec), target=GPUTarget("cuda", cc, 32),
+                                       options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+            log = buf.getvalue()
+            regs = re.search(r"Used (\d+) registers", log)
+            spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+            rows.append(dict(
+                kernel=spec.name, arch=f"sm_{cc}a", num_warps=spec.num_warps, num_stages=spec.num_stages,
+                registers=int(regs.group(1)) if regs else -1,
+                spill_stores=int(spill.group(1)) if spill else -1, spill_loads=int(spill.group(2)) if spill else -1,
+                shared=int(k.metadata.shared), smem_limit=report.SMEM_LIMIT[cc],
+                tmem=int(getattr(k.metadata, "tmem_size", 0) or 0), mma=report._mma_family(k.asm["ptx"])))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the DSA AOT resource table (markdown, or JSON with ``--json``)."""
+    ap = argparse.ArgumentParser(prog="python -m kvsieve.kernels.triton.dsa_indexer.report")
+    ap.add_argument("--json", action="store_true", help="print JSON rows instead of markdown")
+    args = ap.parse_args(argv)
+    rows = compile_dsa_report()
+    print(json.dumps(rows) if args.json else format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -35,10 +35,18 @@ class LayerStats:
     attended: int
     dense: int
     kept_after_eviction: int | None = None
+    skipped_tiles: int = 0
+    walked_tiles: int = 0
 
     @property
     def attended_fraction(self) -> float:
         return self.attended / self.dense if self.dense else 1.0
+
+    @property
+    def computed_fraction(self) -> float:
+        """Fraction of attended positions whose softmax and P.V ran (skip-softmax skips tiles)."""
+        skipped = self.skipped_tiles / self.walked_tiles if self.walked_tiles else 0.0
+        return self.attended_fraction * (1.0 - skipped)
 
 
 class SparseAttention:
@@ -103,7 +111,8 @@ class SparseAttention:
         if kept is not None:
             n_kept = self._compact(metadata, inputs, *kept)
         self.last_params = params
-        self.last_stats = LayerStats(int(attended.sum()), int(dense), n_kept)
+        skipped, walked = getattr(self.backend, "last_skip_stats", (0, 0))
+        self.last_stats = LayerStats(int(attended.sum()), int(dense), n_kept, skipped, walked)
         return out, lse
 
     def _compact(self, metadata: AttentionMetadata, inputs: SelectorInputs, indices: torch.Tensor,

@@ -1,0 +1,82 @@
+"""skip_softmax end to end: factor 0 equals dense exactly; a skipping factor skips tiles (counted by
+the kernel) and changes the output measurably; calibration fits a*exp(b*s) and hits its target."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvsieve
+from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, SparseAttentionConfig, lower_config
+from kvsieve.selectors.skip_softmax import fit_threshold_formula, measure_skip_fraction
+
+
+def peaked_context(length=512, hkv=1, d=32, seed=0, amp=6.0):
+    """Keys where a few early positions dominate each query, so late tiles are skippable."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(length, hkv, d, generator=g)
+    v = torch.randn(length, hkv, d, generator=g)
+    k[:8] *= amp
+    return k, v
+
+
+def engine(params, backend="triton"):
+    spec = KVCacheSpec(num_layers=1, num_blocks=40, tokens_per_block=16, num_kv_heads=1, head_dim=32,
+                       max_requests=2, max_blocks_per_seq=40)
+    plan = None if params is None else lower_config(SparseAttentionConfig("skip_softmax", params), num_layers=1)[0]
+    layer = SparseAttention(layer_idx=0, num_q_heads=4, num_kv_heads=1, head_dim=32, plan=plan, backend=backend)
+    return Engine(KVCacheManager(spec), [layer], max_num_requests=2, max_num_tokens=600)
+
+
+def decode_once(eng, k, v, q):
+    eng.step([0], [k.shape[0]], 1, [(torch.zeros(k.shape[0], 4, 32), k, v)])
+    (out, _), = eng.step([0], [1], 0, [(q, k[:1], v[:1])])
+    return out, eng.layers[0].last_stats
+
+
+def test_factor_zero_is_dense_and_skipping_factor_skips():
+    k, v = peaked_context()
+    q = k[:8].mean(0).repeat(4, 1).unsqueeze(0) * 0.3 + 0.1 * torch.randn(1, 4, 32)
+    dense, _ = decode_once(engine(None), k, v, q)
+    zero, st0 = decode_once(engine({"threshold_scale_factor_decode": 0.0, "threshold_scale_factor_prefill": 0.0}), k, v, q)
+    assert torch.equal(dense, zero) and st0.skipped_tiles == 0
+    skip, st = decode_once(engine({"threshold_scale_factor_decode": 1e4}), k, v, q)
+    assert st.skipped_tiles > 0 and st.walked_tiles > st.skipped_tiles
+    assert st.computed_fraction < st.attended_fraction
+    diff = (skip - dense).abs().max().item()
+    assert 1e-7 < diff < 0.5, diff  # measurable, yet far from garbage
+
+
+def test_calibration_fit_hits_target_on_its_samples():
+    samples = []
+    for seed in range(3):
+        k, v = peaked_context(length=768, seed=seed, amp=1.5)
+        q = k[:8].mean(0).repeat(4, 1).unsqueeze(0) * 0.5 + torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(seed))
+        samples.append((q, k, v))
+    fit = fit_threshold_formula(samples, factors=[10.0 ** e for e in range(-1, 4)])
+    sparsities = [s for _, s in fit.points]
+    assert sparsities == sorted(sparsities), "more aggressive factors never skip less"
+    assert fit.b > 0
+    target = 0.5
+    achieved = measure_skip_fraction(samples, fit.factor_for(target))
+    assert abs(achieved - target) < 0.25
+    sel = kvsieve.create_selector("skip_softmax", target_sparsity=target, calibration={"decode": (fit.a, fit.b),
+                                                                                      "prefill": (fit.a, fit.b)})
+    assert sel.config.factor("decode") == pytest.approx(fit.factor_for(target))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({}, "give threshold_scale_factor"),
+    ({"threshold_scale_factor_decode": -1.0}, "must be a finite float >= 0"),
+    ({"target_sparsity": 1.5, "calibration": {"decode": (1.0, 1.0), "prefill": (1.0, 1.0)}}, r"in \[0, 1\)"),
+    ({"target_sparsity": 0.5}, "needs calibration coefficients"),
+    ({"target_sparsity": 0.5, "calibration": {"decode": (1, 1), "prefill": (1, 1), "x": (1, 1)}}, "calibration keys"),
+])
+def test_bad_config_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        kvsieve.create_selector("skip_softmax", **kwargs)
+
+
+def test_golden_backends_refuse_rather_than_ignore():
+    k, v = peaked_context(length=64)
+    with pytest.raises(ValueError, match="skip-softmax"):
+        decode_once(engine({"threshold_scale_factor_decode": 10.0}, backend="vanilla"), k, v, torch.randn(1, 4, 32))

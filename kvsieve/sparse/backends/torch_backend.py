@@ -9,6 +9,8 @@ are processed in chunks sized so the gathered tile stays under ``max_gather_byte
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...metadata import AttentionMetadata
@@ -32,19 +34,47 @@ def selected_positions(params: SparseRuntimeParams | None, token_kv_lens: torch.
         width = int(lens.max()) if n else 0
         pos = torch.arange(width, device=lens.device).expand(num_kv_heads, n, width)
     else:
-        off = params.sparse_attn_offsets.to(torch.int64)
-        start, stop = int(off[rows.start]), int(off[rows.stop])
-        k = (stop - start) // n if n else 0
-        if n and off[rows.start: rows.stop + 1].diff().ne(k).any():
-            raise ValueError("the torch backend needs equal selection lengths for the query tokens of a step "
-                             "(as from SparseRuntimeParams.from_topk)")
-        sel = params.sparse_attn_indices[:, start:stop].to(torch.int64).view(num_kv_heads, n, k)
-        bs = params.sparse_attn_indices_block_size
+        sel, bs = _selection(params, num_kv_heads, rows, n)
         if bs > 1:
             sel = (sel.unsqueeze(-1) * bs + torch.arange(bs, device=sel.device)).masked_fill(sel.unsqueeze(-1) < 0, -1)
             sel = sel.flatten(2)
         pos = sel
     return torch.where((pos >= 0) & (pos < lens.view(1, n, 1)), pos, -1)
+
+
+def _selection(params: SparseRuntimeParams, num_kv_heads: int, rows: slice, n: int) -> tuple[torch.Tensor, int]:
+    """int64 ``[Hkv, n, k]`` selected units of query tokens ``rows`` and the unit (block) size."""
+    off = params.sparse_attn_offsets.to(torch.int64)
+    start, stop = int(off[rows.start]), int(off[rows.stop])
+    k = (stop - start) // n if n else 0
+    if n and off[rows.start: rows.stop + 1].diff().ne(k).any():
+        raise ValueError("the torch backend needs equal selection lengths for the query tokens of a step "
+                         "(as from SparseRuntimeParams.from_topk)")
+    sel = params.sparse_attn_indices[:, start:stop].to(torch.int64).view(num_kv_heads, n, k)
+    return sel, params.sparse_attn_indices_block_size
+
+
+def _unit_starts(params: SparseRuntimeParams | None, lens: torch.Tensor, num_kv_heads: int, rows: slice,
+                 unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of ``unit`` consecutive positions read by query tokens ``rows``: their first positions
+    ``[Hkv, n, U]`` int64 (0 where unused) and whether each is used at all (``[Hkv, n, U]`` bool).
+
+    ``unit`` divides the selection's block size (dense: any unit); the runs, expanded in order,
+    are exactly the positions of :func:`selected_positions`, padded to whole units.
+    """
+    lens = lens[rows].to(torch.int64)
+    n = lens.numel()
+    if params is None or params.sparse_attn_indices is None:
+        count = -(-int(lens.max()) // unit) if n else 0
+        starts = (torch.arange(count, device=lens.device) * unit).expand(num_kv_heads, n, count)
+        ok = starts < lens.view(1, n, 1)
+    else:
+        sel, bs = _selection(params, num_kv_heads, rows, n)
+        per = bs // unit
+        starts = sel.unsqueeze(-1) * bs + torch.arange(per, device=sel.device) * unit
+        ok = ((sel >= 0).unsqueeze(-1) & (starts < lens.view(1, n, 1, 1))).flatten(2)
+        starts = starts.flatten(2)
+    return torch.where(ok, starts, 0), ok
 
 
 class TorchBackend(AttentionBackend):
@@ -80,14 +110,21 @@ class TorchBackend(AttentionBackend):
         row_bytes = max(width, 1) * hkv * (k_cache.shape[-1] + v_cache.shape[-1]) * 4 * 3
         chunk = max(1, self.max_gather_bytes // row_bytes)
         heads = torch.arange(hkv, device=q.device).view(hkv, 1, 1)
+        pool = mgr.pools[layer_idx]
+        bs = 1 if params is None or params.sparse_attn_indices is None else params.sparse_attn_indices_block_size
+        rowwise = pool.is_contiguous() and (geometry.kind == "mla" or mgr.spec.layout == "HND")
+        unit = page if bs == 1 and (params is None or params.sparse_attn_indices is None) else math.gcd(bs, page)
         for t0 in range(0, n_tok, chunk):
             rows = slice(t0, min(t0 + chunk, n_tok))
-            pos = selected_positions(params, lens, hkv, rows)  # [Hkv, n, K]
-            valid = pos >= 0
-            p = pos.clamp(min=0)
-            blk = table[tok_req[rows]].view(1, -1, table.shape[1]).expand(hkv, -1, -1).gather(2, p // page)
-            k = k_cache[blk, heads, p % page].float()  # [Hkv, n, K, D]
-            v = v_cache[blk, heads, p % page].float()
+            if rowwise:
+                k, v, valid = self._gather_runs(pool, geometry, params, table, tok_req, lens, rows, unit, page)
+            else:
+                pos = selected_positions(params, lens, hkv, rows)  # [Hkv, n, K]
+                valid = pos >= 0
+                p = pos.clamp(min=0)
+                blk = table[tok_req[rows]].view(1, -1, table.shape[1]).expand(hkv, -1, -1).gather(2, p // page)
+                k = k_cache[blk, heads, p % page].float()  # [Hkv, n, K, D]
+                v = v_cache[blk, heads, p % page].float()
             n = k.shape[1]
             qf = q[rows].float().view(n, hkv, hq // hkv, -1).permute(1, 0, 2, 3)  # [Hkv, n, g, D]
             s = torch.matmul(qf, k.transpose(-1, -2)) * geometry.sm_scale  # [Hkv, n, g, K]
@@ -99,6 +136,35 @@ class TorchBackend(AttentionBackend):
             out[rows] = o.permute(1, 0, 2, 3).reshape(n, hq, -1)
             lse[rows] = torch.where(empty, torch.inf, row_lse).permute(1, 0, 2).reshape(n, hq)
         return out.to(q.dtype), lse
+
+    @staticmethod
+    def _gather_runs(pool: torch.Tensor, geometry: AttentionGeometry, params: SparseRuntimeParams | None,
+                     table: torch.Tensor, tok_req: torch.Tensor, lens: torch.Tensor, rows: slice, unit: int,
+                     page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gather whole runs of ``unit`` positions as contiguous rows of the pool (``index_select``,
+        one memcpy per run) instead of one row per token. GQA HND pool ``[blocks, 2, Hkv, P, D]``
+        or MLA latent ``[blocks, P, R+rope]``, contiguous. Returns K ``[Hkv, n, K, D]``, V
+        ``[Hkv, n, K, Dv]`` (fp32) and the valid mask ``[Hkv, n, K]``."""
+        hkv = geometry.num_kv_heads
+        starts, ok = _unit_starts(params, lens, hkv, rows, unit)  # [Hkv, n, U]
+        n, u = starts.shape[1], starts.shape[2]
+        blk = table[tok_req[rows]].unsqueeze(0).expand(hkv, -1, -1).gather(2, starts // page)  # [Hkv, n, U]
+        sub = (starts % page) // unit
+        per_page = page // unit
+        pos = (starts.unsqueeze(-1) + torch.arange(unit, device=starts.device)).flatten(2)  # [Hkv, n, U*unit]
+        valid = ok.repeat_interleave(unit, dim=2) & (pos < lens[rows].to(torch.int64).view(1, n, 1))
+        if geometry.kind == "mla":
+            width = pool.shape[-1]
+            flat = pool.view(-1, unit * width)
+            lat = flat.index_select(0, (blk * per_page + sub).flatten()).view(1, n, u * unit, width).float()
+            return lat, lat[..., : geometry.kv_lora_rank], valid
+        d = pool.shape[-1]
+        flat = pool.view(-1, unit * d)
+        h = torch.arange(hkv, device=blk.device).view(hkv, 1, 1)
+        k_rows = ((blk * 2) * hkv + h) * per_page + sub
+        k = flat.index_select(0, k_rows.flatten()).view(hkv, n, u * unit, d).float()
+        v = flat.index_select(0, (k_rows + hkv * per_page).flatten()).view(hkv, n, u * unit, d).float()
+        return k, v, valid
 
     @staticmethod
     def _width(params: SparseRuntimeParams | None, lens: torch.Tensor) -> int:

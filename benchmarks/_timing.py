@@ -1,0 +1,80 @@
+"""Timing helpers: warm-up, then repeated runs; report the median with the spread (min, max, IQR).
+
+Every figure also carries the 1-minute load average at the time it was taken (``os.getloadavg``),
+because the benchmark machines are shared and a busy neighbour moves the numbers.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+__all__ = ["Timing", "measure", "load_average", "fmt_ms"]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call over ``reps`` timed runs (after ``warmup`` untimed ones)."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    q1_s: float
+    q3_s: float
+    reps: int
+    warmup: int
+    load_1m: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+    @property
+    def spread(self) -> str:
+        """``[min, max]`` in ms, for tables."""
+        return f"[{self.min_s * 1e3:.3g}, {self.max_s * 1e3:.3g}]"
+
+
+def load_average() -> float:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # pragma: no cover - not on Linux/macOS
+        return float("nan")
+
+
+def measure(fn: Callable[[], object], *, warmup: int = 1, min_reps: int = 3, max_reps: int = 50,
+            budget_s: float = 0.5, setup: Callable[[], object] | None = None) -> Timing:
+    """Time ``fn()``: ``warmup`` untimed calls, then at least ``min_reps`` timed calls and more while
+    the total stays under ``budget_s`` (at most ``max_reps``). ``setup`` (untimed) runs before each call."""
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < min_reps or (spent < budget_s and len(times) < max_reps):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        spent += dt
+    times.sort()
+    if len(times) >= 4:
+        q = statistics.quantiles(times, n=4)
+        q1, q3 = q[0], q[2]
+    else:
+        q1, q3 = times[0], times[-1]
+    return Timing(median_s=statistics.median(times), min_s=times[0], max_s=times[-1], q1_s=q1, q3_s=q3,
+                  reps=len(times), warmup=warmup, load_1m=load_average())
+
+
+def fmt_ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    if ms >= 100:
+        return f"{ms:.0f}"
+    if ms >= 1:
+        return f"{ms:.2f}"
+    return f"{ms:.3f}"

@@ -75,14 +75,14 @@ def block_select_golden(inputs: SelectorInputs, cfg: BlockSelectConfig) -> Spars
             n_blocks = -(-n // bs)
             for h in range(inputs.num_kv_heads):
                 qg = inputs.q[t, h * g: (h + 1) * g].float()  # [G, D]
+                logits = qg @ keys[:n, h].T * inputs.sm_scale  # [G, n]
                 score = torch.empty(n_blocks)
                 for j in range(n_blocks):
-                    blk = keys[j * bs: min((j + 1) * bs, n), h]  # [<=bs, D]
                     if cfg.score_type == "max":
-                        per_head = (qg @ blk.T).amax(dim=1)
+                        per_head = logits[:, j * bs: (j + 1) * bs].amax(dim=1)
                     else:
-                        per_head = qg @ blk.mean(dim=0)
-                    score[j] = (per_head * inputs.sm_scale).max()
+                        per_head = qg @ keys[j * bs: min((j + 1) * bs, n), h].mean(dim=0) * inputs.sm_scale
+                    score[j] = per_head.max()
                 score = _force(score, torch.tensor(n), cfg)
                 picked = top_units(score, min(width, n_blocks))
                 sel[t, h, : picked.numel()] = picked

@@ -1,0 +1,208 @@
+"""Host side of the CuTe sparse decode kernels: validation, index translation, launch, merge.
+
+Index choice (documented in docs/kernels_cute.md): the CuTe kernels take FlashMLA-style
+**physical row ids** ``[num_tokens, num_kv_heads, L]`` int32 (-1 = skip), ``L`` a multiple of the
+kernel's ``BN``. The request-local selections of ``SparseRuntimeParams`` (``indices [H, total]``
++ ``offsets`` + ``block_table`` + ``token_to_req`` + ``kv_lens``) are translated here with
+kvsieve.kernels.triton's ``to_physical_slots`` (entries ``>= kv_lens[t]`` become -1 first), so
+the kernel does no block-table walk and no length test. Padding to ``[T, L]`` reads the longest
+selection on the host (one sync); callers with a fixed top-k call ``sparse_mla_decode_slots``.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from ...triton._checks import check_tensor, resolve_scale
+from ...triton.kv_helpers import to_physical_slots
+from .._common import detect_arch
+
+LOG2E = 1.4426950408889634
+BLOCK_N = {"sm90": 64, "sm100": 32}
+NUM_SMS = {"sm90": 132, "sm100": 148}
+
+
+def require_arch(device: torch.device) -> str:
+    """``"sm90"``/``"sm100"`` for ``device``; ValueError naming the alternative otherwise."""
+    arch = detect_arch(device)
+    if arch is None:
+        raise ValueError(f"device: the CuTe kernels are built for SM90 (sm_90a) and SM100 "
+                         f"(sm_100a) GPUs, got {device}; use the 'triton' backend (any CUDA GPU) "
+                         f"or 'vanilla' (CPU)")
+    return arch
+
+
+@lru_cache(maxsize=None)
+def _compiled(arch: str, kind: str, d_qk: int, d_v: int, dv_tile: int, group: int, hkv: int,
+              k_row: int, v_row: int):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+    import cuda.bindings.driver as cuda
+
+    from .._common import ARCH_FLAGS, build_kernel
+    kernel = build_kernel(dict(arch=arch, kind=kind, d_qk=d_qk, d_v=d_v, dv_tile=dv_tile,
+                               group=group, num_kv_heads=hkv, block_n=BLOCK_N[arch]))
+    g, bf = cute.AddressSpace.gmem, cutlass.BFloat16
+    kd = cutlass.Uint8 if kind == "mla_fp8" else bf
+    args = [make_ptr(bf, 0, g, 16), make_ptr(kd, 0, g, 16), make_ptr(bf, 0, g, 16),
+            make_ptr(cutlass.Int32, 0, g, 16), make_ptr(cutlass.Float32, 0, g, 16),
+            make_ptr(cutlass.Float32, 0, g, 16), cutlass.Int32(1), cutlass.Int32(1),
+            cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(8), cutlass.Int64(8), k_row, v_row,
+            cutlass.Float32(1.0), cuda.CUstream(0)]
+    return cute.compile(kernel, *args, options=f"--gpu-arch {ARCH_FLAGS[arch]}")
+
+
+def merge_splits(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge ``o [S, T, H, Dv]`` fp32 / ``lse [S, T, H]`` (+inf = empty) over splits."""
+    if o.shape[0] == 1:
+        return o[0].to(out_dtype), lse[0]
+    l = torch.where(torch.isinf(lse), torch.full_like(lse, -math.inf), lse)
+    top = l.amax(0)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w = torch.exp(l - top)
+    ws = w.sum(0)
+    out = (o * w[..., None]).sum(0) / torch.where(ws > 0, ws, 1.0)[..., None]
+    return out.to(out_dtype), torch.where(ws > 0, top + torch.log(ws),
+                                          torch.full_like(ws, math.inf))
+
+
+def launch(kind: str, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+           rows: torch.Tensor, d_v: int, sm_scale: float, num_splits: int | None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the gather-attention kernel. ``q [T, Hq, Dqk]`` bf16 (unit last stride, strides
+    multiple of 8), ``k_rows [R, k_row]`` / ``v_rows [R, v_row]`` 2-D row views, ``rows
+    [T, Hkv, L]`` int32 row ids (-1 skip), ``L % BN == 0``."""
+    import cutlass
+    from cutlass.cute.runtime import make_ptr
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+
+    arch = require_arch(q.device)
+    t, hq, d_qk = q.shape
+    hkv, length = rows.shape[1], rows.shape[2]
+    bn = BLOCK_N[arch]
+    if length % bn:
+        raise ValueError(f"rows: expected the selection length to be a multiple of {bn}")
+    if q.stride(2) != 1 or q.stride(0) % 8 or q.stride(1) % 8:
+        raise ValueError("q: expected a unit last stride and token/head strides multiple of 8")
+    dv_tile = min(d_v, 256)
+    group = hq // hkv
+    m_rows = 64 if arch == "sm90" else 128
+    programs = t * hkv * -(-group // m_rows) * (d_v // dv_tile)
+    tiles = max(length // bn, 1)
+    if num_splits is None:
+        num_splits = max(1, min(tiles // 4, -(-2 * NUM_SMS[arch] // programs))) if programs < \
+            2 * NUM_SMS[arch] else 1
+    tps = -(-tiles // num_splits)
+    o = torch.empty(num_splits, t, hq, d_v, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_splits, t, hq, dtype=torch.float32, device=q.device)
+    fn = _compiled(arch, kind, d_qk, d_v, dv_tile, group, hkv, k_rows.stride(0),
+                   v_rows.stride(0))
+    g, bf = cute.AddressSpace.gmem, cutlass.BFloat16
+    kd = cutlass.Uint8 if kind == "mla_fp8" else bf
+    rows = rows.contiguous()
+    fn(make_ptr(bf, q.data_ptr(), g, 16), make_ptr(kd, k_rows.data_ptr(), g, 16),
+       make_ptr(bf, v_rows.data_ptr(), g, 16), make_ptr(cutlass.Int32, rows.data_ptr(), g, 16),
+       make_ptr(cutlass.Float32, o.data_ptr(), g, 16),
+       make_ptr(cutlass.Float32, lse.data_ptr(), g, 16), cutlass.Int32(t),
+       cutlass.Int32(length), cutlass.Int32(num_splits), cutlass.Int32(tps),
+       cutlass.Int64(q.stride(0)), cutlass.Int64(q.stride(1)), k_rows.stride(0),
+       v_rows.stride(0), cutlass.Float32(sm_scale * LOG2E),
+       cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+    return merge_splits(o, lse, q.dtype)
+
+
+def pad_rows(rows: torch.Tensor, block_n: int) -> torch.Tensor:
+    """Pad the last dim of ``rows`` with -1 to a multiple of ``block_n`` (at least one tile)."""
+    length = rows.shape[-1]
+    pad = max(-(-length // block_n), 1) * block_n - length
+    return torch.nn.functional.pad(rows, (0, pad), value=-1) if pad else rows
+
+
+def sparse_mla_decode_slots(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                            kv_lora_rank: int = 512, sm_scale: float | None = None,
+                            num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA-style sparse MLA decode over physical slots.
+
+    Args:
+        q: ``[T, H, 576]`` bf16, ``H`` any (64/128 typical; padded to the MMA rows inside).
+        cache: ``[num_blocks, page_size, 576]`` bf16 latent pool, or ``[num_blocks, page_size,
+            656]`` uint8 FP8 rows (FlashMLA V3.2 format); pages contiguous
+            (``stride(0) == page_size * stride(1)``, unit last stride).
+        slots: ``[T, topk]`` int32 ``page * page_size + offset``, -1 = skip (any topk).
+        kv_lora_rank: 512 (the only value the kernels are built for).
+    Returns:
+        ``out [T, H, 512]`` bf16 and ``lse [T, H]`` fp32 natural log (empty row: 0 / +inf).
+    """
+    check_tensor("q", q, 3, (torch.bfloat16,))
+    check_tensor("cache", cache, 3, (torch.bfloat16, torch.uint8), q.device)
+    check_tensor("slots", slots, 2, (torch.int32,), q.device)
+    if kv_lora_rank != 512 or q.shape[2] != 576:
+        raise ValueError(f"q: expected [T, H, 576] with kv_lora_rank 512, got {tuple(q.shape)} "
+                         f"and {kv_lora_rank}")
+    fp8 = cache.dtype == torch.uint8
+    width = 656 if fp8 else 576
+    if cache.shape[2] != width or cache.stride(2) != 1 or \
+            cache.stride(0) != cache.shape[1] * cache.stride(1) or cache.stride(1) % 8:
+        raise ValueError(f"cache: expected [num_blocks, page_size, {width}] with contiguous pages "
+                         f"and a row stride multiple of 8, got shape {tuple(cache.shape)} "
+                         f"strides {cache.stride()}")
+    if slots.shape[0] != q.shape[0]:
+        raise ValueError(f"slots: expected {q.shape[0]} rows (q's tokens), got {slots.shape[0]}")
+    arch = require_arch(q.device)
+    rows_view = cache.as_strided((cache.shape[0] * cache.shape[1], width), (cache.stride(1), 1))
+    rows = pad_rows(slots, BLOCK_N[arch]).unsqueeze(1)
+    return launch("mla_fp8" if fp8 else "mla", q, rows_view, rows_view, rows, kv_lora_rank,
+                  resolve_scale(sm_scale, 576), num_splits)
+
+
+def sparse_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: torch.Tensor,
+                      token_to_req: torch.Tensor, kv_lens: torch.Tensor, indices: torch.Tensor,
+                      offsets: torch.Tensor, kv_lora_rank: int = 512,
+                      sm_scale: float | None = None, num_splits: int | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same arguments/result as ``kvsieve.kernels.triton.sparse_mla_decode`` (request-local
+    ``indices [1, total]`` + ``offsets``), bf16 or FP8 (uint8 ``[.., 656]``) latent cache.
+    Token ``t``'s entries are translated to physical slots, entries ``< 0`` or ``>=
+    kv_lens[t]`` to -1, and padded to ``[T, max_len]`` (one host sync for ``max_len``)."""
+    check_tensor("indices", indices, 2, (torch.int32,), q.device)
+    check_tensor("offsets", offsets, 1, (torch.int32,), q.device)
+    if indices.shape[0] != 1:
+        raise ValueError(f"indices: expected one KV head row for MLA, got {indices.shape[0]}")
+    if offsets.shape[0] != q.shape[0] + 1:
+        raise ValueError(f"offsets: expected {q.shape[0] + 1} entries, got {offsets.shape[0]}")
+    slots = request_local_to_rows(indices, offsets, token_to_req, block_table, kv_lens,
+                                  latent_cache.shape[1], 1)[:, 0]
+    return sparse_mla_decode_slots(q, latent_cache, slots, kv_lora_rank, sm_scale, num_splits)
+
+
+def request_local_to_rows(indices: torch.Tensor, offsets: torch.Tensor, token_to_req: torch.Tensor,
+                          block_table: torch.Tensor, kv_lens: torch.Tensor, page_size: int,
+                          block_size: int) -> torch.Tensor:
+    """``[T, H, L]`` int32 physical slots (token granularity; blocks expanded to their
+    ``block_size`` positions), -1 for padding and positions ``>= kv_lens[t]``."""
+    t = offsets.shape[0] - 1
+    h = indices.shape[0]
+    lens = (offsets[1:] - offsets[:-1]).long()
+    max_len = int(lens.max()) if t else 0
+    tok = torch.repeat_interleave(torch.arange(t, device=indices.device), lens)
+    col = torch.arange(indices.shape[1], device=indices.device) - offsets.long()[tok]
+    sel = indices.long()  # [H, total]
+    j = torch.arange(block_size, device=indices.device)
+    pos = (sel[..., None] * block_size + j).reshape(h, -1)  # [H, total * B]
+    ok = (sel[..., None] >= 0).expand(-1, -1, block_size).reshape(h, -1)
+    tok_b = tok.repeat_interleave(block_size)
+    ok = ok & (pos < kv_lens.long()[tok_b])
+    local = torch.where(ok, pos, torch.full_like(pos, -1)).to(torch.int32)
+    off_b = (offsets.long() * block_size).to(torch.int32)
+    slots = to_physical_slots(local, off_b, token_to_req, block_table, page_size, 1)
+    out = torch.full((t, h, max_len * block_size), -1, dtype=torch.int32,
+                     device=indices.device)
+    col_b = (col[:, None] * block_size + j).reshape(-1)
+    out[tok_b[None, :].expand(h, -1), torch.arange(h, device=indices.device)[:, None],
+        col_b[None, :].expand(h, -1)] = slots
+    return out

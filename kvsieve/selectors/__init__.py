@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .block_select import BlockSelectConfig, BlockSelectSelector
+from .dsa import DSAConfig, DSASelector, IndexerInputs
 from .oracle_topk import OracleTopKConfig, OracleTopKSelector
 from .quest import QuestConfig, QuestSelector
 from .rocketkv import RocketKVConfig, RocketKVSelector

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import launch
-from . import kernel, naive
+from . import naive
 
 __all__ = ["ENGINES", "CUTE_SMS", "CUTE_TOPKS", "CUTE_COMPRESS_RATIOS", "TopKDecision", "TopKLaunch",
            "TopKWorkspace", "choose_topk_engine", "cute_dsl_available", "device_sm", "run_topk", "topk_launch"]
@@ -171,6 +171,8 @@ def run_topk(workspace: TopKWorkspace, scores: torch.Tensor, lengths: torch.Tens
     if d.engine == "torch":
         out.copy_(naive.torch_topk(scores, lengths, k))
         return out
+    from . import kernel  # decorates the Triton kernels on first use (TRITON_INTERPRET is read then)
+
     if d.engine == "radix":
         return kernel.radix_topk(scores, lengths, k, block=cfg.block, num_programs=workspace.programs,
                                  num_warps=cfg.num_warps, out=out)

@@ -1,0 +1,271 @@
+"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2): a lightning indexer scores every cached token
+for each query token, ``I[t, s] = sum_h w[t, h] * ReLU(q_I[t, h] . k_I[s])``, and each query
+attends the ``index_topk`` best tokens (request-local positions, ``-1`` padded).
+
+Per layer and step the model integration sets :class:`IndexerInputs` with
+:meth:`DSASelector.set_indexer_inputs` before the layer runs (kvsieve's layer passes only q, k,
+v). ``on_append`` computes the index keys and writes them to the auxiliary paged pool
+``dsa_index_k`` (``[num_blocks, tokens_per_block, head_dim]`` per layer, same block ids as the
+main cache; FP8 E4M3 keys add ``dsa_index_k_scale [num_blocks, tokens_per_block]`` fp32, one
+power-of-two scale per token). ``predict_attn`` computes the logits (Triton: ragged prefill for
+fresh prompts, paged decode otherwise; or the PyTorch references) and the top-k with the engine
+fixed at configuration time by ``kernels.triton.topk.dispatch.choose_topk_engine``
+(:attr:`DSASelector.topk_engine`). A step whose every query sees at most ``index_topk`` tokens
+skips both and selects everything (short-sequence fast path, counted in :attr:`stats`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ..sparse.params import SparseMetadataParams
+from .dsa_projections import IndexerInputs, IndexerProjections, load_projections
+
+__all__ = ["DSAConfig", "DSASelector", "IndexerInputs", "INDEX_K_POOL", "INDEX_K_SCALE_POOL"]
+
+INDEX_K_POOL = "dsa_index_k"
+INDEX_K_SCALE_POOL = "dsa_index_k_scale"
+_K_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float8_e4m3": torch.float8_e4m3fn}
+_LOGITS = ("auto", "triton", "reference")
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    """``index_topk`` tokens per query; indexer geometry ``n_heads x head_dim`` with RoPE on the
+    first ``rope_dim`` channels (``rope_interleave``: pairs instead of halves; ``rope_theta`` for
+    the default RoPE); ``index_k_dtype`` of the aux pool (FP8 also quantizes the queries, their
+    per-(token, head) scale folded into the weights); ``topk_engine`` (``auto``, ``torch``,
+    ``radix``, ``gvr``, ``cute_gvr``) and ``logits_kernel`` (``auto``: Triton on CUDA, reference
+    on CPU) are decided for ``device``; ``projections``: a file from ``kvsieve distill-indexer``;
+    ``max_logits_elems`` bounds one logits chunk (rows x width fp32)."""
+
+    index_topk: int = 2048
+    n_heads: int = 64
+    head_dim: int = 128
+    rope_dim: int = 64
+    rope_interleave: bool = False
+    rope_theta: float = 10000.0
+    index_k_dtype: str = "bfloat16"
+    topk_engine: str = "auto"
+    logits_kernel: str = "auto"
+    compress_ratio: int = 1
+    device: str = "cpu"
+    projections: str | None = None
+    max_logits_elems: int = 1 << 26
+
+    def __post_init__(self) -> None:
+        for name in ("index_topk", "n_heads", "head_dim", "max_logits_elems"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"dsa: {name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
+            raise ValueError(f"dsa: rope_dim must be even and in [0, head_dim={self.head_dim}], got {self.rope_dim}")
+        if self.index_k_dtype not in _K_DTYPES:
+            raise ValueError(f"dsa: index_k_dtype must be one of {sorted(_K_DTYPES)}, got {self.index_k_dtype!r}")
+        if self.logits_kernel not in _LOGITS:
+            raise ValueError(f"dsa: logits_kernel must be one of {list(_LOGITS)}, got {self.logits_kernel!r}")
+        if self.compress_ratio != 1:
+            raise ValueError(f"dsa: compress_ratio must be 1 (compressed index keys, DeepSeek-V4 style, are not "
+                             f"implemented), got {self.compress_ratio}")
+        if torch.device(self.device).type not in ("cpu", "cuda"):
+            raise ValueError(f"dsa: device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
+
+
+@dataclass
+class DSAStats:
+    """Counters since construction: layer-steps served by the indexer vs the short fast path."""
+
+    indexed_steps: int = 0
+    short_path_steps: int = 0
+    last_short_path: dict[int, bool] = field(default_factory=dict)
+
+
+@register_selector
+class DSASelector(SparseSelector):
+    name = "dsa"
+    config_class = DSAConfig
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), granularity="token")
+
+    def __init__(self, config: DSAConfig | None = None, **overrides) -> None:
+        super().__init__(config, **overrides)
+        from ..kernels.triton.topk.dispatch import choose_topk_engine  # kernels decorate lazily
+
+        c = self.config
+        dev = torch.device(c.device)
+        self.topk_decision = choose_topk_engine(c.topk_engine, device=dev, index_topk=c.index_topk,
+                                                compress_ratio=c.compress_ratio)
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        if c.logits_kernel == "triton" and dev.type != "cuda" and not interp:
+            raise ValueError("dsa: logits_kernel='triton' needs a CUDA device or TRITON_INTERPRET=1 (tests)")
+        self.logits_kernel = c.logits_kernel if c.logits_kernel != "auto" else (
+            "triton" if dev.type == "cuda" else "reference")
+        self.k_dtype = _K_DTYPES[c.index_k_dtype]
+        self.projections: dict[int, IndexerProjections] = {}
+        if c.projections is not None:
+            self.set_projections(load_projections(c.projections, dev)[0])
+        self.stats = DSAStats()
+        self._inputs: dict[int, IndexerInputs] = {}
+        self._step: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._workspace = None
+
+    # ---- what was decided ----------------------------------------------------------------
+    @property
+    def topk_engine(self) -> str:
+        """The top-k engine in use (``torch``, ``radix``, ``gvr`` or ``cute_gvr``)."""
+        return self.topk_decision.engine
+
+    def metadata_params(self) -> SparseMetadataParams:
+        return SparseMetadataParams(max_selected_per_token=self.config.index_topk)
+
+    # ---- inputs from the model integration ----------------------------------------------
+    def set_projections(self, layers: dict[int, IndexerProjections]) -> None:
+        """Install per-layer index projections (checked against the configured geometry)."""
+        c = self.config
+        for i, p in layers.items():
+            if (p.n_heads, p.head_dim, p.rope_dim, p.rope_interleave) != (c.n_heads, c.head_dim, c.rope_dim,
+                                                                           c.rope_interleave):
+                raise ValueError(
+                    f"dsa: layer {i} projections have n_heads={p.n_heads}, head_dim={p.head_dim}, "
+                    f"rope_dim={p.rope_dim}, rope_interleave={p.rope_interleave}; the config has "
+                    f"{c.n_heads}, {c.head_dim}, {c.rope_dim}, {c.rope_interleave}")
+        self.projections.update(layers)
+
+    def set_indexer_inputs(self, layer_idx: int, inputs: IndexerInputs) -> None:
+        """Hand this step's indexer inputs of layer ``layer_idx`` over; call before the layer's
+        forward every step. Consumed by that forward."""
+        if not isinstance(inputs, IndexerInputs):
+            raise TypeError(f"dsa: expected IndexerInputs, got {type(inputs).__name__}")
+        self._inputs[layer_idx] = inputs
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def on_append(self, inputs: SelectorInputs) -> None:
+        """Compute index q/k/weights for the step's tokens and write k into the aux pool."""
+        layer = inputs.layer_idx
+        if layer not in self._inputs:
+            raise RuntimeError(f"dsa: no IndexerInputs for layer {layer} this step; the model integration must "
+                               "call selector.set_indexer_inputs(layer_idx, IndexerInputs(...)) before the layer")
+        ii = self._inputs.pop(layer)
+        md = inputs.metadata
+        if ii.is_finished:
+            q, k, w = ii.q_index.float(), ii.k_index.float(), ii.weights.float()
+        else:
+            if layer not in self.projections:
+                raise RuntimeError(f"dsa: layer {layer} got hidden states but has no IndexerProjections; load a "
+                                   "projections file (config 'projections') or call set_projections")
+            positions = md.positions.to(ii.hidden.device)
+            q, k, w = self.projections[layer](ii.hidden, positions, ii.q_input, ii.cos, ii.sin)
+        c = self.config
+        if q.shape[1:] != (c.n_heads, c.head_dim) or k.shape[1:] != (c.head_dim,) or w.shape[1:] != (c.n_heads,):
+            raise ValueError(f"dsa: index tensors must be q [T, {c.n_heads}, {c.head_dim}], k [T, {c.head_dim}], "
+                             f"w [T, {c.n_heads}]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(w.shape)}")
+        if q.shape[0] != md.num_tokens:
+            raise ValueError(f"dsa: IndexerInputs cover {q.shape[0]} tokens, the step has {md.num_tokens}")
+        self._write_keys(inputs, k)
+        if self.k_dtype == torch.float8_e4m3fn:
+            from ..kernels.triton.dsa_indexer.quant import quantize_pow2_fp8
+
+            q, q_scale = quantize_pow2_fp8(q)  # per (token, head), folded into the weights
+            w = w * q_scale
+        elif self.k_dtype != torch.float32:
+            q = q.to(self.k_dtype)
+        self._step[layer] = (q, w.float().contiguous())
+
+    def _pools(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cache = inputs.cache
+        p, d = cache.tokens_per_block, self.config.head_dim
+        k_pool = cache.add_aux_pool(INDEX_K_POOL, (p, d), self.k_dtype)[inputs.layer_idx]
+        s_pool = None
+        if self.k_dtype == torch.float8_e4m3fn:
+            s_pool = cache.add_aux_pool(INDEX_K_SCALE_POOL, (p,), torch.float32)[inputs.layer_idx]
+        return k_pool, s_pool
+
+    def _write_keys(self, inputs: SelectorInputs, k: torch.Tensor) -> None:
+        md = inputs.metadata
+        k_pool, s_pool = self._pools(inputs)
+        blk, off = inputs.cache.physical(md.slots[md.token_to_req_host], md.positions_host)
+        if s_pool is None:
+            k_pool[blk, off] = k.to(self.k_dtype)
+        else:
+            from ..kernels.triton.dsa_indexer.quant import quantize_pow2_fp8
+
+            kq, ks = quantize_pow2_fp8(k)
+            k_pool[blk, off] = kq
+            s_pool[blk, off] = ks
+
+    def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
+        layer = inputs.layer_idx
+        q, w = self._step.pop(layer)
+        md = inputs.metadata
+        lens = md.token_kv_lens
+        kk = self.config.index_topk
+        lens_host = inputs.token_kv_lens_host()
+        dev = lens.device
+        if torch.device(self.config.device).type != dev.type:
+            raise ValueError(f"dsa: configured for device {self.config.device!r} but the cache is on {dev}")
+        if md.num_tokens == 0 or int(lens_host.max()) <= kk:
+            self.stats.short_path_steps += 1
+            self.stats.last_short_path[layer] = True
+            pos = torch.arange(kk, device=dev, dtype=torch.int32)
+            sel = torch.where(pos < lens.unsqueeze(1), pos, -1)
+        else:
+            self.stats.indexed_steps += 1
+            self.stats.last_short_path[layer] = False
+            sel = self._select(inputs, q.to(dev), w.to(dev))
+        sel = sel.unsqueeze(1).expand(-1, inputs.num_kv_heads, -1)
+        return SparseRuntimeParams.from_topk(sel)
+
+    # ---- logits + top-k ------------------------------------------------------------------
+    def _select(self, inputs: SelectorInputs, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        from ..kernels.triton.topk.dispatch import TopKWorkspace, run_topk
+
+        md = inputs.metadata
+        if self._workspace is None or self._workspace.max_rows < md.max_num_tokens:
+            self._workspace = TopKWorkspace(self.topk_decision, md.max_num_tokens, md.token_kv_lens.device)
+        k_pool, s_pool = self._pools(inputs)
+        lens = md.token_kv_lens
+        out = torch.empty(md.num_tokens, self.config.index_topk, dtype=torch.int32, device=lens.device)
+        for rows, logits in self._logits_chunks(inputs, q, w, k_pool, s_pool):
+            out[rows] = run_topk(self._workspace, logits, lens[rows].contiguous())
+        return out
+
+    def _logits_chunks(self, inputs: SelectorInputs, q: torch.Tensor, w: torch.Tensor, k_pool: torch.Tensor,
+                       s_pool: torch.Tensor | None):
+        """Yield ``(rows slice, logits [n, width])`` per request, in row chunks within the budget.
+        A context request without cached history uses the ragged prefill path over its own
+        keys (read back from the pool, so both paths score the stored values); others the
+        paged decode path."""
+        if self.logits_kernel == "triton":
+            from ..kernels.triton.dsa_indexer import kernel as impl
+        else:
+            from ..kernels.triton.dsa_indexer import naive as impl
+        md = inputs.metadata
+        lens = md.token_kv_lens
+        lens_host = inputs.token_kv_lens_host()
+        qs = md.query_start_host
+        for i in range(md.num_seqs):
+            t0, t1 = int(qs[i]), int(qs[i + 1])
+            if t1 == t0:
+                continue
+            fresh = md.is_context(i) and int(md.kv_lens_host[i]) == t1 - t0
+            keys = scales = None
+            if fresh:
+                blk, off = inputs.cache.physical(np.full(t1 - t0, md.slots[i], dtype=np.int32),
+                                                 np.arange(t1 - t0, dtype=np.int32))
+                keys = k_pool[blk, off]
+                scales = None if s_pool is None else s_pool[blk, off]
+            width = int(lens_host[t1 - 1])
+            step = max(1, self.config.max_logits_elems // max(width, 1))
+            for c0 in range(t0, t1, step):
+                c1 = min(t1, c0 + step)
+                w_c = int(lens_host[c0:c1].max())
+                if fresh:
+                    start = torch.zeros(c1 - c0, dtype=torch.int32, device=lens.device)
+                    logits = impl.indexer_logits_prefill(q[c0:c1], keys, scales, w[c0:c1], start, lens[c0:c1], w_c)
+                else:
+                    logits = impl.indexer_logits_decode(q[c0:c1], k_pool, s_pool, w[c0:c1], md.block_table,
+                                                        md.token_to_req[c0:c1], lens[c0:c1], w_c)
+                yield slice(c0, c1), logits

@@ -1,0 +1,147 @@
+"""Selector host overhead per decode step at batch 64, against the attention time it saves.
+
+For each registered selector that selects at decode (``predict_attn``): the step's selector work
+(``on_append`` — e.g. RocketKV/Quest page-summary refresh — then ``predict_attn`` — page top-k,
+block scoring, oracle top-k, ...) is timed on a decode batch; the ``torch`` backend is timed dense
+(``params=None``) and with the selector's selection. Reported: ``overhead / (dense - sparse)``, the
+fraction of the saved attention time the selector spends (< 1: selection pays for itself at this
+size; one layer, same process). Selectors are configured to a comparable budget (``1/budget_inv``
+of the context). Prefill-only selectors (eviction) are listed as skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+
+import torch
+
+from kvsieve import AttentionMetadata, KVCacheManager, KVCacheSpec, available_selectors, create_selector
+from kvsieve.sparse import SelectorInputs
+from kvsieve.sparse.backends import AttentionGeometry, get_backend
+from kvsieve.sparse.selection import attended_counts
+
+from ._timing import load_average, measure
+
+__all__ = ["run", "main", "selector_configs"]
+
+FULL = {"batch": 64, "context": 4096, "hq": 8, "hkv": 2, "d": 64, "page": 64, "budget_inv": 16}
+QUICK = {"batch": 4, "context": 256, "hq": 4, "hkv": 2, "d": 32, "page": 16, "budget_inv": 4}
+
+
+SKIP_REASONS = {
+    "snapkv": "prefill-only eviction: no decode-time selection",
+    "dsa": "needs the model's indexer projections per step (DSASelector.set_indexer_inputs); "
+           "its top-k is timed by benchmarks/topk.py on a GPU",
+    "skip_softmax": "a kernel hint (threshold), no index selection; the torch backend does not implement it",
+}
+
+
+def selector_configs(context: int, page: int, budget_inv: int) -> dict[str, dict]:
+    """Per-selector settings giving ~``context / budget_inv`` attended tokens per query."""
+    budget = context // budget_inv
+    sub = min(16, page)
+    return {
+        "rocketkv": {"page_size": sub, "topk": max(1, budget // sub)},
+        "quest": {"page_size": sub, "token_budget": budget},
+        "block_select": {"block_size": page, "topk_blocks": max(1, budget // page)},
+        "oracle_topk": {"budget": budget},
+        "streaming": {"budget": budget},
+    }
+
+
+def _decode_batch(cfg: dict, seed: int = 0):
+    b, ctx, hkv, d, page = cfg["batch"], cfg["context"], cfg["hkv"], cfg["d"], cfg["page"]
+    nb = -(-ctx // page)
+    spec = KVCacheSpec(num_layers=1, num_blocks=b * nb + 1, tokens_per_block=page, num_kv_heads=hkv, head_dim=d,
+                       max_requests=b, max_blocks_per_seq=nb)
+    mgr = KVCacheManager(spec)
+    g = torch.Generator().manual_seed(seed)
+    pool = mgr.pools[0]
+    for i in range(0, pool.shape[0], 512):
+        pool[i: i + 512].normal_(generator=g)
+    for rid in range(b):
+        mgr.add_request(rid, ctx - 1)
+        mgr.append_tokens(rid, 1)  # the step's new token (already in the pool: random data)
+    md = AttentionMetadata(kv_cache_manager=mgr, max_num_requests=b, max_num_tokens=b, translations=())
+    md.request_ids = list(range(b))
+    md.seq_lens = [1] * b
+    md.num_contexts = 0
+    md.prepare()
+    q = torch.randn(b, cfg["hq"], d, generator=g)
+    k_new = torch.randn(b, hkv, d, generator=g)
+    v_new = torch.randn(b, hkv, d, generator=g)
+    return mgr, md, q, k_new, v_new
+
+
+def run(quick: bool = False) -> dict:
+    cfg = QUICK if quick else FULL
+    budget = 0.05 if quick else 0.4
+    mgr, md, q, k_new, v_new = _decode_batch(cfg)
+    hkv, d = cfg["hkv"], cfg["d"]
+    geo = AttentionGeometry(kind="gqa", num_q_heads=cfg["hq"], num_kv_heads=hkv, head_dim=d, sm_scale=d ** -0.5)
+    backend = get_backend("torch")
+    dense = measure(lambda: backend.forward(q, md, 0, geo, None), budget_s=budget)
+    configs = selector_configs(cfg["context"], cfg["page"], cfg["budget_inv"])
+    rows, skipped = [], {}
+    for name in available_selectors():
+        if name not in configs:
+            skipped[name] = SKIP_REASONS.get(name, "not configured in this benchmark")
+            continue
+        try:
+            sel = create_selector(name, **configs[name])
+            inputs = SelectorInputs(q=q, k=k_new, v=v_new, metadata=md, layer_idx=0, num_kv_heads=hkv,
+                                    sm_scale=geo.sm_scale)
+            if hasattr(sel, "summaries"):  # page summaries of the whole history (the prefill's work)
+                lens = md.kv_lens_host.copy()
+                sel.summaries(inputs).refresh(0, md.slots, lens * 0, lens)
+
+            def step():
+                inputs._keys.clear()
+                sel.on_append(inputs)
+                return sel.predict_attn(inputs)
+
+            params = step()
+            if params is None:
+                skipped[name] = "predict_attn returned None at decode"
+                continue
+            t_sel = measure(step, budget_s=budget)
+            t_sparse = measure(lambda: backend.forward(q, md, 0, geo, params), budget_s=budget)
+            attended = int(attended_counts(params, md.token_kv_lens, hkv).sum())
+            dense_count = int(md.token_kv_lens.to(torch.int64).sum()) * hkv
+            saved = dense.median_s - t_sparse.median_s
+            rows.append({
+                "selector": name, "config": configs[name], "selector_step": t_sel.as_dict(),
+                "sparse_attention": t_sparse.as_dict(), "dense_attention": dense.as_dict(),
+                "attended_fraction": attended / dense_count, "saved_s": saved,
+                "overhead_fraction_of_saved": t_sel.median_s / saved if saved > 0 else None,
+            })
+        except Exception as err:  # noqa: BLE001 - one selector failing must not sink the suite
+            skipped[name] = f"{type(err).__name__}: {err}"[:300]
+        gc.collect()
+    return {"config": cfg, "dense_attention": dense.as_dict(), "selectors": rows, "skipped": skipped,
+            "load_1m_end": load_average()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.selector_overhead", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    res = run(args.quick)
+    print(f"dense torch attention {res['dense_attention']['median_s'] * 1e3:.2f} ms")
+    for r in res["selectors"]:
+        f = r["overhead_fraction_of_saved"]
+        print(f"{r['selector']:13s} step={r['selector_step']['median_s'] * 1e3:8.2f} ms sparse="
+              f"{r['sparse_attention']['median_s'] * 1e3:8.2f} ms attended={r['attended_fraction']:.3f} "
+              f"overhead/saved={'n/a' if f is None else format(f, '.2f')}")
+    print("skipped:", res["skipped"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,107 @@
+"""The benchmark harness on tiny sizes: it runs, and the JSON/Markdown carry the documented fields.
+No timing assertions (figures depend on the machine and its load)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # the benchmarks package lives at the repository root, not in kvsieve
+    sys.path.insert(0, str(ROOT))
+TIMING_FIELDS = {"median_s", "min_s", "max_s", "q1_s", "q3_s", "reps", "warmup", "load_1m"}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("perf")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--no-gpu", "--out-dir", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "performance.json").read_text()), (out / "performance.md").read_text()
+
+
+def _is_timing(d):
+    return isinstance(d, dict) and TIMING_FIELDS <= set(d) and d["min_s"] <= d["median_s"] <= d["max_s"]
+
+
+def test_meta_and_targets(quick_run):
+    res, _ = quick_run
+    meta = res["meta"]
+    for key in ("date", "torch", "torch_threads", "load_1m_start", "load_1m_end", "wall_s", "quick", "cpu_count"):
+        assert key in meta
+    assert meta["quick"] is True and meta["torch_threads"] == 1
+    assert isinstance(res["targets"], list) and all({"target", "value", "met"} <= set(t) for t in res["targets"])
+
+
+def test_prepare_section(quick_run):
+    p = quick_run[0]["prepare"]
+    assert {r["translation"] for r in p["grid"]} == {"block_lists", "ragged_page_table", "block_offsets"}
+    for r in p["grid"]:
+        assert _is_timing(r["library"]) and _is_timing(r["baseline"])
+        assert r["baseline_matches"] is True  # the list baseline builds the same tables
+        assert r["speedup"] > 0 and r["blocks"] == r["batch"] * -(-r["context"] // r["page"])
+    assert {"per_translation", "measured", "min_speedup"} <= set(p["target"])
+    for r in p["offsets_scaling"]:
+        assert _is_timing(r["capped"]) and _is_timing(r["speculative"])
+    assert "capped_time_ratio_largest_vs_smallest_capacity" in p["offsets_scaling_summary"]
+
+
+def test_cpu_attention_section(quick_run):
+    c = quick_run[0]["cpu_attention"]
+    assert c["copy_bandwidth"]["gb_per_s"] > 0
+    assert c["decode"], "decode rows"
+    for r in c["decode"]:
+        assert _is_timing(r["sparse"]) and _is_timing(r["sdpa_dense"])
+        for key in ("speedup_vs_sdpa", "ideal_speedup", "gathered_gb_per_s", "fraction_of_copy_bandwidth"):
+            assert r[key] > 0
+        assert r["max_abs_err_vs_masked_sdpa"] < 1e-4  # the sparse result is the masked dense result
+    assert c["flex"]["mode"] in ("eager", "compiled", "eager (compile failed)")
+    for r in c["prefill"]:
+        assert _is_timing(r["sparse"]) and _is_timing(r["sdpa_dense_causal"])
+        if r["flex"] is not None:
+            assert r["max_abs_err_vs_flex"] < 1e-4  # same selection as the BlockMask
+    assert "measured" in c["target"]
+
+
+def test_selector_section(quick_run):
+    s = quick_run[0]["selector_overhead"]
+    assert _is_timing(s["dense_attention"])
+    import kvsieve
+    names = {r["selector"] for r in s["selectors"]} | set(s["skipped"])
+    assert names == set(kvsieve.available_selectors())  # every registered selector is timed or explained
+    for r in s["selectors"]:
+        assert _is_timing(r["selector_step"]) and _is_timing(r["sparse_attention"])
+        assert 0 < r["attended_fraction"] < 1  # the configured budget really sparsifies
+
+
+def test_markdown(quick_run):
+    md = quick_run[1]
+    for heading in ("## Targets", "## `AttentionMetadata.prepare()`", "## CPU sparse decode",
+                    "## CPU block-sparse prefill", "## Selector host overhead", "| load |"):
+        assert heading in md
+
+
+def test_timing_helper():
+    from benchmarks._timing import measure
+    calls = []
+    t = measure(lambda: calls.append(1), warmup=2, min_reps=3, max_reps=5, budget_s=0.0)
+    assert t.reps == 3 and len(calls) == 5 and t.min_s <= t.median_s <= t.max_s
+
+
+def test_gpu_scripts_skipped_without_cuda():
+    from benchmarks.__main__ import _gpu_suites
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    assert _gpu_suites(True) == {"skipped": "CUDA not available"}
+
+
+def test_render_partial():
+    from benchmarks.__main__ import render_markdown
+    meta = {"quick": True, "date": "d", "torch": "t", "python": "p", "cpu_count": 1, "cpu_capability": "c",
+            "torch_threads": 1, "load_1m_start": 0.0, "load_1m_end": 0.0, "wall_s": 0.0}
+    assert "## Targets" in render_markdown({"meta": meta, "targets": []})

@@ -4,11 +4,11 @@ Run ``python -m kvsieve.selectors.recall_table``. The input is a single GQA requ
 prompt has the structures real attention shows: attention sinks (the first 4 keys), a planted
 needle key, a relevant passage, a recency bias and random background; the observation window
 (last 32 prompt queries) and the decode queries ask for the needle and the passage. Each
-selector runs through :class:`kvsieve.Engine` and :class:`kvsieve.SparseAttention` (vanilla
-backend): a dense-or-evicting prefill, then ``decode_steps`` decode steps. Recall is the share of
-the true (dense, uncompressed) attention probability of each decode query, summed over the KV
-group and divided by the group size, that falls on the positions the query really attends;
-averaged over decode steps and KV heads.
+selector runs through :class:`kvsieve.Engine` and :class:`kvsieve.SparseAttention` (the
+``vanilla`` golden backend, by name): a dense-or-evicting prefill, then ``decode_steps`` decode
+steps. Recall is the share of the true (dense, uncompressed) attention probability of each decode
+query, summed over the KV group and divided by the group size, that falls on the positions the
+query really attends; averaged over decode steps and KV heads.
 """
 from __future__ import annotations
 
@@ -96,7 +96,8 @@ def run_selector(name: str | None, params: dict, data: SyntheticInput, *, tokens
                        head_dim=d, max_requests=1, max_blocks_per_seq=blocks)
     cache = KVCacheManager(spec)
     plan = lower_config(None if name is None else SparseAttentionConfig(name, params), num_layers=1)[0]
-    layer = SparseAttention(layer_idx=0, num_q_heads=data.q.shape[1], num_kv_heads=hkv, head_dim=d, plan=plan)
+    layer = SparseAttention(layer_idx=0, num_q_heads=data.q.shape[1], num_kv_heads=hkv, head_dim=d, plan=plan,
+                            backend="vanilla")
     engine = Engine(cache, [layer], max_num_requests=1, max_num_tokens=n)
     engine.step([0], [n], 1, [(data.q, data.k, data.v)])
     p = layer.last_params

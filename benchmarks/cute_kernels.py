@@ -1,0 +1,92 @@
+"""Benchmark of the CuTe-DSL sparse decode kernels (needs an SM90/SM100 GPU).
+
+``python benchmarks/cute_kernels.py [--batch 64] [--topk 2048] [--heads 128]`` times sparse MLA
+decode (bf16 and FP8 cache) and block-sparse GQA decode beside the Triton kernels and FlashMLA
+(when ``flash_mla`` is installed, FP8 cache), and prints TFLOP/s and GB/s against the device
+peak. On a machine without such a GPU it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+PEAKS = {"sm90": (989e12, 4.8e12), "sm100": (2250e12, 8.0e12)}  # dense bf16 FLOP/s, HBM B/s
+
+
+def _time(fn, iters: int = 20) -> float:
+    import torch
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e-3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--kv-len", type=int, default=8192)
+    ap.add_argument("--page", type=int, default=64)
+    a = ap.parse_args(argv)
+    import torch
+    from kvsieve.kernels.cute._common import cute_available, detect_arch
+    arch = detect_arch("cuda") if torch.cuda.is_available() else None
+    ok, why = cute_available()
+    if arch is None or not ok:
+        print(f"cute_kernels benchmark needs an SM90/SM100 GPU and nvidia-cutlass-dsl "
+              f"({why or 'no such GPU here'}); nothing to do.")
+        return 0
+    from kvsieve.kernels.cute.sparse_mla_decode import quantize_fp8_mla, sparse_mla_decode_slots
+    from kvsieve.kernels import triton as tk
+    peak_flops, peak_bw = PEAKS[arch]
+    b, h, k, page = a.batch, a.heads, a.topk, a.page
+    pages = -(-a.kv_len // page)
+    nb = b * pages + 1
+    latent = torch.randn(nb, page, 576, device="cuda").bfloat16()
+    fp8 = quantize_fp8_mla(latent)
+    q = (torch.randn(b, h, 576, device="cuda") * 0.3).bfloat16()
+    bt = (1 + torch.arange(b * pages, device="cuda")).view(b, pages).int()
+    local = torch.stack([torch.randperm(a.kv_len, device="cuda")[:k].sort().values
+                         for _ in range(b)]).int()
+    slots = (bt.gather(1, (local // page).long()) * page + local % page).int()
+    flops = 2 * b * h * k * (576 + 512)
+    rows = [("cute mla bf16", lambda: sparse_mla_decode_slots(q, latent, slots), b * k * 1152),
+            ("cute mla fp8", lambda: sparse_mla_decode_slots(q, fp8, slots), b * k * 656)]
+    t2r = torch.arange(b, device="cuda", dtype=torch.int32)
+    lens = torch.full((b,), a.kv_len, device="cuda", dtype=torch.int32)
+    off = (torch.arange(b + 1, device="cuda") * k).int()
+    idx = local.reshape(1, -1).contiguous()
+    rows.append(("triton mla bf16", lambda: tk.sparse_mla_decode(q, latent, bt, t2r, lens, idx,
+                                                                 off, 512), b * k * 1152))
+    try:
+        import flash_mla
+        meta = flash_mla.get_mla_metadata()[0]
+        kc = fp8.view(nb, page, 1, 656)
+        rows.append(("flashmla fp8", lambda: flash_mla.flash_mla_with_kvcache(
+            q.view(b, 1, h, 576), kc, None, None, 512, meta, None, is_fp8_kvcache=True,
+            indices=slots.view(b, 1, k)), b * k * 656))
+    except Exception as e:  # not installed or interface differs
+        print(f"(FlashMLA not timed: {type(e).__name__}: {e})")
+    print(f"arch {arch}: batch {b}, heads {h}, topk {k}, page {page}")
+    print("| kernel | time us | TFLOP/s | % peak | GB/s | % peak |\n|---|---|---|---|---|---|")
+    for name, fn, nbytes in rows:
+        try:
+            t = _time(fn)
+        except Exception as e:
+            print(f"| {name} | failed: {type(e).__name__}: {e} | | | | |")
+            continue
+        print(f"| {name} | {t * 1e6:.1f} | {flops / t / 1e12:.1f} | "
+              f"{100 * flops / t / peak_flops:.1f} | {nbytes / t / 1e9:.0f} | "
+              f"{100 * nbytes / t / peak_bw:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -31,7 +31,9 @@ def test_mma_instructions(compiled_variants, kind, arch):
                    "tcgen05.dealloc"):
             assert op in ptx, op
     assert "mma.sync" not in ptx  # no fallback to the warp-level MMA
-    assert r.mma_count >= (40 if "mla" in kind else 12)
+    # exactly one MMA per k-step: QK^T over d_qk (576 or 128) + PV over the BN-row tile
+    bn = 64 if arch == "sm90" else 32
+    assert r.mma_count == (576 if "mla" in kind else 128) // 16 + bn // 16, r.mma_instructions
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -27,8 +27,11 @@ FP8_ROPE_OFFSET = 528
 
 
 def row_tile_layout(rows: int, cols: int):
-    """``(rows, cols)`` bf16 smem layout: K-major SW128 atoms, token blocks first."""
-    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BF16)
+    """``(rows, cols)`` bf16 smem layout: K-major swizzle atoms (128 B when ``cols % 64 == 0``,
+    else 64 B for the 32-column P tile of SM100), token blocks first."""
+    kind = warpgroup.SmemLayoutAtomKind.K_SW128 if cols % 64 == 0 else \
+        warpgroup.SmemLayoutAtomKind.K_SW64
+    atom = warpgroup.make_smem_layout_atom(kind, BF16)
     return cute.tile_to_shape(atom, (rows, cols), (0, 1))
 
 

@@ -32,7 +32,8 @@ def test_published_defaults():
     ("quest", {"token_budget": 8}, "token_budget must be >= page_size=16"),
     ("block_select", {"topk_blocks": 0}, "topk_blocks must be >= 1"),
     ("block_select", {"score_type": "sum"}, r"score_type must be one of \['max', 'mean'\]"),
-    ("block_select", {"init_blocks": 2, "local_blocks": 2, "topk_blocks": 3}, "init_blocks \\+ local_blocks must be <="),
+    ("block_select", {"init_blocks": 2, "local_blocks": 2, "topk_blocks": 3},
+     r"init_blocks \+ local_blocks must be <="),
     ("block_select", {"block_size": 0}, "block_size must be >= 1"),
 ])
 def test_bad_values_raise_at_construction(name, params, match):

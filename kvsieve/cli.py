@@ -7,7 +7,8 @@ import sys
 __all__ = ["main"]
 
 # subcommand -> module exposing main(argv) -> int
-SUBCOMMANDS = {"demo": "kvsieve.demo"}
+SUBCOMMANDS = {"demo": "kvsieve.demo", "eval": "kvsieve.eval.cli",
+               "distill-indexer": "kvsieve.eval.distill_indexer"}
 
 
 def main(argv: list[str] | None = None) -> int:

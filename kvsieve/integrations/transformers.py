@@ -43,7 +43,7 @@ from ..sparse import Engine, SparseAttention, SparseAttentionConfig, get_backend
 from ..sparse.backends import AttentionBackend, AttentionGeometry
 from ..sparse.params import SparseRuntimeParams
 
-__all__ = ["KvsieveSession", "ATTN_IMPLEMENTATION", "register_attention", "LayerObserver"]
+__all__ = ["KvsieveSession", "ATTN_IMPLEMENTATION", "register_attention", "LayerObserver", "gather_request_kv"]
 
 ATTN_IMPLEMENTATION = "kvsieve"
 _SESSION_ATTR = "kvsieve_session"
@@ -77,6 +77,28 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 
 
+def gather_request_kv(cache: KVCacheManager, layer_idx: int, request_id: int, *, head_major: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's valid K and V of a GQA layer, copied whole block by whole block (one
+    ``index_select`` over the block ids instead of a per-position gather).
+
+    Returns ``[L, Hkv, D]`` each, or ``[Hkv, L, D]`` with ``head_major``.
+    """
+    if cache.spec.kind != "gqa":
+        raise ValueError(f"gather_request_kv: GQA caches only, this one is {cache.spec.kind!r}")
+    kv_len = cache.valid_len(request_id)
+    blocks = torch.as_tensor(cache.block_ids(request_id), dtype=torch.long, device=cache.pools[layer_idx].device)
+    sel = cache.pools[layer_idx].index_select(0, blocks)
+    if cache.spec.layout == "NHD":  # [n, 2, P, Hkv, D] -> [2, Hkv, n, P, D]
+        sel = sel.permute(1, 3, 0, 2, 4)
+    else:  # [n, 2, Hkv, P, D]
+        sel = sel.permute(1, 2, 0, 3, 4)
+    kv = sel.reshape(2, sel.shape[1], -1, sel.shape[-1])[:, :, :kv_len]
+    if not head_major:
+        kv = kv.transpose(1, 2)
+    return kv[0], kv[1]
+
+
 class _DenseSdpaFastPath(AttentionBackend):
     """Wraps a backend: a layer step with no selection (``params`` ``None``) runs torch SDPA over
     each request's K/V gathered from the paged cache; any selection goes to the wrapped backend.
@@ -102,15 +124,14 @@ class _DenseSdpaFastPath(AttentionBackend):
             t0, t1 = (int(x) for x in metadata.query_start_host[i: i + 2])
             if t1 == t0:
                 continue
-            k, v = mgr.gather(layer_idx, rid)  # [L, Hkv, D]
-            n, kv_len = t1 - t0, k.shape[0]
+            k, v = gather_request_kv(mgr, layer_idx, rid, head_major=True)  # [Hkv, L, D]
+            n, kv_len = t1 - t0, k.shape[1]
             mask = None
             if 1 < n < kv_len:  # bottom-right aligned causal mask
                 mask = torch.arange(kv_len, device=q.device) <= (kv_len - n + torch.arange(n, device=q.device))[:, None]
             o = torch.nn.functional.scaled_dot_product_attention(
-                q[t0:t1].transpose(0, 1).unsqueeze(0), k.to(q.dtype).transpose(0, 1).unsqueeze(0),
-                v.to(q.dtype).transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=n == kv_len and n > 1,
-                scale=geometry.sm_scale, enable_gqa=True)
+                q[t0:t1].transpose(0, 1).unsqueeze(0), k.to(q.dtype).unsqueeze(0), v.to(q.dtype).unsqueeze(0),
+                attn_mask=mask, is_causal=n == kv_len and n > 1, scale=geometry.sm_scale, enable_gqa=True)
             out[t0:t1] = o[0].transpose(0, 1)
         return out, torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
 

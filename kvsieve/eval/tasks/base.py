@@ -1,0 +1,105 @@
+"""The task contract: a task turns (tokenizer, length, depths, samples, seed) into prompts with
+gold answers, and scores a prediction. Tasks register by name, like selectors."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ..metrics import digit_prefix_match, string_match_all
+
+__all__ = ["Sample", "Task", "register_task", "get_task", "available_tasks", "WORDS", "random_key", "random_number"]
+
+_TASKS: dict[str, type[Task]] = {}
+
+
+@dataclass
+class Sample:
+    """One prompt. ``answers``: every gold string; ``depth``: needle depth in percent (``None``
+    when the task has none); ``meta``: anything a task wants in ``predictions.csv``."""
+
+    index: int
+    prompt: str
+    answers: list[str]
+    depth: float | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Task:
+    """Base class. ``kind``: ``"generate"`` (greedy answer, scored by :meth:`score`) or
+    ``"fidelity"`` (per-layer attention metrics, see :mod:`kvsieve.eval.tasks.fidelity`)."""
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[str] = "generate"
+    max_new_tokens: ClassVar[int] = 12
+    uses_depths: ClassVar[bool] = True
+
+    def make_samples(self, tokenizer: Any, length: int, depths: list[float], samples: int,
+                     seed: int) -> list[Sample]:
+        """``samples`` prompts per depth (or ``samples`` prompts when the task has no depth), each
+        about ``length`` tokens; deterministic in ``seed``."""
+        rng = random.Random(f"{self.name}/{length}/{seed}")
+        out: list[Sample] = []
+        for depth in (depths if self.uses_depths else [None]):
+            for _ in range(samples):
+                out.append(self.make_one(tokenizer, length, depth, rng, len(out)))
+        return out
+
+    def make_one(self, tokenizer: Any, length: int, depth: float | None, rng: random.Random, index: int) -> Sample:
+        raise NotImplementedError
+
+    def prefix_len(self, num_ids: int) -> int:
+        """Prompt tokens prefilled before :meth:`run` (all of them for a generation task)."""
+        return num_ids
+
+    def run(self, session: Any, logits: Any, ids: Any, sample: Sample, reference: Any,
+            tokenizer: Any) -> dict[str, Any]:
+        """Continue the live request of ``session`` after the prefill (``logits [1, V]``) and
+        return one row: ``prediction``, ``score`` and ``partial``."""
+        new = session.continue_greedy(logits, self.max_new_tokens, getattr(tokenizer, "eos_token_id", None))
+        pred = tokenizer.decode(new[0].tolist(), skip_special_tokens=True).strip()
+        return {"prediction": pred, "score": self.score(pred, sample),
+                "partial": max(digit_prefix_match(pred, a) if a.isdigit() else 0.0 for a in sample.answers)}
+
+    def score(self, prediction: str, sample: Sample) -> float:
+        """Score in ``[0, 1]``; default: fraction of gold answers found in the prediction."""
+        return string_match_all(prediction, sample.answers)
+
+
+def register_task(cls: type[Task]) -> type[Task]:
+    if not cls.name or cls.name in _TASKS:
+        raise ValueError(f"task name must be non-empty and unique, got {cls.name!r}")
+    _TASKS[cls.name] = cls
+    return cls
+
+
+def get_task(name: str) -> Task:
+    if name not in _TASKS:
+        raise ValueError(f"unknown task {name!r}; available: {available_tasks()}")
+    return _TASKS[name]()
+
+
+def available_tasks() -> list[str]:
+    return sorted(_TASKS)
+
+
+# short, common words: each is a few tokens, so keys stay cheap and unambiguous
+_ADJ = ("quiet bright heavy gentle rapid silver hollow ancient bitter brave calm clever curious eager fancy "
+        "fierce golden humble jolly lively mighty noble proud rustic shiny tender vivid witty young zealous").split()
+_NOUN = ("river falcon garden lantern meadow harbor violin pepper castle comet desert forest glacier island "
+         "jacket kettle ladder marble needle orchard pencil quartz rocket saddle tiger tunnel wagon willow").split()
+WORDS = (_ADJ, _NOUN)
+
+
+def random_key(rng: random.Random, used: set[str] | None = None) -> str:
+    """A RULER-style word key, ``adjective-noun``, not in ``used``."""
+    while True:
+        key = f"{rng.choice(_ADJ)}-{rng.choice(_NOUN)}"
+        if used is None or key not in used:
+            if used is not None:
+                used.add(key)
+            return key
+
+
+def random_number(rng: random.Random, digits: int) -> str:
+    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))

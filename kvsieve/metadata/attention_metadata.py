@@ -59,6 +59,7 @@ class AttentionMetadata:
             return torch.zeros((n, *shape), dtype=torch.int32, device=dev)
 
         self._seq_lens_host = torch.zeros(r, dtype=torch.int32)
+        self._seq_lens_view = self._seq_lens_host[:0]
         self._seq_lens_device = ibuf(r)
         self._kv_lens_host = np.zeros(r, dtype=np.int32)
         self._kv_lens_device = ibuf(r)
@@ -106,8 +107,9 @@ class AttentionMetadata:
 
     @property
     def seq_lens(self) -> torch.Tensor:
-        """Host int32 ``[num_seqs]``: new query tokens per request this step."""
-        return self._seq_lens_host[: self._num_seqs]
+        """Host int32 ``[num_seqs]``: new query tokens per request this step (one object per step,
+        so identity with :attr:`seq_lens_kv` tells self- from cross attention)."""
+        return self._seq_lens_view
 
     @seq_lens.setter
     def seq_lens(self, lens: torch.Tensor | Sequence[int]) -> None:
@@ -123,6 +125,7 @@ class AttentionMetadata:
         self._seq_lens_host[:n].copy_(lens)
         self._seq_lens_device[:n].copy_(lens, non_blocking=True)
         self._num_seqs = n
+        self._seq_lens_view = self._seq_lens_host[:n]
         self._update_counts()
 
     @property

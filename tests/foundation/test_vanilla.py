@@ -14,7 +14,8 @@ def engine(hq, hkv, d, page=5, kind="gqa", rank=0, layout="HND"):
     spec = KVCacheSpec(num_layers=1, num_blocks=200, tokens_per_block=page, num_kv_heads=hkv, head_dim=d,
                        kind=kind, kv_lora_rank=rank, rope_dim=d - rank if kind == "mla" else 0, layout=layout,
                        max_requests=8, max_blocks_per_seq=60)
-    layer = SparseAttention(layer_idx=0, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, kind=kind, kv_lora_rank=rank)
+    layer = SparseAttention(layer_idx=0, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, kind=kind, kv_lora_rank=rank,
+                            backend="vanilla")
     return Engine(KVCacheManager(spec), [layer], max_num_requests=8, max_num_tokens=512)
 
 

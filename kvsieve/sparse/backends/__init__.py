@@ -18,6 +18,7 @@ _BACKENDS = {
     "vanilla": "vanilla:VanillaBackend",
     "torch": "torch_backend:TorchBackend",
     "triton": "triton_backend:TritonBackend",
+    "cute": "cute:CuteBackend",
 }
 # the fast path per device type; "vanilla" is the golden, never a default
 _DEFAULTS = {"cpu": "torch", "cuda": "triton"}

@@ -1,6 +1,6 @@
 """Host side of the CuTe sparse decode kernels: validation, index translation, launch, merge.
 
-Index choice (documented in docs/kernels_cute.md): the CuTe kernels take FlashMLA-style
+Index choice (documented in docs/kernels.md (CuTe-DSL section)): the CuTe kernels take FlashMLA-style
 **physical row ids** ``[num_tokens, num_kv_heads, L]`` int32 (-1 = skip), ``L`` a multiple of the
 kernel's ``BN``. The request-local selections of ``SparseRuntimeParams`` (``indices [H, total]``
 + ``offsets`` + ``block_table`` + ``token_to_req`` + ``kv_lens``) are translated here with

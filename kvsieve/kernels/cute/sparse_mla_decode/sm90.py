@@ -14,7 +14,7 @@ value-column tile, split). Per tile of ``BN`` selected KV rows it
 
 The [64, 512] fp32 MLA accumulator does not fit one warpgroup's registers, so the 512 value
 columns are split over two CTAs (``dv_tile = 256``, 128 accumulator registers per thread);
-each recomputes ``S`` (about 1.5x the MMA work of a fused kernel; see docs/kernels_cute.md).
+each recomputes ``S`` (about 1.5x the MMA work of a fused kernel; see docs/kernels.md (CuTe-DSL section)).
 Partial results go to ``out_partial [splits, T, H, Dv]`` fp32 and ``lse_partial [splits, T, H]``
 (natural log; empty -> out 0, lse +inf); the host merges splits.
 

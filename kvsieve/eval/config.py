@@ -7,7 +7,8 @@ entry::
       quest:                      # label used in run folders and plots
         selector: quest           # registry name (default: the label)
         budgets: [64, 256]        # tokens per query; or sparsities: [...] or compression_ratios: [...]
-        budget_params: [budget]   # config fields that receive the token budget
+        budget_params: [budget]   # config fields that receive the token budget; a mapping
+                                  # {topk_blocks: 16} passes budget // 16 (budgets in blocks)
         budget_multiple: 16       # round the budget down to a multiple (page-granular selectors)
         params: {page_size: 16}   # fixed config fields
         phases: [generation]      # where the selector acts (dense elsewhere)
@@ -57,7 +58,7 @@ class SelectorSpec:
     budgets: list[float] = field(default_factory=list)
     sparsities: list[float] = field(default_factory=list)
     compression_ratios: list[float] = field(default_factory=list)
-    budget_params: list[str] = field(default_factory=lambda: ["budget"])
+    budget_params: list[str] | dict[str, int] = field(default_factory=lambda: ["budget"])
     budget_multiple: int = 1
     params: dict[str, Any] = field(default_factory=dict)
     phases: list[str] = field(default_factory=lambda: ["generation"])
@@ -75,6 +76,8 @@ class SelectorSpec:
         for r in self.compression_ratios:
             if r < 1:
                 raise ValueError(f"selectors.{self.label}.compression_ratios entries must be >= 1, got {r}")
+        if isinstance(self.budget_params, dict) and any(u < 1 for u in self.budget_params.values()):
+            raise ValueError(f"selectors.{self.label}.budget_params units must be >= 1, got {self.budget_params}")
         for b in self.budgets:
             if b < 1:
                 raise ValueError(f"selectors.{self.label}.budgets entries must be >= 1 token, got {b}")
@@ -97,7 +100,8 @@ class SelectorSpec:
 
     def sparse_config(self, budget: Budget) -> SparseAttentionConfig:
         params = dict(self.params)
-        params.update({p: budget.tokens for p in self.budget_params})
+        units = self.budget_params if isinstance(self.budget_params, dict) else dict.fromkeys(self.budget_params, 1)
+        params.update({p: budget.tokens // unit for p, unit in units.items()})
         return SparseAttentionConfig(self.selector, params, dense_layers=tuple(self.dense_layers),
                                      phases=tuple(self.phases) if self.phases else None)
 

@@ -100,7 +100,8 @@ def gather_request_kv(cache: KVCacheManager, layer_idx: int, request_id: int, *,
 
 
 class _DenseSdpaFastPath(AttentionBackend):
-    """Wraps a backend: a layer step with no selection (``params`` ``None``) runs torch SDPA over
+    """Wraps a backend: a layer step with no selection (no attention indices, no skip-softmax
+    threshold; prompt-eviction indices alone do not change the attention) runs torch SDPA over
     each request's K/V gathered from the paged cache; any selection goes to the wrapped backend.
 
     The dense prefill of a 4K prompt through the Vanilla golden materializes ``[H, S, L]`` fp32
@@ -116,7 +117,8 @@ class _DenseSdpaFastPath(AttentionBackend):
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                 params: SparseRuntimeParams | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if params is not None or geometry.kind != "gqa":
+        selects = params is not None and (params.sparse_attn_indices is not None or params.threshold_scale_factor > 0)
+        if selects or geometry.kind != "gqa":
             return self.inner.forward(q, metadata, layer_idx, geometry, params)
         mgr = metadata.kv_cache_manager
         out = torch.zeros(q.shape[0], q.shape[1], geometry.value_dim, dtype=q.dtype, device=q.device)
@@ -316,8 +318,10 @@ class KvsieveSession:
         layer = self.layers[layer_idx]
         md = self.engine.metadata
         out, _ = layer.forward(q, k, v, md)
-        stats = layer.last_stats
-        self._stats[self._phase][layer_idx] += (stats.attended, stats.dense)
+        # dense = every position each new token has seen, eviction notwithstanding
+        first = self._next_pos - s + 1
+        dense = b * layer.geometry.num_kv_heads * (s * first + s * (s - 1) // 2)
+        self._stats[self._phase][layer_idx] += (layer.last_stats.attended, dense)
         for observer in self.observers:
             observer(layer_idx, q, out, md, layer)
         if not self._driven and layer_idx == self.num_layers - 1:
@@ -326,8 +330,9 @@ class KvsieveSession:
 
     # ---- reporting ----------------------------------------------------------------------
     def attended_fraction(self, phase: str = "generation") -> list[float | None]:
-        """Per layer: attended / dense positions summed over the steps of ``phase`` since the last
-        :meth:`reset_stats` (``None`` for a layer that saw no such step)."""
+        """Per layer: positions attended / positions seen (all history, so evicted tokens count as
+        skipped), summed over the steps of ``phase`` since the last :meth:`reset_stats` (``None``
+        for a layer that saw no such step)."""
         if phase not in self._stats:
             raise ValueError(f"phase must be one of {sorted(self._stats)}, got {phase!r}")
         acc = self._stats[phase]

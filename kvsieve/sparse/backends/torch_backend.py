@@ -85,6 +85,26 @@ class TorchBackend(AttentionBackend):
 
     def __init__(self, max_gather_bytes: int = 256 << 20) -> None:
         self.max_gather_bytes = max_gather_bytes
+        # grow-only gather buffers reused across calls: a fresh multi-MiB tensor per call is a fresh
+        # mmap, and its page faults cost several times the copy itself (bounded by max_gather_bytes)
+        self._scratch: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        key = (name, dtype, device)
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._scratch[key] = buf
+        return buf[:numel].view(shape)
+
+    def _rows(self, name: str, flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``flat.index_select(0, index)`` into a reused buffer, then fp32 (a no-op for fp32 pools)."""
+        out = self._buffer(name, (index.numel(), flat.shape[1]), flat.dtype, flat.device)
+        torch.index_select(flat, 0, index, out=out)
+        if flat.dtype == torch.float32:
+            return out
+        return self._buffer(name + "_f32", tuple(out.shape), torch.float32, flat.device).copy_(out)
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                 params: SparseRuntimeParams | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +147,8 @@ class TorchBackend(AttentionBackend):
                 v = v_cache[blk, heads, p % page].float()
             n = k.shape[1]
             qf = q[rows].float().view(n, hkv, hq // hkv, -1).permute(1, 0, 2, 3)  # [Hkv, n, g, D]
-            s = torch.matmul(qf, k.transpose(-1, -2)) * geometry.sm_scale  # [Hkv, n, g, K]
+            # K as the left operand streams the gathered rows once (q @ K^T would first copy K transposed)
+            s = torch.matmul(k, (qf * geometry.sm_scale).transpose(-1, -2)).transpose(-1, -2)  # [Hkv, n, g, K]
             s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
             row_lse = torch.logsumexp(s, dim=-1)
             empty = torch.isneginf(row_lse)
@@ -137,8 +158,7 @@ class TorchBackend(AttentionBackend):
             lse[rows] = torch.where(empty, torch.inf, row_lse).permute(1, 0, 2).reshape(n, hq)
         return out.to(q.dtype), lse
 
-    @staticmethod
-    def _gather_runs(pool: torch.Tensor, geometry: AttentionGeometry, params: SparseRuntimeParams | None,
+    def _gather_runs(self, pool: torch.Tensor, geometry: AttentionGeometry, params: SparseRuntimeParams | None,
                      table: torch.Tensor, tok_req: torch.Tensor, lens: torch.Tensor, rows: slice, unit: int,
                      page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gather whole runs of ``unit`` positions as contiguous rows of the pool (``index_select``,
@@ -156,14 +176,14 @@ class TorchBackend(AttentionBackend):
         if geometry.kind == "mla":
             width = pool.shape[-1]
             flat = pool.view(-1, unit * width)
-            lat = flat.index_select(0, (blk * per_page + sub).flatten()).view(1, n, u * unit, width).float()
+            lat = self._rows("k", flat, (blk * per_page + sub).flatten()).view(1, n, u * unit, width)
             return lat, lat[..., : geometry.kv_lora_rank], valid
         d = pool.shape[-1]
         flat = pool.view(-1, unit * d)
         h = torch.arange(hkv, device=blk.device).view(hkv, 1, 1)
         k_rows = ((blk * 2) * hkv + h) * per_page + sub
-        k = flat.index_select(0, k_rows.flatten()).view(hkv, n, u * unit, d).float()
-        v = flat.index_select(0, (k_rows + hkv * per_page).flatten()).view(hkv, n, u * unit, d).float()
+        k = self._rows("k", flat, k_rows.flatten()).view(hkv, n, u * unit, d)
+        v = self._rows("v", flat, (k_rows + hkv * per_page).flatten()).view(hkv, n, u * unit, d)
         return k, v, valid
 
     @staticmethod

@@ -1,0 +1,136 @@
+"""The ``dsa`` selector through kvsieve's layer and engine: index-K aux pool, logits paths
+(ragged prefill, paged decode, chunked), short-sequence fast path, engines, configuration errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, SparseAttentionConfig, create_selector
+from kvsieve import lower_config
+from kvsieve.kernels.triton.topk.naive import radix_topk
+from kvsieve.selectors import IndexerInputs
+from kvsieve.selectors.dsa import INDEX_K_POOL, INDEX_K_SCALE_POOL
+
+H, D, R, TOPK = 4, 32, 16, 48
+
+
+class Rig:
+    """One GQA layer (2 KV heads) with a ``dsa`` plan; remembers every token's index tensors."""
+
+    def __init__(self, **cfg):
+        spec = KVCacheSpec(num_layers=1, num_blocks=160, tokens_per_block=16, num_kv_heads=2, head_dim=16,
+                           max_requests=4, max_blocks_per_seq=32)
+        self.cache = KVCacheManager(spec)
+        params = dict(index_topk=TOPK, n_heads=H, head_dim=D, rope_dim=R) | cfg
+        self.plan = lower_config(SparseAttentionConfig("dsa", params), num_layers=1)[0]
+        self.layer = SparseAttention(layer_idx=0, num_q_heads=4, num_kv_heads=2, head_dim=16, plan=self.plan)
+        self.engine = Engine(self.cache, [self.layer], max_num_requests=4, max_num_tokens=512)
+        self.g = torch.Generator().manual_seed(0)
+        self.hist: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+
+    @property
+    def selector(self):
+        return self.plan.selector
+
+    def step(self, rids, lens, num_contexts):
+        t = sum(lens)
+        q, k, w = torch.randn(t, H, D, generator=self.g), torch.randn(t, D, generator=self.g), \
+            torch.rand(t, H, generator=self.g)
+        self.selector.set_indexer_inputs(0, IndexerInputs(q_index=q, k_index=k, weights=w))
+        md = self.engine.begin_step(rids, lens, num_contexts)
+        qkv = [torch.randn(t, *s, generator=self.g) for s in ((4, 16), (2, 16), (2, 16))]
+        self.layer.forward(*qkv, md)
+        self.engine.end_step()
+        t0 = 0
+        for rid, n in zip(rids, lens):
+            self.hist.setdefault(rid, []).append((q[t0:t0 + n], k[t0:t0 + n], w[t0:t0 + n]))
+            t0 += n
+        return self.layer.last_params
+
+    def expected(self, rid, n_last):
+        """Radix top-k of fp32 logits computed from the remembered tensors, last ``n_last`` rows."""
+        q, k, w = (torch.cat(x) for x in zip(*self.hist[rid]))
+        total = k.shape[0]
+        logits = torch.einsum("th,ths->ts", w, torch.einsum("thd,sd->ths", q, k).relu())[-n_last:]
+        lens = torch.arange(total - n_last, total, dtype=torch.int32) + 1
+        logits = logits.masked_fill(torch.arange(total) >= lens[:, None], float("-inf"))
+        return radix_topk(logits.contiguous(), lens, TOPK)
+
+
+def _sets(params, rows: range):
+    idx, off = params.sparse_attn_indices, params.sparse_attn_offsets
+    for h in range(idx.shape[0]):
+        assert all(torch.equal(idx[0, off[t]:off[t + 1]], idx[h, off[t]:off[t + 1]]) for t in rows)
+    return [{int(x) for x in idx[0, off[t]:off[t + 1]] if x >= 0} for t in rows]
+
+
+def _overlap(got, want):
+    return sum(len(a & b) / max(len(b), 1) for a, b in zip(got, want)) / len(want)
+
+
+@pytest.mark.parametrize("cfg", [dict(index_k_dtype="float32", topk_engine="radix", logits_kernel="triton"),
+                                 dict(index_k_dtype="float32", topk_engine="gvr", logits_kernel="triton",
+                                      max_logits_elems=500),
+                                 dict(index_k_dtype="float32")])
+def test_selection_equals_exact_topk(cfg):
+    rig = Rig(**cfg)
+    rig.step([0, 1], [30, 70], 2)  # fresh prompts: ragged prefill path
+    rig.step([0, 1], [1, 1], 0)  # decode: paged path
+    p = rig.step([0, 2], [40, 60], 1)  # chunked prefill of request 0 (paged) + a new prompt (ragged)
+    got = _sets(p, range(100))
+    want0 = [{int(x) for x in row if x >= 0} for row in rig.expected(0, 40)]
+    want2 = [{int(x) for x in row if x >= 0} for row in rig.expected(2, 60)]
+    assert _overlap(got[:40], want0) > 0.995 and _overlap(got[40:], want2) > 0.995  # fp32 rounding only
+    assert all(len(s) == min(TOPK, pos + 1) for s, pos in zip(got[40:], range(60)))
+    assert rig.selector.stats.indexed_steps == 3 and rig.selector.stats.short_path_steps == 0
+    assert rig.selector.topk_engine == cfg.get("topk_engine", "torch")
+
+
+@pytest.mark.parametrize("k_dtype", ["bfloat16", "float8_e4m3"])
+def test_low_precision_index_keys(k_dtype):
+    rig = Rig(index_k_dtype=k_dtype)
+    p = rig.step([0], [120], 1)
+    pool = rig.cache.aux_pools[INDEX_K_POOL][0]
+    assert pool.dtype == (torch.bfloat16 if k_dtype == "bfloat16" else torch.float8_e4m3fn)
+    assert pool.shape == (160, 16, D)
+    if k_dtype == "float8_e4m3":
+        s = rig.cache.aux_pools[INDEX_K_SCALE_POOL][0]
+        used = s[s > 0]
+        assert used.numel() >= 120 and torch.equal(torch.exp2(torch.log2(used).round()), used)
+    got = _sets(p, range(120))
+    want = [{int(x) for x in row if x >= 0} for row in rig.expected(0, 120)]
+    assert _overlap(got, want) > 0.9
+
+
+def test_short_sequence_fast_path_selects_everything():
+    rig = Rig()
+    p = rig.step([0, 1], [TOPK, 10], 2)
+    assert rig.selector.stats.short_path_steps == 1 and rig.selector.stats.last_short_path == {0: True}
+    assert _sets(p, range(TOPK + 10)) == [set(range(t + 1)) for t in range(TOPK)] + [set(range(t + 1))
+                                                                                       for t in range(10)]
+    rig.step([0, 1], [1, 1], 0)  # request 0 now sees TOPK + 1 tokens: the indexer runs
+    assert rig.selector.stats.last_short_path == {0: False}
+
+
+def test_missing_inputs_and_bad_config():
+    rig = Rig()
+    md = rig.engine.begin_step([0], [4], 1)
+    with pytest.raises(RuntimeError, match="set_indexer_inputs"):
+        rig.layer.forward(torch.zeros(4, 4, 16), torch.zeros(4, 2, 16), torch.zeros(4, 2, 16), md)
+    with pytest.raises(ValueError, match="index_k_dtype"):
+        create_selector("dsa", index_k_dtype="int4")
+    with pytest.raises(ValueError, match="compress_ratio"):
+        create_selector("dsa", compress_ratio=4)
+    with pytest.raises(ValueError, match="rope_dim"):
+        create_selector("dsa", head_dim=32, rope_dim=48)
+    with pytest.raises(ValueError, match="cute_gvr"):
+        create_selector("dsa", topk_engine="cute_gvr")
+    with pytest.raises(ValueError, match="either hidden"):
+        IndexerInputs()
+    sel = create_selector("dsa", n_heads=H, head_dim=D, rope_dim=R, index_topk=TOPK)
+    with pytest.raises(RuntimeError, match="IndexerProjections"):
+        rig2 = Rig()
+        rig2.selector.set_indexer_inputs(0, IndexerInputs(hidden=torch.zeros(4, 8)))
+        rig2.layer.forward(torch.zeros(4, 4, 16), torch.zeros(4, 2, 16), torch.zeros(4, 2, 16),
+                           rig2.engine.begin_step([0], [4], 1))
+    assert sel.topk_engine == "torch"

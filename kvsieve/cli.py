@@ -8,7 +8,6 @@ __all__ = ["main"]
 
 # subcommand -> module exposing main(argv) -> int
 SUBCOMMANDS = {"demo": "kvsieve.demo", "eval": "kvsieve.eval.cli",
-               "distill-indexer": "kvsieve.eval.distill_indexer",
                "distill-indexer": "kvsieve.eval.distill_indexer"}
 
 

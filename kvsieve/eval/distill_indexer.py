@@ -91,7 +91,7 @@ def _sequences(tokenizer: Any, n: int, seq_len: int, offset_tokens: int = 0) -> 
 
 
 def distill(model: torch.nn.Module, tokenizer: Any, *, n_heads: int = 8, head_dim: int = 32, rope_dim: int = 16,
-            seq_len: int = 512, num_seqs: int = 8, epochs: int = 30, lr: float = 3e-3, seed: int = 0,
+            seq_len: int = 512, num_seqs: int = 8, epochs: int = 8, lr: float = 3e-3, seed: int = 0,
             progress: bool = True) -> tuple[dict[int, IndexerProjections], list[float]]:
     """Dense warm-up of one indexer per layer; returns ``({layer: projections}, loss per epoch)``."""
     for p in model.parameters():
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rope-dim", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
     ap.add_argument("--num-seqs", type=int, default=8, help="training sequences")
-    ap.add_argument("--epochs", type=int, default=30)
+    ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-len", type=int, default=2048, help="held-out tokens for the recall measurement (0 = skip)")
     ap.add_argument("--topks", default="256,512,1024", help="budgets of the recall measurement")

@@ -10,8 +10,9 @@ back silently.
 ==============  ==========================================================================
 engine          runs when
 ==============  ==========================================================================
-``cute_gvr``    CuTe-DSL importable, CUDA SM in {90, 100, 103}, ``index_topk`` in
-                {512, 1024, 2048}, compress ratio in {1, 4}   (``auto`` picks it then)
+``cute_gvr``    CuTe-DSL GVR kernel importable (``cute_dsl_available``), CUDA SM in
+                {90, 100, 103}, ``index_topk`` in {512, 1024, 2048}, compress ratio in
+                {1, 4}   (``auto`` picks it then)
 ``gvr``         Triton on any CUDA GPU (``auto`` otherwise), or on CPU under
                 ``TRITON_INTERPRET=1`` when forced
 ``radix``       as ``gvr``; never picked by ``auto`` (the exact baseline)
@@ -63,9 +64,19 @@ def topk_launch(arch: str) -> TopKLaunch:
     return TOPK_LAUNCH[arch]
 
 
+CUTE_GVR_MODULE = "kvsieve.kernels.cute.topk_gvr.kernel"
+
+
 def cute_dsl_available() -> bool:
-    """Whether the CuTe-DSL package (``nvidia-cutlass-dsl``, the ``cute`` extra) is importable."""
-    return importlib.util.find_spec("cutlass") is not None
+    """Whether a CuTe-DSL GVR kernel can be launched here: the CuTe-DSL package
+    (``nvidia-cutlass-dsl``, the ``cute`` extra) is importable *and* kvsieve ships the kernel
+    module ``CUTE_GVR_MODULE`` (not yet: see docs/dsa.md), so ``auto`` never picks it today."""
+    if importlib.util.find_spec("cutlass") is None:
+        return False
+    try:
+        return importlib.util.find_spec(CUTE_GVR_MODULE) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def device_sm(device: torch.device) -> int | None:
@@ -109,7 +120,8 @@ def choose_topk_engine(requested: str, *, device: torch.device | str, index_topk
     cuda = dev.type == "cuda"
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     cute_blockers = [why for ok, why in (
-        (cute, "CuTe-DSL is not installed (pip install 'kvsieve[cute]')"),
+        (cute, "the CuTe-DSL GVR kernel is unavailable (needs pip install 'kvsieve[cute]' and the "
+               f"{CUTE_GVR_MODULE} module, which this build does not ship)"),
         (cuda and sm in CUTE_SMS, f"needs a CUDA device with SM in {sorted(CUTE_SMS)}, got {dev.type} SM {sm}"),
         (index_topk in CUTE_TOPKS, f"index_topk must be in {sorted(CUTE_TOPKS)}, got {index_topk}"),
         (compress_ratio in CUTE_COMPRESS_RATIOS,
@@ -179,6 +191,5 @@ def run_topk(workspace: TopKWorkspace, scores: torch.Tensor, lengths: torch.Tens
     if d.engine == "gvr":
         return kernel.gvr_topk(scores, lengths, k, d.gvr_capacity, workspace=workspace.scratch,
                                block=cfg.block, num_warps=cfg.num_warps, out=out)
-    from ...cute.topk_gvr import kernel as cute_kernel  # only importable with the cute extra
-
+    cute_kernel = importlib.import_module(CUTE_GVR_MODULE)  # present whenever the predicate chose it
     return cute_kernel.gvr_topk(scores, lengths, k, out=out)

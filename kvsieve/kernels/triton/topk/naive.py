@@ -56,12 +56,18 @@ def torch_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Ten
     if rows == 0 or width == 0:
         return out
     kk = min(k, width)
-    valid = torch.arange(width, device=scores.device) < lengths.to(torch.int64).unsqueeze(1)
-    masked = scores.masked_fill(~valid, float("-inf"))
-    # a valid -inf must beat the masked tail: rank on (value, validity)
-    keys = torch.where(valid, ordered_keys(masked) + 1, torch.zeros_like(valid, dtype=torch.int64))
-    _, idx = keys.topk(kk, dim=1)
+    lens = lengths.to(torch.int64)
+    valid = torch.arange(width, device=scores.device) < lens.unsqueeze(1)
+    _, idx = scores.masked_fill(~valid, float("-inf")).topk(kk, dim=1)
     picked_valid = torch.gather(valid, 1, idx)
+    # a row with valid -inf entries may have picked masked -inf ones instead: redo those rows,
+    # ranking on (value, validity)
+    bad = picked_valid.sum(1) < torch.clamp(lens, max=kk)
+    if bool(bad.any()):
+        sub_valid = valid[bad]
+        keys = torch.where(sub_valid, ordered_keys(scores[bad]) + 1, torch.zeros_like(sub_valid, dtype=torch.int64))
+        idx[bad] = keys.topk(kk, dim=1).indices
+        picked_valid = torch.gather(valid, 1, idx)
     out[:, :kk] = torch.where(picked_valid, idx, -1).to(torch.int32)
     return out
 

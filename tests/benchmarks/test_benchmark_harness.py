@@ -105,3 +105,21 @@ def test_render_partial():
     meta = {"quick": True, "date": "d", "torch": "t", "python": "p", "cpu_count": 1, "cpu_capability": "c",
             "torch_threads": 1, "load_1m_start": 0.0, "load_1m_end": 0.0, "wall_s": 0.0}
     assert "## Targets" in render_markdown({"meta": meta, "targets": []})
+
+
+def test_gpu_script_dispatch(monkeypatch):
+    import types
+
+    import benchmarks.__main__ as entry
+    monkeypatch.setattr(entry.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(entry, "GPU_MODULES", ("no_such_kernel_script",))
+    assert entry._gpu_suites(True) == {"no_such_kernel_script": {"status": "absent"}}
+
+    def strict_main(argv=None):  # a script without --quick: argparse exits 2, retried bare
+        if argv:
+            raise SystemExit(2)
+        return 0
+
+    assert entry._call_main(types.SimpleNamespace(main=strict_main), True) == ("ok", 0)
+    assert entry._call_main(types.SimpleNamespace(main=lambda argv=None: {"x": 1}), False) == ("ok", {"x": 1})
+    assert entry._call_main(types.SimpleNamespace(main=lambda argv=None: 3), False) == ("exit 3", 3)

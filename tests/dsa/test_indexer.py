@@ -84,14 +84,16 @@ def test_decode_kernel_matches_reference(dtype, page):
 
 
 def test_pow2_fp8_quantization():
-    x = torch.randn(64, 128) * torch.logspace(-3, 3, 64).unsqueeze(1)
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 3, 64).unsqueeze(1)
     x[5] = 0
     xq, s = quantize_pow2_fp8(x)
     assert xq.dtype == torch.float8_e4m3fn and s.shape == (64,)
     assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # powers of two
     assert float(s[5]) == 1.0 and bool((xq[5].float() == 0).all())
     assert bool((xq.float().abs().amax(1) <= 448).all())
-    torch.testing.assert_close(xq.float() * s[:, None], x, atol=0, rtol=0.07)
+    # e4m3: 3 mantissa bits (relative error <= 2^-4), subnormal step 2^-9 in units of the scale
+    err = (xq.float() * s[:, None] - x).abs()
+    assert bool((err <= x.abs() / 16 + s[:, None] * 2.0 ** -9).all())
 
 
 def test_argument_errors():

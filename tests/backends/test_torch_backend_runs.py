@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.sparse.backends import TorchBackend
+from kvsieve import SparseRuntimeParams
+from kvsieve.sparse.backends import TorchBackend, get_backend
 
 from .harness import build, compare, random_selection
 
@@ -46,3 +47,43 @@ def test_runs_chunked_equals_unchunked():
         b = TorchBackend(max_gather_bytes=1).forward(q, md, 0, geo, p)  # one token per chunk
         torch.testing.assert_close(a[0], b[0])
         torch.testing.assert_close(a[1], b[1])
+
+
+def _shared_prefill_selection(md, hkv: int, qblock: int, k: int, block_size: int, seed: int = 0):
+    """Block-sparse prefill: every query token of a ``qblock``-token query block (per request) names
+    the same ``k`` blocks (its own block and random earlier ones), so tokens form shared groups."""
+    g = torch.Generator().manual_seed(seed)
+    pos = md.positions.to(torch.int64)
+    out = torch.full((pos.numel(), hkv, k), -1, dtype=torch.int32)
+    cache: dict[tuple[int, int], torch.Tensor] = {}
+    for t, (r, p) in enumerate(zip(md.token_to_req.tolist(), pos.tolist())):
+        key = (r, p // qblock)
+        if key not in cache:
+            own = p // block_size
+            sel = torch.full((hkv, k), -1, dtype=torch.int32)
+            for h in range(hkv):
+                blocks = torch.cat([torch.tensor([own]), torch.randperm(own, generator=g)[: k - 1]]) if own else \
+                    torch.tensor([0])
+                sel[h, : blocks.numel()] = blocks.to(torch.int32)
+            cache[key] = sel
+        out[t] = cache[key]
+    return SparseRuntimeParams.from_topk(out, block_size=block_size)
+
+
+@pytest.mark.parametrize("max_gather_bytes", [256 << 20, 20_000])  # the small budget splits groups across chunks
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_shared_groups_block_sparse_prefill(block_size, max_gather_bytes):
+    md, q, geo = build(page=16, hq=8, hkv=2, d=16, ctx_lens=[150, 64], gen_hist=[90, 7], seed=block_size)
+    params = _shared_prefill_selection(md, 2, qblock=block_size, k=3, block_size=block_size, seed=block_size)
+    ref = get_backend("vanilla").forward(q, md, 0, geo, params)
+    out = TorchBackend(max_gather_bytes=max_gather_bytes).forward(q, md, 0, geo, params)
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(ref[1])
+    assert torch.equal(torch.isposinf(out[1]), torch.isposinf(ref[1]))
+    torch.testing.assert_close(out[1][finite], ref[1][finite], rtol=1e-5, atol=1e-5)
+
+
+def test_shared_groups_mla_prefill():
+    md, q, geo = build(page=16, hq=8, hkv=1, d=24, ctx_lens=[70, 33], gen_hist=[40], kind="mla", rank=16)
+    compare("torch", md, q, geo, None)  # dense context rows: one group per request
+    compare("torch", md, q, geo, _shared_prefill_selection(md, 1, qblock=16, k=2, block_size=16))

@@ -55,9 +55,10 @@ def _selection(params: SparseRuntimeParams, num_kv_heads: int, rows: slice, n: i
 
 
 def _unit_starts(params: SparseRuntimeParams | None, lens: torch.Tensor, num_kv_heads: int, rows: slice,
-                 unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Runs of ``unit`` consecutive positions read by query tokens ``rows``: their first positions
-    ``[Hkv, n, U]`` int64 (0 where unused) and whether each is used at all (``[Hkv, n, U]`` bool).
+    ``[Hkv, n, U]`` int64 (0 where unused), whether each is used at all (``[Hkv, n, U]`` bool), and
+    the first positions before masking (what the selection names, equal for tokens sharing it).
 
     ``unit`` divides the selection's block size (dense: any unit); the runs, expanded in order,
     are exactly the positions of :func:`selected_positions`, padded to whole units.
@@ -74,7 +75,7 @@ def _unit_starts(params: SparseRuntimeParams | None, lens: torch.Tensor, num_kv_
         starts = sel.unsqueeze(-1) * bs + torch.arange(per, device=sel.device) * unit
         ok = ((sel >= 0).unsqueeze(-1) & (starts < lens.view(1, n, 1, 1))).flatten(2)
         starts = starts.flatten(2)
-    return torch.where(ok, starts, 0), ok
+    return torch.where(ok, starts, 0), ok, starts
 
 
 class TorchBackend(AttentionBackend):
@@ -136,8 +137,9 @@ class TorchBackend(AttentionBackend):
         unit = page if bs == 1 and (params is None or params.sparse_attn_indices is None) else math.gcd(bs, page)
         for t0 in range(0, n_tok, chunk):
             rows = slice(t0, min(t0 + chunk, n_tok))
+            groups = None
             if rowwise:
-                k, v, valid = self._gather_runs(pool, geometry, params, table, tok_req, lens, rows, unit, page)
+                k, v, valid, groups = self._gather_runs(pool, geometry, params, table, tok_req, lens, rows, unit, page)
             else:
                 pos = selected_positions(params, lens, hkv, rows)  # [Hkv, n, K]
                 valid = pos >= 0
@@ -145,46 +147,81 @@ class TorchBackend(AttentionBackend):
                 blk = table[tok_req[rows]].view(1, -1, table.shape[1]).expand(hkv, -1, -1).gather(2, p // page)
                 k = k_cache[blk, heads, p % page].float()  # [Hkv, n, K, D]
                 v = v_cache[blk, heads, p % page].float()
-            n = k.shape[1]
-            qf = q[rows].float().view(n, hkv, hq // hkv, -1).permute(1, 0, 2, 3)  # [Hkv, n, g, D]
-            # K as the left operand streams the gathered rows once (q @ K^T would first copy K transposed)
-            s = torch.matmul(k, (qf * geometry.sm_scale).transpose(-1, -2)).transpose(-1, -2)  # [Hkv, n, g, K]
+            n = valid.shape[1]
+            g = hq // hkv
+            qs = q[rows].float().view(n, hkv, g, -1).permute(1, 0, 2, 3) * geometry.sm_scale  # [Hkv, n, g, D]
+            if groups is None:
+                # K as the left operand streams the gathered rows once (q @ K^T would copy K transposed)
+                s = torch.matmul(k, qs.transpose(-1, -2)).transpose(-1, -2)  # [Hkv, n, g, K]
+            else:  # tokens of a group share one gathered K/V: [Hkv, G, M, g, D] padded query tiles
+                gid, slot, n_groups, m = groups
+                qt = qs.new_zeros(hkv, n_groups, m, g, qs.shape[-1])
+                qt[:, gid, slot] = qs
+                s = torch.matmul(k, qt.view(hkv, n_groups, m * g, -1).transpose(-1, -2)).transpose(-1, -2)
+                s = s.reshape(hkv, n_groups, m, g, -1)[:, gid, slot]  # [Hkv, n, g, K]
             s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
             row_lse = torch.logsumexp(s, dim=-1)
             empty = torch.isneginf(row_lse)
             prob = torch.exp(s - torch.where(empty, 0.0, row_lse).unsqueeze(-1))
-            o = torch.matmul(prob, v)  # [Hkv, n, g, Dv]
+            if groups is None:
+                o = torch.matmul(prob, v)  # [Hkv, n, g, Dv]
+            else:
+                pt = prob.new_zeros(hkv, n_groups, m, g, prob.shape[-1])
+                pt[:, gid, slot] = prob
+                o = torch.matmul(pt.view(hkv, n_groups, m * g, -1), v).view(hkv, n_groups, m, g, -1)[:, gid, slot]
             out[rows] = o.permute(1, 0, 2, 3).reshape(n, hq, -1)
             lse[rows] = torch.where(empty, torch.inf, row_lse).permute(1, 0, 2).reshape(n, hq)
         return out.to(q.dtype), lse
 
     def _gather_runs(self, pool: torch.Tensor, geometry: AttentionGeometry, params: SparseRuntimeParams | None,
                      table: torch.Tensor, tok_req: torch.Tensor, lens: torch.Tensor, rows: slice, unit: int,
-                     page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """Gather whole runs of ``unit`` positions as contiguous rows of the pool (``index_select``,
         one memcpy per run) instead of one row per token. GQA HND pool ``[blocks, 2, Hkv, P, D]``
-        or MLA latent ``[blocks, P, R+rope]``, contiguous. Returns K ``[Hkv, n, K, D]``, V
-        ``[Hkv, n, K, Dv]`` (fp32) and the valid mask ``[Hkv, n, K]``."""
+        or MLA latent ``[blocks, P, R+rope]``, contiguous.
+
+        Consecutive query tokens of one request that name the same runs (a prefill's dense rows, a
+        query block of a block-sparse prefill) form a group and share one gather, made for the
+        group's last token (the longest causal range, so a superset of the others' valid runs).
+        Returns K ``[Hkv, G, K, D]``, V ``[Hkv, G, K, Dv]`` (fp32; ``G`` = groups, or tokens when
+        no two share), the per-token valid mask ``[Hkv, n, K]`` and ``(group of each token, slot in
+        its group, G, largest group)`` or ``None`` when every token is its own group."""
         hkv = geometry.num_kv_heads
-        starts, ok = _unit_starts(params, lens, hkv, rows, unit)  # [Hkv, n, U]
+        starts, ok, raw = _unit_starts(params, lens, hkv, rows, unit)  # [Hkv, n, U]
         n, u = starts.shape[1], starts.shape[2]
-        blk = table[tok_req[rows]].unsqueeze(0).expand(hkv, -1, -1).gather(2, starts // page)  # [Hkv, n, U]
-        sub = (starts % page) // unit
-        per_page = page // unit
+        req = tok_req[rows]
         pos = (starts.unsqueeze(-1) + torch.arange(unit, device=starts.device)).flatten(2)  # [Hkv, n, U*unit]
         valid = ok.repeat_interleave(unit, dim=2) & (pos < lens[rows].to(torch.int64).view(1, n, 1))
+        groups = None
+        if n > 1:
+            first = torch.ones(n, dtype=torch.bool, device=req.device)
+            first[1:] = req[1:] != req[:-1]
+            if u:
+                first[1:] |= (raw[:, 1:] != raw[:, :-1]).any(-1).any(0)
+            n_groups = int(first.sum())
+            if n_groups < n:
+                gid = torch.cumsum(first, 0) - 1
+                heads = torch.nonzero(first).squeeze(1)
+                last = torch.cat([heads[1:] - 1, heads.new_tensor([n - 1])])
+                slot = torch.arange(n, device=req.device) - heads[gid]
+                groups = (gid, slot, n_groups, int((last - heads).max()) + 1)
+                starts, ok, req = starts[:, last], ok[:, last], req[last]
+        blk = table[req].unsqueeze(0).expand(hkv, -1, -1).gather(2, starts // page)  # [Hkv, G, U]
+        sub = (starts % page) // unit
+        per_page = page // unit
+        rows_g = blk.shape[1]
         if geometry.kind == "mla":
             width = pool.shape[-1]
             flat = pool.view(-1, unit * width)
-            lat = self._rows("k", flat, (blk * per_page + sub).flatten()).view(1, n, u * unit, width)
-            return lat, lat[..., : geometry.kv_lora_rank], valid
+            lat = self._rows("k", flat, (blk * per_page + sub).flatten()).view(1, rows_g, u * unit, width)
+            return lat, lat[..., : geometry.kv_lora_rank], valid, groups
         d = pool.shape[-1]
         flat = pool.view(-1, unit * d)
         h = torch.arange(hkv, device=blk.device).view(hkv, 1, 1)
         k_rows = ((blk * 2) * hkv + h) * per_page + sub
-        k = self._rows("k", flat, k_rows.flatten()).view(hkv, n, u * unit, d)
-        v = self._rows("v", flat, (k_rows + hkv * per_page).flatten()).view(hkv, n, u * unit, d)
-        return k, v, valid
+        k = self._rows("k", flat, k_rows.flatten()).view(hkv, rows_g, u * unit, d)
+        v = self._rows("v", flat, (k_rows + hkv * per_page).flatten()).view(hkv, rows_g, u * unit, d)
+        return k, v, valid, groups
 
     @staticmethod
     def _width(params: SparseRuntimeParams | None, lens: torch.Tensor) -> int:

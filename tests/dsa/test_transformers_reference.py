@@ -108,7 +108,7 @@ def _mla_inputs(attn, hidden, cos, sin):
         q_rot.transpose(0, 1), k_rot.unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0))
     w_kv = attn.kv_b_proj.weight.view(h, nope + attn.v_head_dim, r)
     q_abs = torch.einsum("thn,hnr->thr", q_pass, w_kv[:, :nope])
-    q_mla = torch.cat([q_abs, q_rot[0].transpose(0, 1) if q_rot.dim() == 4 else q_rot.transpose(0, 1)], -1)
+    q_mla = torch.cat([q_abs, q_rot[0].transpose(0, 1)], -1)  # q_rot came back [1, H, T, P]
     latent = torch.cat([attn.kv_a_layernorm(kv_pass), k_rot.reshape(t, -1)], -1)
     return q_mla, latent, w_kv[:, nope:]
 

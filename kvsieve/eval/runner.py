@@ -117,7 +117,9 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
         f"output {out}")
     if total:
         max_len = max(r.length for cell in cells for r in cell)
-        session = KvsieveSession(lm.model, None, backend=cfg.backend, max_tokens=max_len + 256)
+        cpu = next(lm.model.parameters()).device.type == "cpu"
+        session = KvsieveSession(lm.model, None, backend=cfg.backend, max_tokens=max_len + 256,
+                                 decode_threads=1 if cpu else None)
         bar = _progress(total, progress)
         for cell, todo in zip(cells, pending):
             if todo:

@@ -156,12 +156,16 @@ class KvsieveSession:
 
     ``config``: the selector (``None`` = dense everywhere); ``backend``: a kvsieve backend name;
     ``dense_fast_path``: run steps without a selection through torch SDPA over the paged KV
-    (see :class:`_DenseSdpaFastPath`); ``max_tokens``: per-request capacity of the paged cache.
+    (see :class:`_DenseSdpaFastPath`); ``max_tokens``: per-request capacity of the paged cache;
+    ``decode_threads``: torch intra-op threads during :meth:`decode` (on a CPU, one thread is
+    faster for one-token steps: their ops are too small to repay thread hand-offs).
     """
 
     def __init__(self, model: torch.nn.Module, config: SparseAttentionConfig | None = None, *,
                  backend: str = "vanilla", max_tokens: int = 8448, max_batch: int = 1, tokens_per_block: int = 16,
-                 dense_fast_path: bool = True, debug: bool = False) -> None:
+                 dense_fast_path: bool = True, decode_threads: int | None = None, debug: bool = False) -> None:
+        if decode_threads is not None and decode_threads < 1:
+            raise ValueError(f"decode_threads must be >= 1 or None, got {decode_threads}")
         if max_tokens < 1 or max_batch < 1 or tokens_per_block < 1:
             raise ValueError(f"max_tokens, max_batch and tokens_per_block must be >= 1, got "
                              f"{max_tokens}, {max_batch}, {tokens_per_block}")
@@ -189,6 +193,7 @@ class KvsieveSession:
         self.engine = Engine(self.cache, self.layers, max_num_requests=max_batch,
                              max_num_tokens=max_batch * max_tokens)
         self.max_batch = max_batch
+        self.decode_threads = decode_threads
         self.device = device
         self.observers: list[LayerObserver] = []
         self.config: SparseAttentionConfig | None = None
@@ -228,7 +233,14 @@ class KvsieveSession:
         ids = token_ids.view(-1, 1) if token_ids.dim() == 1 else token_ids
         if not self._request_ids:
             raise RuntimeError("decode before prefill: no live requests")
-        return self._run(ids, new_requests=False)
+        if self.decode_threads is None:
+            return self._run(ids, new_requests=False)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.decode_threads)
+        try:
+            return self._run(ids, new_requests=False)
+        finally:
+            torch.set_num_threads(threads)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None) -> torch.Tensor:
         """Greedy decoding; returns the new tokens ``[B, n]`` (``n <= max_new_tokens``; stops when

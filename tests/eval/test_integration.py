@@ -95,3 +95,18 @@ def test_smollm2_dense_equals_sdpa_and_retrieves_passkey():
     out = KvsieveSession(lm.model, cfg, max_tokens=512).generate(ids, 6)
     assert torch.equal(out, ref)
     assert sample.answers[0] in lm.tokenizer.decode(out[0].tolist())
+
+
+def test_prompt_eviction_counts_as_sparsity(tiny_model, prompt_ids):
+    import kvsieve
+
+    if "snapkv" not in kvsieve.available_selectors():
+        pytest.skip("snapkv is not registered")
+    cfg = SparseAttentionConfig("snapkv", {"prompt_budget": 16, "window_size": 4, "kernel_size": 3},
+                                phases=("context",))
+    session = KvsieveSession(tiny_model, cfg, max_tokens=128)
+    session.generate(prompt_ids, 4)
+    assert session.cache.valid_len(0) == 16 + 3
+    assert all(f < 0.5 for f in session.attended_fraction("generation"))
+    with pytest.raises(ValueError, match="compacted"):
+        session.rewind(prompt_ids.shape[1])

@@ -44,7 +44,8 @@ class _Niah(Task):
         context, offsets = insert_at_depths(hay, needles, depths)
         head = _TEMPLATE.index("{context}")
         return Sample(index, ruler_niah_prompt(context, key), [value], depth,
-                      {"key": key, "needle_char": offsets[0] + head, "context_start": head, "context_chars": len(context)})
+                      {"key": key, "needle_char": offsets[0] + head, "context_start": head,
+                       "context_chars": len(context)})
 
 
 @register_task

@@ -6,7 +6,6 @@ import random
 from typing import Any
 
 from ..haystack import insert_at_depths, noise_haystack
-from ..metrics import string_match_all
 from ._prompt import haystack_budget
 from .base import Sample, Task, random_number, register_task
 
@@ -28,7 +27,5 @@ class PasskeyTask(Task):
         hay = noise_haystack(tokenizer, haystack_budget(tokenizer, length, _HEAD, _TAIL, needle))
         context, offsets = insert_at_depths(hay, [needle], [depth])
         return Sample(index, _HEAD + context + _TAIL, [key], depth,
-                      {"needle_char": offsets[0] + len(_HEAD), "context_start": len(_HEAD), "context_chars": len(context)})
-
-    def score(self, prediction: str, sample: Sample) -> float:
-        return string_match_all(prediction, sample.answers)
+                      {"needle_char": offsets[0] + len(_HEAD), "context_start": len(_HEAD),
+                       "context_chars": len(context)})

@@ -39,4 +39,5 @@ class VariableTrackingTask(Task):
         depths = [depth + i * step for i in range(len(chain))]
         context, offsets = insert_at_depths(hay, chain, depths)
         return Sample(index, _HEAD + context + question, names, depth,
-                      {"needle_char": offsets[0] + len(_HEAD), "context_start": len(_HEAD), "context_chars": len(context)})
+                      {"needle_char": offsets[0] + len(_HEAD), "context_start": len(_HEAD),
+                       "context_chars": len(context)})

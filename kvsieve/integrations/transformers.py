@@ -250,9 +250,10 @@ class KvsieveSession:
         logits = self.prefill(input_ids)
         return self.continue_greedy(logits, max_new_tokens, eos_token_id)
 
-    def continue_greedy(self, logits: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None
-                        ) -> torch.Tensor:
-        """Greedy decoding from the last logits ``[B, V]`` of the live requests; new tokens ``[B, n]``."""
+    def continue_greedy(self, logits: torch.Tensor, max_new_tokens: int, eos_token_id: int | None = None,
+                        stop: Callable[[torch.Tensor], bool] | None = None) -> torch.Tensor:
+        """Greedy decoding from the last logits ``[B, V]`` of the live requests; new tokens ``[B, n]``.
+        ``stop(tokens [B, n])`` may end the decoding early (checked after every token)."""
         out = []
         done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
         for i in range(max_new_tokens):
@@ -262,6 +263,8 @@ class KvsieveSession:
                 done |= tok == eos_token_id
                 if bool(done.all()):
                     break
+            if stop is not None and stop(torch.stack(out, dim=1)):
+                break
             if i + 1 < max_new_tokens:
                 logits = self.decode(tok)
         return torch.stack(out, dim=1)

@@ -3,6 +3,7 @@ gold answers, and scores a prediction. Tasks register by name, like selectors.""
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -32,6 +33,8 @@ class Task:
     name: ClassVar[str] = ""
     kind: ClassVar[str] = "generate"
     max_new_tokens: ClassVar[int] = 12
+    #: decoding stops once the answer so far matches this (``None``: always ``max_new_tokens``)
+    stop_regex: ClassVar[str | None] = None
     uses_depths: ClassVar[bool] = True
 
     def make_samples(self, tokenizer: Any, length: int, depths: list[float], samples: int,
@@ -56,7 +59,8 @@ class Task:
             tokenizer: Any) -> dict[str, Any]:
         """Continue the live request of ``session`` after the prefill (``logits [1, V]``) and
         return one row: ``prediction``, ``score`` and ``partial``."""
-        new = session.continue_greedy(logits, self.max_new_tokens, getattr(tokenizer, "eos_token_id", None))
+        stop = None if self.stop_regex is None else _regex_stop(self.stop_regex, tokenizer)
+        new = session.continue_greedy(logits, self.max_new_tokens, getattr(tokenizer, "eos_token_id", None), stop)
         pred = tokenizer.decode(new[0].tolist(), skip_special_tokens=True).strip()
         return {"prediction": pred, "score": self.score(pred, sample),
                 "partial": max(digit_prefix_match(pred, a) if a.isdigit() else 0.0 for a in sample.answers)}
@@ -64,6 +68,16 @@ class Task:
     def score(self, prediction: str, sample: Sample) -> float:
         """Score in ``[0, 1]``; default: fraction of gold answers found in the prediction."""
         return string_match_all(prediction, sample.answers)
+
+
+def _regex_stop(regex: str, tokenizer: Any) -> Any:
+    """A ``stop(tokens [1, n])`` callback: true once the decoded answer matches ``regex``."""
+    pattern = re.compile(regex)
+
+    def stop(tokens: Any) -> bool:
+        return pattern.search(tokenizer.decode(tokens[0].tolist(), skip_special_tokens=True)) is not None
+
+    return stop
 
 
 def register_task(cls: type[Task]) -> type[Task]:

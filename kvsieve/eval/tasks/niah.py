@@ -28,7 +28,8 @@ def ruler_niah_prompt(context: str, query: str) -> str:
 
 
 class _Niah(Task):
-    max_new_tokens = 10
+    max_new_tokens = 16  # room for list-style answers (":\n1. 1234567")
+    stop_regex = r"\d{7}\D"
     num_distractors = 0
 
     def make_one(self, tokenizer: Any, length: int, depth: float | None, rng: random.Random, index: int) -> Sample:

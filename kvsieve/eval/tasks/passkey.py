@@ -19,7 +19,8 @@ _TAIL = "\nWhat is the pass key? The pass key is"
 @register_task
 class PasskeyTask(Task):
     name = "passkey"
-    max_new_tokens = 7
+    max_new_tokens = 8
+    stop_regex = r"\d{5}\D"
 
     def make_one(self, tokenizer: Any, length: int, depth: float | None, rng: random.Random, index: int) -> Sample:
         key = random_number(rng, 5)

@@ -6,6 +6,7 @@ on a paged GQA/MLA cache. Importing ``kvsieve`` registers the built-in selectors
 from __future__ import annotations
 
 from . import selectors as _builtin_selectors  # noqa: F401  (registers the built-ins)
+from .selectors import DSAConfig, DSASelector, IndexerInputs
 from .metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
 from .sparse import (
     Capabilities, Engine, SelectorInputs, SparseAttention, SparseAttentionConfig, SparseMetadataParams,
@@ -15,6 +16,7 @@ from .sparse import (
 
 __version__ = "0.1.0"
 __all__ = [
+    "DSAConfig", "DSASelector", "IndexerInputs",
     "AttentionMetadata", "KVCacheManager", "KVCacheSpec", "Capabilities", "Engine", "SelectorInputs",
     "SparseAttention", "SparseAttentionConfig", "SparseMetadataParams", "SparseRuntimeParams", "SparseSelector",
     "available_backends", "available_selectors", "create_selector", "get_backend", "lower_config",

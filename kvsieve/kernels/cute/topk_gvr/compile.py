@@ -62,7 +62,7 @@ def compile_args(k: int, stream):
     g = cute.AddressSpace.gmem
     i32 = cutlass.Int32
     args = [make_ptr(i32, 0, g, 4), make_ptr(i32, 0, g, 4), make_ptr(i32, 0, g, 4),
-            make_ptr(i32, 0, g, 4), i32(1), cutlass.Int64(1), cutlass.Int64(1), i32(0), stream]
+            make_ptr(i32, 0, g, 4), i32(1), i32(1), cutlass.Int64(1), cutlass.Int64(1), i32(0), stream]
     return GvrTopK(k), args
 
 

@@ -33,29 +33,12 @@ trace time.
 import cutlass
 import cutlass.cute as cute
 
+from .params import BINS, CHUNK, SAMPLE, THREADS, VEC, WARPS, capacity_for, smem_bytes
+
 I32 = cutlass.Int32
 I64 = cutlass.Int64
 F32 = cutlass.Float32
-
-THREADS = 512
-WARPS = THREADS // 32
-VEC = 4  # consecutive row entries per thread per chunk
-CHUNK = THREADS * VEC
-SAMPLE = 1024
-BINS = 256
 INT_MIN = -(2 ** 31)
-MIN_CAPACITY = 8192  # scratch entries at least (64 KiB of keys + positions)
-
-
-def capacity_for(k: int) -> int:
-    """Shared-memory candidate scratch entries for top-``k`` (``max(4k, 8192)``)."""
-    return max(4 * k, MIN_CAPACITY)
-
-
-def smem_bytes(k: int) -> int:
-    """Dynamic shared memory of the top-``k`` kernel: scratch keys + positions, the sample, the
-    histogram, the scan's per-warp totals, broadcast scalars, plus alignment slack."""
-    return 8 * capacity_for(k) + 4 * SAMPLE + 4 * BINS + 4 * 2 * WARPS + 4 * 8 + 5 * 16
 
 
 @cute.jit
@@ -229,14 +212,16 @@ class GvrTopK:
 
     @cute.jit
     def __call__(self, s_ptr: cute.Pointer, len_ptr: cute.Pointer, out_ptr: cute.Pointer,
-                 stats_ptr: cute.Pointer, rows: I32, stride_s: I64, stride_o: I64,
+                 stats_ptr: cute.Pointer, rows: I32, width: I32, stride_s: I64, stride_o: I64,
                  has_stats: I32, stream):
-        self.kernel(s_ptr, len_ptr, out_ptr, stats_ptr, stride_s, stride_o, has_stats).launch(
+        self.kernel(s_ptr, len_ptr, out_ptr, stats_ptr, width, stride_s, stride_o,
+                    has_stats).launch(
             grid=(rows, 1, 1), block=(THREADS, 1, 1), smem=self.smem_size, stream=stream)
 
     @cute.kernel
     def kernel(self, s_ptr: cute.Pointer, len_ptr: cute.Pointer, out_ptr: cute.Pointer,
-               stats_ptr: cute.Pointer, stride_s: I64, stride_o: I64, has_stats: I32):
+               stats_ptr: cute.Pointer, width: I32, stride_s: I64, stride_o: I64,
+               has_stats: I32):
         K, C = self.k, self.capacity
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
@@ -252,7 +237,7 @@ class GvrTopK:
         gLen = cute.make_tensor(len_ptr, cute.make_layout(1 << 30))
         gRow = cute.make_tensor(s_ptr + I64(row) * stride_s, cute.make_layout(1 << 30))
         gOut = cute.make_tensor(out_ptr + I64(row) * stride_o, cute.make_layout(K))
-        n = gLen[row]
+        n = cutlass.min(gLen[row], width)  # never read past the row, whatever the length
         fallback = I32(0)
         if n <= K:
             for i in cutlass.range(tidx, K, THREADS):

@@ -4,7 +4,8 @@
 for sm_90a and sm_100a (child processes, see ``_common.compile_variant``) and prints registers,
 stack/local (spill) bytes, dynamic shared memory against the 227 KiB limit, and the MMA
 instructions found in the PTX. Representative shapes: MLA 512 + 64 latent with 128 heads (bf16
-and FP8 656-byte cache), GQA head_dim 128 with 8 KV heads x group 16.
+and FP8 656-byte cache), GQA head_dim 128 with 8 KV heads x group 16; the GVR top-k
+(``topk_gvr``, no MMA) for k = 512, 1024, 2048 (compiled by ``topk_gvr.compile``, same recipe).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 from ._common import SMEM_LIMIT, CompileReport, compile_variant
+from .topk_gvr.compile import compile_topk_variant, variant_name
 
 BLOCK_N = {"sm90": 64, "sm100": 32}
 
@@ -32,12 +34,26 @@ def variants() -> list[dict]:
     return out
 
 
-def compile_all(out_dir: str | None = None, jobs: int = 2) -> list[CompileReport]:
-    """Compile all variants (``jobs`` child processes at a time)."""
+def topk_variants() -> list[dict]:
+    """The GVR top-k variants (one per supported k), both architectures."""
+    return [dict(arch=arch, kind="topk_gvr", k=k) for arch in ("sm90", "sm100")
+            for k in (512, 1024, 2048)]
+
+
+def _compile(spec: dict, root: str) -> CompileReport:
+    if spec["kind"] == "topk_gvr":
+        return compile_topk_variant(spec, f"{root}/{variant_name(spec)}")
+    return compile_variant(spec, f"{root}/{spec['kind']}_{spec['arch']}")
+
+
+def compile_all(out_dir: str | None = None, jobs: int = 2,
+                specs: list[dict] | None = None) -> list[CompileReport]:
+    """Compile ``specs`` (default: every variant, attention and top-k), ``jobs`` child
+    processes at a time."""
     root = out_dir or tempfile.mkdtemp(prefix="kvsieve_cute_report_")
-    specs = variants()
+    specs = variants() + topk_variants() if specs is None else specs
     with ThreadPoolExecutor(max_workers=jobs) as ex:
-        futs = [ex.submit(compile_variant, s, f"{root}/{s['kind']}_{s['arch']}") for s in specs]
+        futs = [ex.submit(_compile, s, root) for s in specs]
         return [f.result() for f in futs]
 
 
@@ -46,7 +62,8 @@ def table(reports: list[CompileReport]) -> str:
     rows = ["| kernel | arch | regs | stack B | local B | dyn smem B (limit 232448) | MMA "
             "(PTX) | compile s |", "|---|---|---|---|---|---|---|---|"]
     for r in reports:
-        mma = ", ".join(f"{n} x `{k}`" for k, n in sorted(r.mma_instructions.items()))
+        mma = ", ".join(f"{n} x `{k}`" for k, n in sorted(r.mma_instructions.items())) or \
+            f"none ({r.other_counts.get('atom.shared.add', 0)} x `atom.shared.add`)"
         rows.append(f"| {r.name.rsplit('_', 1)[0]} | {r.arch} | {r.registers} | {r.stack_bytes} "
                     f"| {r.local_bytes} | {r.dynamic_smem}"
                     f"{'' if r.dynamic_smem <= SMEM_LIMIT else ' (OVER)'} | {mma} | "

@@ -2,7 +2,7 @@
 
 Per page of ``page_size`` tokens the K min/max summaries (shared with RocketKV stage 2,
 :mod:`._page_summary`) give the upper bound ``sum_d max(q_d * min_d, q_d * max_d)`` of ``q . k``;
-the top ``token_budget // page_size`` pages per (query token, KV head) are attended, the newest
+the top ``budget // page_size`` pages per (query token, KV head) are attended, the newest
 page always among them. For GQA the per-head bounds are turned into a softmax over pages and
 averaged over the group (with one query head per KV head this is exactly Quest's ranking).
 Nothing is evicted; prefill stays dense.
@@ -20,23 +20,23 @@ __all__ = ["QuestConfig", "QuestSelector"]
 
 @dataclass(frozen=True)
 class QuestConfig:
-    """``page_size`` (16) and ``token_budget`` (256) are the defaults of Quest's
+    """``page_size`` (16) and ``budget`` (256) are the defaults of Quest's
     ``scripts/bench_textgen.py``; ``summary_dtype`` ``"bfloat16"`` (Quest keeps its metadata in
     the KV dtype), or ``"float8_e5m2"``/``"float32"``."""
 
-    token_budget: int = 256
+    budget: int = 256
     page_size: int = 16
     summary_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        if self.token_budget < self.page_size:
-            raise ValueError(f"quest: token_budget must be >= page_size={self.page_size} (at least one page), "
-                             f"got {self.token_budget}")
-        check_page_knobs("quest", self.page_size, self.token_budget // max(self.page_size, 1), self.summary_dtype)
+        if self.budget < self.page_size:
+            raise ValueError(f"quest: budget must be >= page_size={self.page_size} (at least one page), "
+                             f"got {self.budget}")
+        check_page_knobs("quest", self.page_size, self.budget // max(self.page_size, 1), self.summary_dtype)
 
     @property
     def topk(self) -> int:
-        return self.token_budget // self.page_size
+        return self.budget // self.page_size
 
 
 @register_selector

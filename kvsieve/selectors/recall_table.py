@@ -133,7 +133,7 @@ def selector_params(budget: int) -> dict[str, dict]:
         "streaming": {"budget": budget, "num_sink": 4},
         "snapkv": {"prompt_budget": budget},
         "rocketkv": {"prompt_budget": 4 * budget, "topk": budget // 4},
-        "quest": {"token_budget": budget},
+        "quest": {"budget": budget},
         "block_select": {"block_size": 16, "topk_blocks": budget // 16},
     }
 

@@ -12,7 +12,7 @@ def test_published_defaults():
     assert (r.window_size, r.kernel_size, r.prompt_budget, r.page_size, r.topk, r.topr) == (32, 63, 2048, 4, 64, None)
     assert r.summary_dtype == "float8_e5m2"
     q = QuestConfig()
-    assert (q.page_size, q.token_budget, q.topk) == (16, 256, 16)
+    assert (q.page_size, q.budget, q.topk) == (16, 256, 16)
     s = SnapKVConfig()
     assert (s.window_size, s.kernel_size) == (32, 7)
     b = BlockSelectConfig()
@@ -29,7 +29,7 @@ def test_published_defaults():
     ("snapkv", {"window_size": 2048, "prompt_budget": 1024}, r"window_size must be in \[1, prompt_budget=1024\]"),
     ("snapkv", {"prompt_budget": 0}, "prompt_budget must be >= 1"),
     ("quest", {"page_size": 12}, "page_size must be a power of two"),
-    ("quest", {"token_budget": 8}, "token_budget must be >= page_size=16"),
+    ("quest", {"budget": 8}, "budget must be >= page_size=16"),
     ("block_select", {"topk_blocks": 0}, "topk_blocks must be >= 1"),
     ("block_select", {"score_type": "sum"}, r"score_type must be one of \['max', 'mean'\]"),
     ("block_select", {"init_blocks": 2, "local_blocks": 2, "topk_blocks": 3},

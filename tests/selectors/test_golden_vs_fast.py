@@ -53,8 +53,8 @@ def test_prompt_eviction(name, params, ties):
 @pytest.mark.parametrize("name, params", [
     ("rocketkv", {"prompt_budget": 4096, "page_size": 4, "topk": 12}),
     ("rocketkv", {"prompt_budget": 4096, "page_size": 8, "topk": 6, "topr": 12, "summary_dtype": "bfloat16"}),
-    ("quest", {"token_budget": 64, "page_size": 16}),
-    ("quest", {"token_budget": 32, "page_size": 8, "summary_dtype": "float8_e5m2"}),
+    ("quest", {"budget": 64, "page_size": 16}),
+    ("quest", {"budget": 32, "page_size": 8, "summary_dtype": "float8_e5m2"}),
     ("block_select", {"block_size": 16, "topk_blocks": 5, "init_blocks": 1}),
     ("block_select", {"block_size": 32, "topk_blocks": 3, "score_type": "mean"}),
 ])
@@ -81,7 +81,7 @@ def test_attention_selection(name, params, ties):
 
 def test_page_summaries_match_the_cache():
     """After appends across page and block boundaries the aux pool holds min/max of the cached keys."""
-    h = Harness("quest", {"token_budget": 32, "page_size": 8, "summary_dtype": "float32"}, tpb=16)
+    h = Harness("quest", {"budget": 32, "page_size": 8, "summary_dtype": "float32"}, tpb=16)
     gen = torch.Generator().manual_seed(3)
     for lens, ctx in (([21], 1), ([1], 0), ([1], 0), ([11], 1)):
         rid = 1 if ctx == 0 or lens == [21] else 2

@@ -13,7 +13,7 @@ SCALE = 32 ** -0.5
 
 
 @pytest.mark.parametrize("name, params", [
-    ("quest", {"token_budget": 32, "page_size": 8}),
+    ("quest", {"budget": 32, "page_size": 8}),
     ("rocketkv", {"prompt_budget": 4096, "page_size": 4, "topk": 8}),
     ("block_select", {"block_size": 16, "topk_blocks": 3}),
     ("block_select", {"block_size": 16, "topk_blocks": 3, "score_type": "mean"}),
@@ -86,7 +86,7 @@ def test_rocketkv_end_to_end():
 
 
 @pytest.mark.parametrize("name, params, promised", [
-    ("quest", {"token_budget": 64, "page_size": 16}, 64),
+    ("quest", {"budget": 64, "page_size": 16}, 64),
     ("rocketkv", {"prompt_budget": 4096, "page_size": 4, "topk": 16}, 64),
     ("block_select", {"block_size": 16, "topk_blocks": 4}, 64),
 ])

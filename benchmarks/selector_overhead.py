@@ -44,7 +44,7 @@ def selector_configs(context: int, page: int, budget_inv: int) -> dict[str, dict
     sub = min(16, page)
     return {
         "rocketkv": {"page_size": sub, "topk": max(1, budget // sub)},
-        "quest": {"page_size": sub, "token_budget": budget},
+        "quest": {"page_size": sub, "budget": budget},
         "block_select": {"block_size": page, "topk_blocks": max(1, budget // page)},
         "oracle_topk": {"budget": budget},
         "streaming": {"budget": budget},

@@ -3,6 +3,8 @@ multisets), the Triton kernels under the interpreter on representative rows (equ
 references position for position), and the dispatch predicate."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -111,7 +113,8 @@ def test_dispatch_refuses_what_cannot_run(monkeypatch):
         dispatch.choose_topk_engine("cute_gvr", device="cpu", index_topk=2048, cute_available=True)
     with pytest.raises(ValueError, match="topk_engine"):
         dispatch.choose_topk_engine("bitonic", device="cpu", index_topk=2048)
-    assert not dispatch.cute_dsl_available()  # no CuTe-DSL GVR kernel ships yet: auto never picks it
+    # the kernel module ships; whether it can be launched depends on the CuTe-DSL package alone
+    assert dispatch.cute_dsl_available() == (importlib.util.find_spec("cutlass") is not None)
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="Triton kernel"):
         dispatch.choose_topk_engine("gvr", device="cpu", index_topk=2048)

@@ -69,8 +69,8 @@ CUTE_GVR_MODULE = "kvsieve.kernels.cute.topk_gvr.kernel"
 
 def cute_dsl_available() -> bool:
     """Whether a CuTe-DSL GVR kernel can be launched here: the CuTe-DSL package
-    (``nvidia-cutlass-dsl``, the ``cute`` extra) is importable *and* kvsieve ships the kernel
-    module ``CUTE_GVR_MODULE`` (not yet: see docs/dsa.md), so ``auto`` never picks it today."""
+    (``nvidia-cutlass-dsl``, the ``cute`` extra) is importable *and* the kernel module
+    ``CUTE_GVR_MODULE`` is present. ``auto`` also needs a CUDA device of SM 90/100/103."""
     if importlib.util.find_spec("cutlass") is None:
         return False
     try:

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import launch
@@ -113,8 +114,12 @@ def _mma_family(ptx: str) -> str:
     return "none"
 
 
-def compile_report(ccs: tuple[int, ...] = (90, 100)) -> list[dict]:
-    """Compile every shipped kernel config for each compute capability; one dict per row."""
+def compile_report(ccs: tuple[int, ...] = (90, 100),
+                   specs: Callable[[int], list[KernelSpec]] | None = None) -> list[dict]:
+    """Compile every shipped kernel config for each compute capability; one dict per row.
+
+    ``specs(cc)`` lists the configs to build (default: this package's attention kernels).
+    """
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -122,7 +127,7 @@ def compile_report(ccs: tuple[int, ...] = (90, 100)) -> list[dict]:
         raise ValueError("TRITON_INTERPRET: expected unset; AOT compilation needs the compiler")
     rows = []
     for cc in ccs:
-        for spec in _specs(cc):
+        for spec in (specs or _specs)(cc):
             with tempfile.TemporaryDirectory() as cache:
                 os.environ["TRITON_CACHE_DIR"] = cache
                 os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"

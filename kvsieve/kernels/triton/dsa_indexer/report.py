@@ -8,12 +8,7 @@ helpers of ``kvsieve.kernels.triton.report`` (same table format). Shapes: DeepSe
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
-import os
-import re
-import tempfile
 
 from .. import report
 from ..report import KernelSpec, format_table
@@ -50,31 +45,7 @@ def dsa_specs(cc: int) -> list[KernelSpec]:
 
 def compile_dsa_report(ccs: tuple[int, ...] = (90, 100)) -> list[dict]:
     """Compile every DSA kernel config per compute capability; rows as ``report.compile_report``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise ValueError("TRITON_INTERPRET: expected unset; AOT compilation needs the compiler")
-    rows = []
-    for cc in ccs:
-        for spec in dsa_specs(cc):
-            with tempfile.TemporaryDirectory() as cache:
-                os.environ["TRITON_CACHE_DIR"] = cache
-                os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
-                buf = io.StringIO()
-                with contextlib.redirect_stdout(buf):
-                    k = triton.compile(report._source(spec), target=GPUTarget("cuda", cc, 32),
-                                       options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
-            log = buf.getvalue()
-            regs = re.search(r"Used (\d+) registers", log)
-            spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-            rows.append(dict(
-                kernel=spec.name, arch=f"sm_{cc}a", num_warps=spec.num_warps, num_stages=spec.num_stages,
-                registers=int(regs.group(1)) if regs else -1,
-                spill_stores=int(spill.group(1)) if spill else -1, spill_loads=int(spill.group(2)) if spill else -1,
-                shared=int(k.metadata.shared), smem_limit=report.SMEM_LIMIT[cc],
-                tmem=int(getattr(k.metadata, "tmem_size", 0) or 0), mma=report._mma_family(k.asm["ptx"])))
-    return rows
+    return report.compile_report(ccs, specs=dsa_specs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from .attention_metadata import TRANSLATIONS, AttentionMetadata
-from .block_lists import build_block_lists
+from .block_lists import BlockLists, build_block_lists
 from .block_offsets import BlockOffsetTable
 from .kv_cache import BlockAllocator, KVCacheManager, KVCacheSpec
 from .ragged_page_table import RaggedPageTable
 
 __all__ = [
-    "AttentionMetadata", "TRANSLATIONS", "build_block_lists", "BlockOffsetTable", "BlockAllocator",
+    "AttentionMetadata", "TRANSLATIONS", "BlockLists", "build_block_lists", "BlockOffsetTable", "BlockAllocator",
     "KVCacheManager", "KVCacheSpec", "RaggedPageTable",
 ]

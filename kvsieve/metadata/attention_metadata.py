@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .block_lists import build_block_lists
+from .block_lists import BlockLists, build_block_lists
 from .block_offsets import BlockOffsetTable
 from .kv_cache import KVCacheManager
 from .ragged_page_table import RaggedPageTable
@@ -79,7 +79,8 @@ class AttentionMetadata:
             BlockOffsetTable(len(self.pool_managers), self.max_num_sequences, spec.max_blocks_per_seq, dev)
             if "block_offsets" in translations else None
         )
-        self.block_ids_per_seq: list[list[int]] = []
+        self.block_ids_per_seq: BlockLists = build_block_lists(kv_cache_manager.block_table,
+                                                                kv_cache_manager.num_blocks_of, np.zeros(0, np.int32))
         self._request_ids: list[int] = []
         self._num_seqs = 0
         self._num_contexts = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...metadata import AttentionMetadata
+from ...metadata import AttentionMetadata, KVCacheManager
 from ..params import SparseRuntimeParams
 from ..selection import selection_mask
 from .base import AttentionBackend, AttentionGeometry
@@ -34,6 +34,20 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return out.reshape(n, hq, v.shape[-1]), lse.permute(2, 0, 1).reshape(n, hq)
 
 
+def _gather_nhd(mgr: KVCacheManager, layer_idx: int, block_ids: list[int], kv_len: int,
+                geometry: AttentionGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's K and V as contiguous NHD ``[kv_len, Hkv, D]`` read through its block list
+    (MLA: the latent as K with one head, its first ``kv_lora_rank`` columns as V)."""
+    page = mgr.tokens_per_block
+    pos = torch.arange(kv_len)
+    blocks = torch.tensor(block_ids, dtype=torch.int64)[pos // page].to(mgr.spec.device)
+    offs = (pos % page).to(mgr.spec.device)
+    if geometry.kind == "mla":
+        lat = mgr.latent_cache(layer_idx)[blocks, offs].unsqueeze(1)
+        return lat, lat[..., : geometry.kv_lora_rank]
+    return mgr.k_cache(layer_idx)[blocks, :, offs], mgr.v_cache(layer_idx)[blocks, :, offs]
+
+
 class VanillaBackend(AttentionBackend):
     name = "vanilla"
     required_translations = ("block_lists",)
@@ -47,14 +61,12 @@ class VanillaBackend(AttentionBackend):
         out = torch.zeros(q.shape[0], q.shape[1], geometry.value_dim, dtype=torch.float32, device=q.device)
         lse = torch.full((q.shape[0], q.shape[1]), torch.inf, dtype=torch.float32, device=q.device)
         token_lens = metadata.token_kv_lens
-        for i, rid in enumerate(metadata.request_ids):
+        for i in range(metadata.num_seqs):
             t0, t1 = (int(x) for x in metadata.query_start_host[i: i + 2])
             if t1 == t0:
                 continue
             kv_len = int(metadata.kv_lens_host[i])
-            k, v = mgr.gather(layer_idx, rid)
-            if geometry.kind == "mla":
-                k, v = k.unsqueeze(1), v[:, : geometry.kv_lora_rank].unsqueeze(1)
+            k, v = _gather_nhd(mgr, layer_idx, metadata.block_ids_per_seq[i], kv_len, geometry)
             mask = selection_mask(params, slice(t0, t1), token_lens, kv_len, geometry.num_kv_heads).to(q.device)
             o, l = masked_attention(q[t0:t1], k, v, mask, geometry.sm_scale)
             out[t0:t1], lse[t0:t1] = o, l

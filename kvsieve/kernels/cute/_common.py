@@ -140,9 +140,42 @@ def build_kernel(spec: dict):
              spec["block_n"], v_in_k=kind != "gqa", kv_fp8=kind == "mla_fp8")
 
 
-def _worker(spec: dict, out: Path) -> None:  # runs in the child process
+
+def compile_and_collect(kernel: object, args: list, arch: str, name: str, out: Path, dynamic_smem: int,
+                        extra_counts: tuple[str, ...] = ()) -> CompileReport:
+    """``cute.compile`` one kernel for ``arch`` (child process only), keep its PTX and cubin under
+    ``out`` as ``{name}.ptx/.cubin`` and read registers, stack, local memory and PTX evidence.
+    ``extra_counts``: further PTX substrings to count into ``other_counts``."""
     import time
 
+    import cutlass.cute as cute
+
+    t0 = time.time()
+    compiled = cute.compile(kernel, *args, options=f"--gpu-arch {ARCH_FLAGS[arch]}")
+    dt = time.time() - t0
+    ptx = str(compiled.artifacts.PTX)
+    dump = out / "dump"
+    ptx_dst, cubin_dst = out / f"{name}.ptx", out / f"{name}.cubin"
+    if ".version" in ptx:  # the artifact is the PTX text itself
+        ptx_dst.write_text(ptx)
+    else:  # a path into the dump directory
+        src = Path(ptx) if len(ptx) < 4096 and Path(ptx).exists() else sorted(dump.glob("*.ptx"))[-1]
+        shutil.copy(src, ptx_dst)
+    cubins = sorted(dump.glob("*.cubin"))
+    if cubins:
+        shutil.copy(cubins[-1], cubin_dst)
+    else:
+        cubin_dst.write_bytes(compiled.artifacts.CUBIN)
+    text = ptx_dst.read_text()
+    mma, other = ptx_evidence(text, arch)
+    other.update({k: text.count(k) for k in extra_counts})
+    res = res_usage(cubin_dst)
+    return CompileReport(name=name, arch=arch, registers=res.get("REG", -1), stack_bytes=res.get("STACK", -1),
+                         local_bytes=res.get("LOCAL", -1), dynamic_smem=dynamic_smem, mma_instructions=mma,
+                         other_counts=other, compile_s=round(dt, 2), ptx_path=str(ptx_dst),
+                         cubin_path=str(cubin_dst))
+
+def _worker(spec: dict, out: Path) -> None:  # runs in the child process
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -158,31 +191,8 @@ def _worker(spec: dict, out: Path) -> None:  # runs in the child process
             make_ptr(cutlass.Float32, 0, g, 16), cutlass.Int32(1), cutlass.Int32(64),
             cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(8), cutlass.Int64(8), k_row, v_row,
             cutlass.Float32(0.1), make_fake_stream()]
-    t0 = time.time()
-    compiled = cute.compile(kernel, *args, options=f"--gpu-arch {ARCH_FLAGS[spec['arch']]}")
-    dt = time.time() - t0
-    ptx = str(compiled.artifacts.PTX)
-    dump = out / "dump"
     name = f"{spec['kind']}_{spec['arch']}"
-    ptx_dst, cubin_dst = out / f"{name}.ptx", out / f"{name}.cubin"
-    if ".version" in ptx:  # the artifact is the PTX text itself
-        ptx_dst.write_text(ptx)
-    else:  # a path into the dump directory
-        src = Path(ptx) if len(ptx) < 4096 and Path(ptx).exists() else sorted(
-            dump.glob("*.ptx"))[-1]
-        shutil.copy(src, ptx_dst)
-    cubins = sorted(dump.glob("*.cubin"))
-    if cubins:
-        shutil.copy(cubins[-1], cubin_dst)
-    else:
-        cubin_dst.write_bytes(compiled.artifacts.CUBIN)
-    mma, other = ptx_evidence(ptx_dst.read_text(), spec["arch"])
-    res = res_usage(cubin_dst)
-    report = CompileReport(name=name, arch=spec["arch"], registers=res.get("REG", -1),
-                           stack_bytes=res.get("STACK", -1), local_bytes=res.get("LOCAL", -1),
-                           dynamic_smem=kernel.smem_size, mma_instructions=mma,
-                           other_counts=other, compile_s=round(dt, 2), ptx_path=str(ptx_dst),
-                           cubin_path=str(cubin_dst))
+    report = compile_and_collect(kernel, args, spec["arch"], name, out, kernel.smem_size)
     (out / "result.json").write_text(json.dumps(asdict(report)))
 
 

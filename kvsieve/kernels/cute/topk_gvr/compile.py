@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-from .._common import ARCH_FLAGS, CompileReport, ptx_evidence, res_usage
+from .._common import ARCH_FLAGS, CompileReport, compile_and_collect
 
 PTX_COUNTS = ("atom.shared.add", "red.shared.add", "bar.sync", "barrier.sync", "shfl.sync.up",
               "shfl.sync.down", "ld.global", "st.global", "ld.shared", "st.shared", "div.s64",
@@ -67,39 +65,11 @@ def compile_args(k: int, stream):
 
 
 def _worker(spec: dict, out: Path) -> None:  # runs in the child process
-    import time
-
-    import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
     kernel, args = compile_args(spec["k"], make_fake_stream())
-    t0 = time.time()
-    compiled = cute.compile(kernel, *args, options=f"--gpu-arch {ARCH_FLAGS[spec['arch']]}")
-    dt = time.time() - t0
-    ptx = str(compiled.artifacts.PTX)
-    dump = out / "dump"
-    name = variant_name(spec)
-    ptx_dst, cubin_dst = out / f"{name}.ptx", out / f"{name}.cubin"
-    if ".version" in ptx:
-        ptx_dst.write_text(ptx)
-    else:
-        src = Path(ptx) if len(ptx) < 4096 and Path(ptx).exists() else sorted(
-            dump.glob("*.ptx"))[-1]
-        shutil.copy(src, ptx_dst)
-    cubins = sorted(dump.glob("*.cubin"))
-    if cubins:
-        shutil.copy(cubins[-1], cubin_dst)
-    else:
-        cubin_dst.write_bytes(compiled.artifacts.CUBIN)
-    text = ptx_dst.read_text()
-    mma, other = ptx_evidence(text, spec["arch"])
-    other.update({k: len(re.findall(re.escape(k), text)) for k in PTX_COUNTS})
-    res = res_usage(cubin_dst)
-    report = CompileReport(name=name, arch=spec["arch"], registers=res.get("REG", -1),
-                           stack_bytes=res.get("STACK", -1), local_bytes=res.get("LOCAL", -1),
-                           dynamic_smem=kernel.smem_size, mma_instructions=mma,
-                           other_counts=other, compile_s=round(dt, 2), ptx_path=str(ptx_dst),
-                           cubin_path=str(cubin_dst))
+    report = compile_and_collect(kernel, args, spec["arch"], variant_name(spec), out, kernel.smem_size,
+                                 extra_counts=PTX_COUNTS)
     (out / "result.json").write_text(json.dumps(asdict(report)))
 
 

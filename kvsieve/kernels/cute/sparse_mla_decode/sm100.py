@@ -24,8 +24,7 @@ import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import tcgen05
 from cutlass.experimental.primitives.nvvm_wrapper import tcgen05_fence
 
-from .tile_ops import (gather_rows_bf16, gather_rows_fp8, load_q_rows, load_row_id,
-                       row_tile_layout, v_view_layout)
+from .tile_ops import load_q_rows, row_tile_layout, stage_kv_tile, v_view_layout
 
 BF16 = cutlass.BFloat16
 F32 = cutlass.Float32
@@ -177,20 +176,8 @@ class GatherAttentionSm100:
         t_end = cutlass.min(t_begin + tiles_per_split, n_tiles)
         idx_row = (token * self.num_kv_heads + kvh) * sel_len
         for tile in cutlass.range(t_begin, t_end, 1):
-            row_id = load_row_id(idx_ptr, idx_row + tile * BN, tidx, BN, self.threads)
-            if tidx % (self.threads // BN) == 0:
-                sRow[tidx // (self.threads // BN)] = row_id
-            if cutlass.const_expr(self.kv_fp8):
-                gather_rows_fp8(k_ptr, sK, row_id, tidx, BN, self.threads)
-            else:
-                gather_rows_bf16(k_ptr, k_row_elems, DQK, sK, row_id, tidx, BN, self.threads)
-            if cutlass.const_expr(not self.v_in_k):
-                gather_rows_bf16(v_ptr, v_row_elems, self.d_v, v_base, row_id, tidx, BN,
-                                 self.threads)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
+            stage_kv_tile(idx_ptr, idx_row + tile * BN, tidx, sRow, k_ptr, k_row_elems, DQK, sK, v_ptr,
+                          v_row_elems, self.d_v, v_base, self.kv_fp8, self.v_in_k, BN, self.threads)
 
             if warp == 0:
                 tcgen05_fence("after_thread_sync")

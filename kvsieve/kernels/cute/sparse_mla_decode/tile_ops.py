@@ -117,6 +117,31 @@ def gather_rows_fp8(src_ptr: cute.Pointer, sDst: cute.Tensor, row_id: cutlass.In
 
 
 @cute.jit
+def stage_kv_tile(idx_ptr: cute.Pointer, tile_base: cutlass.Int32, tidx: cutlass.Int32,
+                  sRow: cute.Tensor, k_ptr: cute.Pointer, k_row_elems: cutlass.Constexpr,
+                  dqk: cutlass.Constexpr, sK: cute.Tensor, v_ptr: cute.Pointer,
+                  v_row_elems: cutlass.Constexpr, d_v: cutlass.Constexpr, sV: cute.Tensor,
+                  kv_fp8: cutlass.Constexpr, v_in_k: cutlass.Constexpr,
+                  block_n: cutlass.Constexpr, threads: cutlass.Constexpr):
+    """Stage one tile of ``block_n`` selected rows: their row ids into ``sRow`` (-1 = skipped),
+    K (bf16, or FP8 dequantized) into ``sK`` and, unless V lives in K, V into ``sV``; then wait
+    for the copies and make them visible to the async proxy and to every thread of the CTA."""
+    row_id = load_row_id(idx_ptr, tile_base, tidx, block_n, threads)
+    if tidx % (threads // block_n) == 0:
+        sRow[tidx // (threads // block_n)] = row_id
+    if cutlass.const_expr(kv_fp8):
+        gather_rows_fp8(k_ptr, sK, row_id, tidx, block_n, threads)
+    else:
+        gather_rows_bf16(k_ptr, k_row_elems, dqk, sK, row_id, tidx, block_n, threads)
+    if cutlass.const_expr(not v_in_k):
+        gather_rows_bf16(v_ptr, v_row_elems, d_v, sV, row_id, tidx, block_n, threads)
+    cute.arch.cp_async_commit_group()
+    cute.arch.cp_async_wait_group(0)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.sync_threads()
+
+
+@cute.jit
 def load_q_rows(q_ptr: cute.Pointer, tok_stride: cutlass.Int64, head_stride: cutlass.Int64,
                 token: cutlass.Int32, head0: cutlass.Int32, rows_valid: cutlass.Int32,
                 sQ: cute.Tensor, tidx: cutlass.Int32, m_rows: cutlass.Constexpr,

@@ -160,12 +160,14 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([head, *body])
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Print the AOT resource table (markdown, or JSON with ``--json``)."""
-    ap = argparse.ArgumentParser(prog="python -m kvsieve.kernels.triton.report")
+def main(argv: list[str] | None = None, specs: Callable[[int], list[KernelSpec]] | None = None,
+         prog: str = "python -m kvsieve.kernels.triton.report") -> int:
+    """Print the AOT resource table of ``specs`` (default: the attention kernels) as markdown, or
+    JSON with ``--json``."""
+    ap = argparse.ArgumentParser(prog=prog)
     ap.add_argument("--json", action="store_true", help="print JSON rows instead of markdown")
     args = ap.parse_args(argv)
-    rows = compile_report()
+    rows = compile_report(specs=specs)
     print(json.dumps(rows) if args.json else format_table(rows))
     return 0
 

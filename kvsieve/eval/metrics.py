@@ -31,34 +31,40 @@ def string_match_part(prediction: str, answers: list[str]) -> float:
 
 
 def digit_prefix_match(prediction: str, answer: str) -> float:
-    """Partial credit for a numeric answer: the longest common prefix of ``answer`` and the first
-    number in ``prediction``, over ``len(answer)`` (RocketKV's partial match, reimplemented)."""
+    """Partial credit for a numeric answer: the longest common prefix of ``answer`` and any number
+    in ``prediction``, over ``len(answer)`` (RocketKV's partial match, reimplemented; every number is
+    tried, so list-style answers like ``":\n1. 6733903"`` get full credit)."""
     if not answer:
         raise ValueError("answer must not be empty")
-    found = re.search(r"\d+", prediction)
-    if not found:
-        return 0.0
-    got, n = found.group(0), 0
-    while n < min(len(got), len(answer)) and got[n] == answer[n]:
-        n += 1
-    return n / len(answer)
+    best = 0
+    for found in re.finditer(r"\d+", prediction):
+        got, n = found.group(0), 0
+        while n < min(len(got), len(answer)) and got[n] == answer[n]:
+            n += 1
+        best = max(best, n)
+    return best / len(answer)
 
 
-def mean_ci95(values: list[float]) -> tuple[float, float, float]:
-    """``(mean, low, high)``: Wilson interval when every value is 0 or 1, else a normal interval
-    (``mean +- 1.96 s/sqrt(n)``); ``nan`` for no values."""
+def mean_ci95(values: list[float], binary: bool | None = None) -> tuple[float, float, float]:
+    """``(mean, low, high)``: Wilson's interval for 0/1 scores (``binary``; ``None``: when every
+    value is 0 or 1), else a normal interval ``mean +- 1.96 s/sqrt(n)`` (``nan`` bounds for n = 1:
+    one continuous value says nothing of its spread); all ``nan`` for no values."""
     n = len(values)
     if n == 0:
         return math.nan, math.nan, math.nan
     m = sum(values) / n
     z = 1.96
-    if all(v in (0.0, 1.0) for v in values):
+    if binary is None:
+        binary = all(v in (0.0, 1.0) for v in values)
+    if binary:
+        if any(v not in (0.0, 1.0) for v in values):
+            raise ValueError(f"binary scores must be 0 or 1, got {sorted(set(values))}")
         den = 1 + z * z / n
         center = (m + z * z / (2 * n)) / den
         half = z * math.sqrt(m * (1 - m) / n + z * z / (4 * n * n)) / den
         return m, max(0.0, center - half), min(1.0, center + half)
     if n == 1:
-        return m, m, m
+        return m, math.nan, math.nan
     sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
     half = z * sd / math.sqrt(n)
     return m, m - half, m + half

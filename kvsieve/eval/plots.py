@@ -1,13 +1,25 @@
-"""PNG plots of a sweep: score against achieved sparsity per task (one line per selector, the
-dense score as a horizontal line, one panel per length) and a depth x length heatmap per run
-configuration for the needle tasks."""
+"""PNG plots of a sweep.
+
+``score_vs_sparsity__<task>.png``: the task's metric (named on the axis: fidelity's is the
+attention-mass recall) against the achieved decode sparsity, one panel per length, one line per
+selector with each point labelled by its budget and a 95% error bar (Wilson's interval for 0/1
+scores, from n), the dense score as a dashed line with its interval shaded.
+
+``heatmap__<task>.png`` (needle tasks): mean score by depth (rows) and length (columns), one panel
+per run configuration (dense first, then each selector by increasing budget), each cell printed,
+one shared colorbar. A grid of a single depth and length is drawn as one panel with a row per
+run configuration instead of a page of one-cell panels.
+"""
 from __future__ import annotations
 
 import csv
 import math
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from .tasks import get_task
 
 __all__ = ["write_plots", "NEEDLE_TASKS"]
 
@@ -15,7 +27,7 @@ NEEDLE_TASKS = ("niah_single", "niah_multikey", "passkey")
 
 
 def write_plots(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
-    """Write ``score_vs_sparsity__<task>.png`` and ``heatmap__<task>.png``; returns the paths."""
+    """Plots of the finished runs ``rows`` (summary rows) into ``out``; returns their paths."""
     if not rows:
         return []
     import matplotlib
@@ -30,65 +42,107 @@ def write_plots(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
     return paths
 
 
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def _f(x: Any) -> float:
+    return math.nan if x in (None, "") else float(x)
+
+
 def _score_plot(out: Path, task: str, rows: list[dict[str, Any]]) -> Path:
     import matplotlib.pyplot as plt
 
+    metric = get_task(task).metric
     lengths = sorted({int(r["length"]) for r in rows})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.6), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.6 * len(lengths), 4.0), squeeze=False, sharey=True)
     for ax, length in zip(axes[0], lengths):
         cell = [r for r in rows if int(r["length"]) == length]
-        by_sel: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        by_sel: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in cell:
             if r["selector"] == "dense":
-                ax.axhline(float(r["score"]), color="black", linestyle="--", label="dense")
+                ax.axhline(_f(r["score"]), color="black", linestyle="--", label=f"dense (n={r['n']})")
+                ax.axhspan(_f(r["ci95_low"]), _f(r["ci95_high"]), color="black", alpha=0.07)
             else:
-                by_sel[r["selector"]].append((float(r["achieved_sparsity"]), float(r["score"])))
+                by_sel[r["selector"]].append(r)
         for sel in sorted(by_sel):
-            pts = sorted(by_sel[sel])
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=sel)
-        ax.set_title(f"{task}, {length} tokens")
-        ax.set_xlabel("achieved sparsity (decode)")
+            pts = sorted(by_sel[sel], key=lambda r: _f(r["achieved_sparsity"]))
+            x = [_f(r["achieved_sparsity"]) for r in pts]
+            y = [_f(r["score"]) for r in pts]
+            err = [[max(0.0, yi - _f(r["ci95_low"])) for yi, r in zip(y, pts)],
+                   [max(0.0, _f(r["ci95_high"]) - yi) for yi, r in zip(y, pts)]]
+            line = ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=sel)
+            for xi, yi, r in zip(x, y, pts):
+                ax.annotate(r["budget_label"], (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                            color=line[0].get_color())
+        ax.set_title(f"{task}, {length} tokens", fontsize=9)
+        ax.set_xlabel("achieved sparsity while decoding")
+        ax.set_ylim(-0.05, 1.08)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("score")
+    axes[0][0].set_ylabel(metric)
     axes[0][-1].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"{task}: {metric} vs sparsity (labels: budget; bars: 95% interval)", fontsize=9)
     fig.tight_layout()
-    path = out / f"score_vs_sparsity__{task}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / f"score_vs_sparsity__{task}.png")
+
+
+def _panel_key(r: dict[str, Any]) -> tuple[bool, str, float]:
+    return (r["selector"] != "dense", r["selector"], _f(r["budget_tokens"]))
 
 
 def _heatmap(out: Path, task: str, rows: list[dict[str, Any]]) -> Path:
     import matplotlib.pyplot as plt
 
-    # one panel per (selector, budget); cells: mean score per (depth, length)
-    panels: dict[str, dict[tuple[float, int], list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in rows:
+    panels: dict[str, dict[tuple[float, int], list[float]]] = {}
+    for r in sorted(rows, key=_panel_key):
         name = "dense" if r["selector"] == "dense" else f"{r['selector']} {r['budget_label']}"
-        with (out / r["folder"] / "predictions.csv").open(encoding="utf-8") as f:
+        cells = panels.setdefault(name, defaultdict(list))
+        with (out / r["folder"] / "predictions.csv").open(encoding="utf-8", newline="") as f:
             for p in csv.DictReader(f):
                 if p.get("depth") not in (None, ""):
-                    panels[name][(float(p["depth"]), int(r["length"]))].append(float(p["score"]))
-    names = sorted(panels, key=lambda n: (n != "dense", n))
+                    cells[(float(p["depth"]), int(r["length"]))].append(float(p["score"]))
+    names = list(panels)
     depths = sorted({d for cells in panels.values() for d, _ in cells})
     lengths = sorted({n for cells in panels.values() for _, n in cells})
+    metric = get_task(task).metric
+    if len(depths) * len(lengths) == 1:  # one cell per run: one panel, a row per run configuration
+        cell = (depths[0], lengths[0])
+        grid = [[_avg(panels[n].get(cell, []))] for n in names]
+        fig, ax = plt.subplots(figsize=(4.2, 0.9 + 0.32 * len(names)), constrained_layout=True)
+        im = _draw(ax, grid, [f"depth {depths[0]:g}%, {lengths[0]} tokens"], names)
+        ax.set_title(f"{task}: {metric}", fontsize=9)
+        fig.colorbar(im, ax=ax, label=metric)
+        return _save(fig, out / f"heatmap__{task}.png")
     cols = min(4, len(names))
     rows_n = math.ceil(len(names) / cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(3.2 * cols, 2.6 * rows_n), squeeze=False)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(3.3 * cols + 1.0, 2.7 * rows_n), squeeze=False,
+                             constrained_layout=True)
     for ax in axes.flat[len(names):]:
         ax.axis("off")
+    im = None
     for ax, name in zip(axes.flat, names):
         grid = [[_avg(panels[name].get((d, n), [])) for n in lengths] for d in depths]
-        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
-        ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths], fontsize=7)
+        im = _draw(ax, grid, [str(n) for n in lengths], [f"{d:g}%" for d in depths])
         ax.set_title(name, fontsize=8)
-    fig.suptitle(f"{task}: score by depth (rows) and length (columns)", fontsize=9)
-    fig.tight_layout()
-    path = out / f"heatmap__{task}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    fig.colorbar(im, ax=axes.ravel().tolist(), label=metric)
+    fig.suptitle(f"{task}: {metric} by needle depth (rows) and length in tokens (columns)", fontsize=9)
+    return _save(fig, out / f"heatmap__{task}.png")
+
+
+def _draw(ax: Any, grid: list[list[float]], xlabels: list[str], ylabels: list[str]) -> Any:
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            ax.text(j, i, "n/a" if math.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(xlabels)), xlabels, fontsize=7)
+    ax.set_yticks(range(len(ylabels)), ylabels, fontsize=7)
+    return im
 
 
 def _avg(xs: list[float]) -> float:

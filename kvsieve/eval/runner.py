@@ -1,18 +1,29 @@
 """The sweep: tasks x lengths x (dense + selectors x budgets), one folder per run, resumable.
 
-A cell is (task, length). Its samples are generated once; for each sample the runs of the cell
-execute back to back. Runs whose selector keeps no prompt state (no ``on_append`` /
+A cell is (task, length). Its samples are generated once; for each sample the pending runs of the
+cell execute back to back. Runs whose selector keeps no prompt state (no ``on_append`` /
 ``predict_kv`` / ``on_compacted`` hook, acts in the generation phase only) share one dense
 prefill: the session rewinds the paged cache to the prompt and decodes again. Others prefill on
-their own. A run folder holding ``predictions.csv``, ``metrics.json`` and ``config.yaml`` is done
-and skipped, so an interrupted sweep resumes.
+their own.
+
+Every run has an identity: its fully resolved config (model, backend, seed, task parameters at its
+length, selector entry and budget, the lowered :class:`SparseAttentionConfig`, the kvsieve
+version and every other result-relevant field of :class:`EvalConfig`); ``run_id`` is its hash. A
+resume reuses a folder only when its ``metrics.json`` carries the same ``run_id`` and its files are
+consistent (see :mod:`kvsieve.eval.store`); it reruns, and says why, every other run. Finished
+samples of an unfinished run are kept in ``partial.json`` and not recomputed. A run that raises
+writes ``error.txt`` and is marked ``failed`` in ``summary.csv``; the sweep goes on unless
+``fail_fast``.
 """
 from __future__ import annotations
 
-import csv
+import dataclasses
+import hashlib
 import json
 import math
 import time
+import traceback
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,23 +32,27 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from .. import __version__, available_selectors, create_selector
+from .. import __version__, create_selector
 from ..integrations.transformers import KvsieveSession
 from ..sparse import SparseAttentionConfig, SparseSelector
-from .config import Budget, EvalConfig, SelectorSpec, TaskSpec
+from .config import RESULT_NEUTRAL, Budget, EvalConfig, SelectorSpec, TaskSpec
 from .metrics import mean_ci95
 from .model import LoadedModel, load_model
 from .plots import write_plots
-from .tasks import Sample, get_task
+from .report import format_table, write_report
+from .store import (CONFIG, ERROR, METRICS, PARTIAL, PREDICTIONS, RunState, atomic_write_text, clear_run, read_state,
+                    write_csv)
+from .tasks import Sample, Task, get_task
 
-__all__ = ["RunSpec", "plan_runs", "run_sweep", "is_done", "DENSE", "RUN_FILES", "SUMMARY_FIELDS"]
+__all__ = ["RunSpec", "SweepResult", "SweepInterrupted", "plan_runs", "run_sweep", "run_identity", "DENSE",
+           "SUMMARY_FIELDS"]
 
 DENSE = "dense"
-RUN_FILES = ("predictions.csv", "metrics.json", "config.yaml")
 SUMMARY_FIELDS = ("task", "length", "model", "selector", "budget_label", "budget_tokens", "target_sparsity",
                   "compression_ratio", "achieved_sparsity", "score", "ci95_low", "ci95_high", "n", "partial",
-                  "mass_recall", "rel_error", "topk_overlap", "kl", "wall_time_s", "folder")
+                  "mass_recall", "rel_error", "topk_overlap", "kl", "status", "error", "run_id", "folder")
 _STATELESS_HOOKS = ("on_append", "predict_kv", "on_compacted")
+_OPTIONAL_METRICS = ("partial", "mass_recall", "rel_error", "topk_overlap", "kl")
 
 
 @dataclass
@@ -66,6 +81,33 @@ class RunSpec:
         budget = "full" if self.budget is None else self.budget.label
         return f"{self.task.name}__{self.length}__{self.model}__{self.label}__{budget}"
 
+    def describe(self) -> dict[str, Any]:
+        """The columns that name the run (shared by metrics.json and summary.csv)."""
+        b = self.budget
+        return {"task": self.task.name, "length": self.length, "model": self.model, "selector": self.label,
+                "budget_label": b.label if b else "full", "budget_tokens": b.tokens if b else self.length,
+                "target_sparsity": b.sparsity if b else 0.0, "compression_ratio": b.compression_ratio if b else 1.0}
+
+
+def run_identity(cfg: EvalConfig, run: RunSpec) -> dict[str, Any]:
+    """The fully resolved config of ``run``: everything its results depend on. Every field of
+    :class:`EvalConfig` outside ``RESULT_NEUTRAL`` is included, so a field added later counts too."""
+    top = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in RESULT_NEUTRAL}
+    task = {k: v for k, v in asdict(run.task).items() if k != "lengths"}
+    selector = None
+    if run.selector is not None:
+        axis = ("budgets", "sparsities", "compression_ratios")
+        selector = {k: v for k, v in asdict(run.selector).items() if k not in axis}
+        selector["budget"] = asdict(run.budget)
+    return {"kvsieve_version": __version__, **top, "model_name": run.model,
+            "task": {**task, "length": run.length}, "selector": selector,
+            "sparse_config": asdict(run.sparse) if run.sparse else None}
+
+
+def _run_id(identity: dict[str, Any]) -> str:
+    text = json.dumps(identity, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
 
 def _shares_prefill(config: SparseAttentionConfig) -> bool:
     """True when the selector keeps no prompt state and acts only while decoding."""
@@ -75,61 +117,127 @@ def _shares_prefill(config: SparseAttentionConfig) -> bool:
     return hooks_free and not sel.capabilities.evicts and phases == {"generation"}
 
 
-def is_done(folder: Path) -> bool:
-    return all((folder / f).is_file() for f in RUN_FILES)
-
-
-def plan_runs(cfg: EvalConfig, model_name: str, log: Callable[[str], None] = print) -> list[list[RunSpec]]:
-    """Runs grouped by cell (task, length); the dense run first in each cell. Selectors that are
-    not registered are skipped with a message."""
-    known = set(available_selectors())
-    specs = []
-    for s in cfg.selectors:
-        if s.selector in known:
-            specs.append(s)
-        else:
-            log(f"kvsieve eval: selector {s.selector!r} ({s.label}) is not registered; skipped. "
-                f"Registered: {sorted(known)}")
+def plan_runs(cfg: EvalConfig, model_name: str) -> list[list[RunSpec]]:
+    """Runs grouped by cell (task, length); the dense run first in each cell."""
     cells = []
     for t in cfg.tasks:
         get_task(t.name)
         for length in t.lengths:
             runs = [RunSpec(t, length, model_name)]
-            runs += [RunSpec(t, length, model_name, s, b) for s in specs for b in s.resolve(length)]
+            runs += [RunSpec(t, length, model_name, s, b) for s in cfg.selectors for b in s.resolve(length)]
             cells.append(runs)
     return cells
 
 
-def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: bool = True,
-              log: Callable[[str], None] = print) -> Path:
-    """Run every pending run of ``cfg``; write summary.csv and plots; return the output folder."""
+@dataclass
+class SweepResult:
+    """What a finished sweep wrote: absolute paths, the summary rows and the counts of the resume."""
+
+    out: Path
+    summary: Path
+    report: Path
+    plots: list[Path]
+    rows: list[dict[str, Any]]
+    counts: dict[str, int]
+
+    @property
+    def failed(self) -> int:
+        return sum(r["status"] == "failed" for r in self.rows)
+
+
+class SweepInterrupted(Exception):
+    """Raised by :func:`run_sweep` on Ctrl-C, after saving; says what was saved."""
+
+    def __init__(self, out: Path, done: int, total: int, partial_samples: int) -> None:
+        self.out, self.done, self.total, self.partial_samples = out, done, total, partial_samples
+        super().__init__(f"interrupted; saved {done} of {total} runs and {partial_samples} finished samples of "
+                         f"unfinished runs under {out}")
+
+
+@dataclass
+class _Sweep:
+    cfg: EvalConfig
+    lm: LoadedModel
+    out: Path
+    session: KvsieveSession
+    bar: Any
+    fail_fast: bool
+    log: Callable[[str], None]
+
+
+@dataclass
+class _Progress:
+    """A run's finished samples: prediction rows, per-sample attended fractions, seconds."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    fractions: list[list[float | None]] = field(default_factory=list)
+    seconds: float = 0.0
+    failed: bool = False
+
+
+def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: bool = True, fail_fast: bool = False,
+              log: Callable[[str], None] = print) -> SweepResult:
+    """Run every run of ``cfg`` not already done; write summary.csv, plots and report.md.
+
+    Raises :class:`SweepInterrupted` on Ctrl-C (after writing summary.csv of what is done)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    out = Path(cfg.output_dir)
+    out = Path(cfg.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     lm = loaded if loaded is not None else load_model(cfg.model)
-    cells = plan_runs(cfg, lm.name, log)
-    pending = [[r for r in cell if not is_done(out / r.folder)] for cell in cells]
-    total = sum(len(p) * _num_samples(cell[0]) for p, cell in zip(pending, cells) if p)
-    done_before = sum(len(c) for c in cells) - sum(len(p) for p in pending)
-    log(f"kvsieve eval: {sum(len(c) for c in cells)} runs, {done_before} already done; model {lm.name}; "
-        f"output {out}")
-    if total:
-        max_len = max(r.length for cell in cells for r in cell)
-        cpu = next(lm.model.parameters()).device.type == "cpu"
-        session = KvsieveSession(lm.model, None, backend=cfg.backend, max_tokens=max_len + 256,
-                                 decode_threads=1 if cpu else None)
-        bar = _progress(total, progress)
-        for cell, todo in zip(cells, pending):
-            if todo:
-                _run_cell(session, lm, cfg, cell, todo, out, bar)
-        bar.close()
-    rows = [_summary_row(out / r.folder) for cell in cells for r in cell if is_done(out / r.folder)]
-    _write_csv(out / "summary.csv", rows, SUMMARY_FIELDS)
-    write_plots(out, rows)
-    log(f"kvsieve eval: done in {time.perf_counter() - t_start:.0f} s; {out / 'summary.csv'}")
-    return out
+    cells = plan_runs(cfg, lm.name)
+    runs = [r for cell in cells for r in cell]
+    ids = {r.folder: _run_id(run_identity(cfg, r)) for r in runs}
+    states = {r.folder: read_state(out / r.folder, ids[r.folder], run_identity(cfg, r)) for r in runs}
+    counts = Counter(s.status for s in states.values())
+    _log_plan(log, out, lm.name, runs, states, counts)
+    pending = [[r for r in cell if states[r.folder].status != "done"] for cell in cells]
+    total = sum(_num_samples(r) - len(states[r.folder].partial.get("rows", [])) for p in pending for r in p)
+    try:
+        if total:
+            max_len = max(r.length for r in runs)
+            cpu = next(lm.model.parameters()).device.type == "cpu"
+            session = KvsieveSession(lm.model, None, backend=cfg.backend, max_tokens=max_len + 256,
+                                     decode_threads=1 if cpu else None)
+            bar = _progress(total, progress)
+            sweep = _Sweep(cfg, lm, out, session, bar, fail_fast, log)
+            try:
+                for cell, todo in zip(cells, pending):
+                    if todo:
+                        _run_cell(sweep, cell, todo, states, ids)
+            finally:
+                bar.close()
+    except KeyboardInterrupt:
+        rows = _summary_rows(out, runs, ids)
+        write_csv(out / "summary.csv", rows, SUMMARY_FIELDS)
+        partial = sum(len(read_state(out / r.folder, ids[r.folder], {}).partial.get("rows", [])) for r in runs)
+        raise SweepInterrupted(out, sum(r["status"] == "ok" for r in rows), len(runs), partial) from None
+    rows = _summary_rows(out, runs, ids)
+    write_csv(out / "summary.csv", rows, SUMMARY_FIELDS)
+    ok = [r for r in rows if r["status"] == "ok"]
+    plots = write_plots(out, ok)
+    report = write_report(out, cfg, rows, plots)
+    log(format_table(rows))
+    failed = len(rows) - len(ok)
+    log(f"kvsieve eval: done in {time.perf_counter() - t_start:.0f} s; {len(ok)} runs ok"
+        + (f", {failed} failed (their error.txt says why; rerun to retry them)" if failed else ""))
+    log(f"  summary: {out / 'summary.csv'}\n  report:  {report}")
+    for p in plots:
+        log(f"  plot:    {p}")
+    return SweepResult(out, out / "summary.csv", report, plots, rows, dict(counts))
+
+
+def _log_plan(log: Callable[[str], None], out: Path, model: str, runs: list[RunSpec], states: dict[str, RunState],
+              counts: Counter) -> None:
+    rerun = counts["changed"] + counts["corrupt"] + counts["failed"]
+    log(f"kvsieve eval: {len(runs)} runs, model {model}, output {out}: {counts['done']} reused, {counts['new']} new, "
+        f"{rerun} rerun, {counts['partial']} resumed")
+    shown = [r for r in runs if states[r.folder].status in ("changed", "corrupt", "failed", "partial")]
+    for r in shown[:10]:
+        log(f"  {r.folder}: {states[r.folder].reason}")
+    if len(shown) > 10:
+        log(f"  ... and {len(shown) - 10} more")
 
 
 def _num_samples(run: RunSpec) -> int:
@@ -144,47 +252,95 @@ def _progress(total: int, enabled: bool) -> Any:
                 bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {postfix}")
 
 
-def _run_cell(session: KvsieveSession, lm: LoadedModel, cfg: EvalConfig, cell: list[RunSpec],
-              todo: list[RunSpec], out: Path, bar: Any) -> None:
+def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict[str, RunState],
+              ids: dict[str, str]) -> None:
     task = get_task(cell[0].task.name)
     spec, length = cell[0].task, cell[0].length
-    samples = task.make_samples(lm.tokenizer, length, spec.depths, spec.samples, cfg.seed)
-    # the dense run always executes when a fidelity cell has work: it is the KL reference
-    execute = [r for r in cell if r in todo or (r.selector is None and task.kind == "fidelity")]
-    execute.sort(key=lambda r: (r.selector is not None, not r.shares_prefill))
-    rows: dict[str, list[dict[str, Any]]] = {r.folder: [] for r in execute}
-    fractions: dict[str, list[list[float | None]]] = {r.folder: [] for r in execute}
-    seconds = dict.fromkeys(rows, 0.0)
-    for sample in samples:
-        ids = torch.tensor([lm.tokenizer.encode(sample.prompt, add_special_tokens=False)], dtype=torch.long)
-        prefix = task.prefix_len(ids.shape[1])
-        shared_logits, reference = None, None
+    prog: dict[str, _Progress] = {}
+    for run in todo:
+        folder, state = sw.out / run.folder, states[run.folder]
+        if state.status == "partial":
+            p = state.partial
+            prog[run.folder] = _Progress(p["rows"], p["fractions"], float(p.get("seconds", 0.0)))
+            continue
+        clear_run(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        identity = run_identity(sw.cfg, run)
+        atomic_write_text(folder / CONFIG, yaml.safe_dump({"run_id": ids[run.folder], "identity": identity},
+                                                          sort_keys=False))
+        prog[run.folder] = _Progress()
+    try:
+        samples = task.make_samples(sw.lm.tokenizer, length, spec.depths, spec.samples, sw.cfg.seed)
+    except Exception as err:  # the cell's prompts cannot be made: every run of it fails, the sweep goes on
+        for run in todo:
+            _record_failure(sw, run, ids[run.folder], err)
+        if sw.fail_fast:
+            raise
+        return
+    dense = cell[0]
+    for i, sample in enumerate(samples):
+        active = [r for r in todo if not prog[r.folder].failed and len(prog[r.folder].rows) == i]
+        if not active:
+            continue
+        execute = list(active)
+        # the dense run is the KL reference of a fidelity cell: it runs again (unrecorded) when done
+        if task.kind == "fidelity" and dense not in execute:
+            execute.insert(0, dense)
+        execute.sort(key=lambda r: (r.selector is not None, not r.shares_prefill))
+        ids_t = torch.tensor([sw.lm.tokenizer.encode(sample.prompt, add_special_tokens=False)], dtype=torch.long)
+        prefix = task.prefix_len(ids_t.shape[1])
+        shared: list[torch.Tensor] = []
+        reference = None
         for run in execute:
-            bar.set_postfix_str(f"{task.name} L={length} {run.label} {run.budget.label if run.budget else ''}")
+            sw.bar.set_postfix_str(f"{task.name} L={length} {run.label} {run.budget.label if run.budget else ''}")
             t0 = time.perf_counter()
-            if run.shares_prefill:
-                if shared_logits is None:
-                    session.set_config(None)
-                    shared_logits = session.prefill(ids[:, :prefix])
-                else:
-                    session.rewind(prefix)
-                session.set_config(run.sparse)
-                logits = shared_logits
-            else:
-                session.set_config(run.sparse)
-                logits = session.prefill(ids[:, :prefix])
-            session.reset_stats()
-            row = task.run(session, logits, ids, sample, reference, lm.tokenizer)
+            try:
+                if task.kind == "fidelity" and run.selector is not None and reference is None:
+                    raise RuntimeError("the dense reference run failed on this sample, so no KL can be measured")
+                row, frac = _execute(sw.session, task, run, ids_t, prefix, sample, reference, shared,
+                                     sw.lm.tokenizer)
+            except Exception as err:  # recorded in the run's folder, the sweep goes on
+                shared.clear()  # the session's state is unknown: the next run prefills anew
+                if run in todo:
+                    _record_failure(sw, run, ids[run.folder], err)
+                    prog[run.folder].failed = True
+                if sw.fail_fast:
+                    raise
+                continue
             if run.selector is None:
                 reference = row.get("_reference")
-            seconds[run.folder] += time.perf_counter() - t0
-            frac = session.attended_fraction("generation")
-            fractions[run.folder].append(frac)
-            rows[run.folder].append(_prediction_row(sample, ids.shape[1], row, frac))
-            if run in todo:
-                bar.update(1)
-    for run in todo:
-        _write_run(out / run.folder, run, cfg, rows[run.folder], fractions[run.folder], seconds[run.folder])
+            if run not in todo or prog[run.folder].failed:
+                continue
+            p = prog[run.folder]
+            p.seconds += time.perf_counter() - t0
+            p.fractions.append(frac)
+            p.rows.append(_prediction_row(sample, ids_t.shape[1], row, frac))
+            sw.bar.update(1)
+            if len(p.rows) == len(samples):
+                _write_run(sw.out / run.folder, run, sw.cfg, ids[run.folder], p)
+            else:
+                atomic_write_text(sw.out / run.folder / PARTIAL, json.dumps(
+                    {"run_id": ids[run.folder], "rows": p.rows, "fractions": p.fractions, "seconds": p.seconds}))
+
+
+def _execute(session: KvsieveSession, task: Task, run: RunSpec, ids: torch.Tensor, prefix: int, sample: Sample,
+             reference: Any, shared: list[torch.Tensor], tokenizer: Any) -> tuple[dict[str, Any], list[float | None]]:
+    """One run on one sample; ``shared`` holds the dense prefill's logits once a sharing run made it."""
+    if run.shares_prefill:
+        if not shared:
+            session.set_config(None)
+            shared.append(session.prefill(ids[:, :prefix]))
+        else:
+            session.rewind(prefix)
+        session.set_config(run.sparse)
+        logits = shared[0]
+    else:
+        shared.clear()  # this prefill replaces the cached prompt
+        session.set_config(run.sparse)
+        logits = session.prefill(ids[:, :prefix])
+    session.reset_stats()
+    row = task.run(session, logits, ids, sample, reference, tokenizer)
+    return row, session.attended_fraction("generation")
 
 
 def _mean(xs: list[float]) -> float:
@@ -199,50 +355,51 @@ def _prediction_row(sample: Sample, num_tokens: int, row: dict[str, Any], frac: 
     return base
 
 
-def _write_run(folder: Path, run: RunSpec, cfg: EvalConfig, rows: list[dict[str, Any]],
-               fractions: list[list[float | None]], seconds: float) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
+def _write_run(folder: Path, run: RunSpec, cfg: EvalConfig, run_id: str, p: _Progress) -> None:
+    """The finished run's predictions.csv, then metrics.json (its presence marks the run done)."""
     per_layer = []
-    for layer in zip(*fractions):
+    for layer in zip(*p.fractions):
         vals = [v for v in layer if v is not None]
         per_layer.append(_mean(vals) if vals else None)
     seen = [v for v in per_layer if v is not None]
-    score, lo, hi = mean_ci95([float(r["score"]) for r in rows])
-    b = run.budget
+    score, lo, hi = mean_ci95([float(r["score"]) for r in p.rows], binary=get_task(run.task.name).binary_score)
     metrics: dict[str, Any] = {
-        "task": run.task.name, "length": run.length, "model": run.model, "selector": run.label,
-        "selector_name": run.sparse.selector if run.sparse else DENSE,
-        "budget_label": b.label if b else "full", "budget_tokens": b.tokens if b else run.length,
-        "target_sparsity": b.sparsity if b else 0.0, "compression_ratio": b.compression_ratio if b else 1.0,
-        "score": score, "ci95": [lo, hi], "n": len(rows),
+        "run_id": run_id, **run.describe(), "selector_name": run.sparse.selector if run.sparse else DENSE,
+        "score": score, "ci95": [lo, hi], "n": len(p.rows),
         "achieved_sparsity": 1 - _mean(seen) if seen else 0.0, "attended_fraction_per_layer": per_layer,
-        "wall_time_s": seconds, "shares_prefill": run.shares_prefill, "backend": cfg.backend,
+        "wall_time_s": p.seconds, "shares_prefill": run.shares_prefill, "backend": cfg.backend,
         "kvsieve_version": __version__, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    for key in ("partial", "mass_recall", "rel_error", "topk_overlap", "kl"):
-        if rows and key in rows[0]:
-            metrics[key] = _mean([float(r[key]) for r in rows])
-    config = {"model": cfg.model, "backend": cfg.backend, "seed": cfg.seed,
-              "task": asdict(run.task), "length": run.length,
-              "selector": asdict(run.selector) if run.selector else None,
-              "sparse_config": asdict(run.sparse) if run.sparse else None}
-    _write_csv(folder / "predictions.csv", rows, list(rows[0]) if rows else ["sample"])
-    (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-    # metrics.json last: its presence (with the others) marks the run done
-    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2), encoding="utf-8")
+    for key in _OPTIONAL_METRICS:
+        if p.rows and key in p.rows[0]:
+            metrics[key] = _mean([float(r[key]) for r in p.rows])
+    write_csv(folder / PREDICTIONS, p.rows, list(p.rows[0]))
+    atomic_write_text(folder / METRICS, json.dumps(metrics, indent=2))
+    (folder / PARTIAL).unlink(missing_ok=True)
 
 
-def _write_csv(path: Path, rows: list[dict[str, Any]], fields: list[str] | tuple[str, ...]) -> None:
-    with path.open("w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(fields), extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+def _record_failure(sw: _Sweep, run: RunSpec, run_id: str, err: BaseException) -> None:
+    folder = sw.out / run.folder
+    message = f"{type(err).__name__}: {err}".splitlines()[0]
+    atomic_write_text(folder / ERROR, f"run_id: {run_id}\n{message}\n\n{traceback.format_exc()}")
+    (folder / PARTIAL).unlink(missing_ok=True)
+    sw.log(f"kvsieve eval: run {run.folder} failed: {message} (traceback in {folder / ERROR})")
 
 
-def _summary_row(folder: Path) -> dict[str, Any]:
-    m = json.loads((folder / "metrics.json").read_text(encoding="utf-8"))
-    row = {k: m.get(k) for k in SUMMARY_FIELDS}
-    row["ci95_low"], row["ci95_high"] = m["ci95"]
-    row["folder"] = folder.name
-    return row
-
+def _summary_rows(out: Path, runs: list[RunSpec], ids: dict[str, str]) -> list[dict[str, Any]]:
+    """One row per run that is done (``status`` ok) or failed, in plan order."""
+    rows = []
+    for run in runs:
+        state = read_state(out / run.folder, ids[run.folder], {})
+        if state.status == "done":
+            m = state.metrics
+            row = {k: m.get(k) for k in SUMMARY_FIELDS}
+            row["ci95_low"], row["ci95_high"] = m["ci95"]
+            row.update(status="ok", error="")
+        elif state.status == "failed":
+            row = {**run.describe(), "status": "failed", "error": state.error}
+        else:
+            continue
+        row.update(run_id=ids[run.folder], folder=run.folder)
+        rows.append(row)
+    return rows

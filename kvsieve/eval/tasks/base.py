@@ -36,6 +36,10 @@ class Task:
     #: decoding stops once the answer so far matches this (``None``: always ``max_new_tokens``)
     stop_regex: ClassVar[str | None] = None
     uses_depths: ClassVar[bool] = True
+    #: scores are 0 or 1 (their interval is Wilson's); otherwise a normal interval
+    binary_score: ClassVar[bool] = False
+    #: what :meth:`score` measures, in words (the y-axis of the plots)
+    metric: ClassVar[str] = "share of gold answers in the answer"
 
     def make_samples(self, tokenizer: Any, length: int, depths: list[float], samples: int,
                      seed: int) -> list[Sample]:
@@ -62,8 +66,10 @@ class Task:
         stop = None if self.stop_regex is None else _regex_stop(self.stop_regex, tokenizer)
         new = session.continue_greedy(logits, self.max_new_tokens, getattr(tokenizer, "eos_token_id", None), stop)
         pred = tokenizer.decode(new[0].tolist(), skip_special_tokens=True).strip()
-        return {"prediction": pred, "score": self.score(pred, sample),
-                "partial": max(digit_prefix_match(pred, a) if a.isdigit() else 0.0 for a in sample.answers)}
+        score = self.score(pred, sample)
+        # partial credit never below the score: a found answer is full credit however it is embedded
+        digits = max(digit_prefix_match(pred, a) if a.isdigit() else 0.0 for a in sample.answers)
+        return {"prediction": pred, "score": score, "partial": max(score, digits)}
 
     def score(self, prediction: str, sample: Sample) -> float:
         """Score in ``[0, 1]``; default: fraction of gold answers found in the prediction."""

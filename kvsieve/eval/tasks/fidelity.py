@@ -28,8 +28,11 @@ __all__ = ["FidelityTask"]
 
 @register_task
 class FidelityTask(Task):
+    """Sparse vs dense attention on the same real q and cache while decoding an essay's last tokens."""
+
     name = "fidelity"
     kind = "fidelity"
+    metric = "attention-mass recall"
     uses_depths = False
     num_queries = 8
 

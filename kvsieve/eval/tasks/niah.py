@@ -30,6 +30,8 @@ def ruler_niah_prompt(context: str, query: str) -> str:
 class _Niah(Task):
     max_new_tokens = 16  # room for list-style answers (":\n1. 1234567")
     stop_regex = r"\d{7}\D"
+    metric = "RULER string_match_all"
+    binary_score = True  # one gold value per sample
     num_distractors = 0
 
     def make_one(self, tokenizer: Any, length: int, depth: float | None, rng: random.Random, index: int) -> Sample:
@@ -51,10 +53,14 @@ class _Niah(Task):
 
 @register_task
 class NiahSingleTask(_Niah):
+    """RULER niah_single_2: one 7-digit magic number for a word key hidden in Paul Graham essays."""
+
     name = "niah_single"
 
 
 @register_task
 class NiahMultiKeyTask(_Niah):
+    """RULER niah_multikey_1: the needle among 3 distractor needles with other keys, in essays."""
+
     name = "niah_multikey"
     num_distractors = 3

@@ -18,7 +18,11 @@ _TAIL = "\nWhat is the pass key? The pass key is"
 
 @register_task
 class PasskeyTask(Task):
+    """A 5-digit pass key hidden at a depth in a noise haystack; 1 if the key is in the answer."""
+
     name = "passkey"
+    metric = "pass key found (exact match)"
+    binary_score = True
     max_new_tokens = 8
     stop_regex = r"\d{5}\D"
 

@@ -21,7 +21,10 @@ _QUESTION = ("\nQuestion: Find all variables that are assigned the value {value}
 
 @register_task
 class VariableTrackingTask(Task):
+    """RULER variable tracking: a chain VAR A = 12345. VAR B = VAR A. ... in noise; name every variable."""
+
     name = "variable_tracking"
+    metric = "share of variables named"
     max_new_tokens = 16
     num_hops = 2
 

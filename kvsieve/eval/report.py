@@ -1,0 +1,71 @@
+"""What a sweep shows a person: the summary table (rounded) for the terminal, and ``report.md``, one
+Markdown page per sweep linking ``summary.csv``, every plot and every failed run's ``error.txt``."""
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .. import __version__
+from .config import EvalConfig
+from .store import ERROR, atomic_write_text
+
+__all__ = ["format_table", "write_report", "table_cells"]
+
+_HEADERS = ("task", "length", "selector", "budget", "tokens", "score", "95% CI", "n", "sparsity", "KL", "status")
+
+
+def _num(x: Any, digits: int = 2) -> str:
+    if x in (None, ""):
+        return "-"
+    v = float(x)
+    return "nan" if math.isnan(v) else f"{v:.{digits}f}"
+
+
+def table_cells(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """One list of strings per summary row, in the order of the table's headers."""
+    out = []
+    for r in rows:
+        ok = r["status"] == "ok"
+        ci = f"[{_num(r.get('ci95_low'))}, {_num(r.get('ci95_high'))}]" if ok else "-"
+        out.append([str(r["task"]), str(r["length"]), str(r["selector"]), str(r["budget_label"]),
+                    str(r["budget_tokens"]), _num(r.get("score")) if ok else "-", ci,
+                    str(r.get("n") or "-"), _num(r.get("achieved_sparsity")) if ok else "-",
+                    _num(r.get("kl"), 3), "ok" if ok else f"FAILED: {r.get('error', '')}"])
+    return out
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The summary as an aligned text table (scores and sparsities to two decimals)."""
+    cells = [list(_HEADERS)] + table_cells(rows)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(_HEADERS) - 1)]
+    lines = ["  ".join(c[i].ljust(w) for i, w in enumerate(widths)) + "  " + c[-1] for c in cells]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def write_report(out: Path, cfg: EvalConfig, rows: list[dict[str, Any]], plots: list[Path]) -> Path:
+    """Write ``<out>/report.md``; links are relative, so the folder can be moved or zipped."""
+    ok = sum(r["status"] == "ok" for r in rows)
+    failed = [r for r in rows if r["status"] != "ok"]
+    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    lines = [f"# kvsieve eval: {out.name}", "",
+             f"Model `{cfg.model}`, backend `{cfg.backend}`, seed {cfg.seed}, kvsieve {__version__}; written {when}.",
+             f"{len(rows)} runs: {ok} ok, {len(failed)} failed. Score: the task's metric (fidelity: attention-mass "
+             "recall); 95% CI: Wilson for 0/1 scores, else normal; sparsity: achieved while decoding.", "",
+             "Files: [summary.csv](summary.csv)" + "".join(f", [{p.name}]({p.name})" for p in plots), "",
+             "## Results", "", "| " + " | ".join(_HEADERS) + " | run |", "|" + "---|" * (len(_HEADERS) + 1)]
+    for r, c in zip(rows, table_cells(rows)):
+        lines.append("| " + " | ".join(c) + f" | [{r['folder']}]({r['folder']}/) |")
+    if plots:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{p.stem}]({p.name})" for p in plots]
+    if failed:
+        lines += ["", "## Failed runs", ""]
+        lines += [f"- [{r['folder']}]({r['folder']}/{ERROR}): {r.get('error', '')}" for r in failed]
+    lines += ["", "## Config", "", "```yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(), "```", ""]
+    path = out / "report.md"
+    atomic_write_text(path, "\n".join(lines))
+    return path

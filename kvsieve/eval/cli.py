@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import os
 import shlex
@@ -27,9 +28,14 @@ exit status: 0 all runs ok, 1 some run failed (see its error.txt), 2 bad input, 
 
 
 def silence_progress_bars() -> None:
-    """No progress bars from kvsieve, transformers or huggingface_hub (``--no-progress``)."""
+    """No progress bars from kvsieve, transformers or huggingface_hub (``--no-progress``).
+
+    transformers' own switch does not cover every bar (its GGUF loader uses ``tqdm`` directly) and
+    ``TQDM_DISABLE`` is read when tqdm is imported, so tqdm's default becomes ``disable=True``."""
+    import tqdm.std
+
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    os.environ["TQDM_DISABLE"] = "1"
+    tqdm.std.tqdm.__init__ = functools.partialmethod(tqdm.std.tqdm.__init__, disable=True)
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:

@@ -40,8 +40,8 @@ from .metrics import mean_ci95
 from .model import LoadedModel, load_model
 from .plots import write_plots
 from .report import format_table, write_report
-from .store import (CONFIG, ERROR, METRICS, PARTIAL, PREDICTIONS, RunState, atomic_write_text, clear_run, read_state,
-                    write_csv)
+from .store import (CONFIG, ERROR, METRICS, PARTIAL, PREDICTIONS, RunState, atomic_write_text, clear_run,
+                    discard_leftovers, read_state, write_csv)
 from .tasks import Sample, Task, get_task
 
 __all__ = ["RunSpec", "SweepResult", "SweepInterrupted", "plan_runs", "run_sweep", "run_identity", "DENSE",
@@ -191,6 +191,9 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
     ids = {r.folder: _run_id(run_identity(cfg, r)) for r in runs}
     states = {r.folder: read_state(out / r.folder, ids[r.folder], run_identity(cfg, r)) for r in runs}
     counts = Counter(s.status for s in states.values())
+    for r in runs:  # a kill between a run's metrics.json and this cleanup leaves them behind
+        if states[r.folder].status == "done":
+            discard_leftovers(out / r.folder)
     _log_plan(log, out, lm.name, runs, states, counts)
     pending = [[r for r in cell if states[r.folder].status != "done"] for cell in cells]
     total = sum(_num_samples(r) - len(states[r.folder].partial.get("rows", [])) for p in pending for r in p)
@@ -375,7 +378,7 @@ def _write_run(folder: Path, run: RunSpec, cfg: EvalConfig, run_id: str, p: _Pro
             metrics[key] = _mean([float(r[key]) for r in p.rows])
     write_csv(folder / PREDICTIONS, p.rows, list(p.rows[0]))
     atomic_write_text(folder / METRICS, json.dumps(metrics, indent=2))
-    (folder / PARTIAL).unlink(missing_ok=True)
+    discard_leftovers(folder)
 
 
 def _record_failure(sw: _Sweep, run: RunSpec, run_id: str, err: BaseException) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 __all__ = ["CONFIG", "PREDICTIONS", "METRICS", "PARTIAL", "ERROR", "RUN_FILES", "RunState", "atomic_write_text",
-           "write_csv", "read_state", "clear_run", "diff_identity"]
+           "write_csv", "read_state", "clear_run", "discard_leftovers", "diff_identity"]
 
 CONFIG, PREDICTIONS, METRICS = "config.yaml", "predictions.csv", "metrics.json"
 PARTIAL, ERROR = "partial.json", "error.txt"
@@ -134,7 +134,14 @@ def read_state(folder: Path, run_id: str, identity: dict[str, Any]) -> RunState:
     return RunState("new")
 
 
+def discard_leftovers(folder: Path) -> None:
+    """Remove what a finished run no longer needs: partial.json, an old error.txt, temporary files."""
+    for path in (folder / PARTIAL, folder / ERROR, *folder.glob(".*.tmp")):
+        path.unlink(missing_ok=True)
+
+
 def clear_run(folder: Path) -> None:
     """Remove a run's result files (before it is redone from scratch)."""
-    for name in (*RUN_FILES, PARTIAL, ERROR):
+    for name in RUN_FILES:
         (folder / name).unlink(missing_ok=True)
+    discard_leftovers(folder)

@@ -6,10 +6,11 @@ Errors are one line (``kvsieve <command>: error: ...``, exit status 2 for bad in
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import traceback
 
-__all__ = ["main", "SUBCOMMANDS"]
+__all__ = ["main", "plain", "SUBCOMMANDS"]
 
 # subcommand -> ("module:function" taking argv and returning an exit status, one-line description)
 SUBCOMMANDS = {
@@ -20,6 +21,12 @@ SUBCOMMANDS = {
     "demo": ("kvsieve.demo:main", "one selector through the paged cache against the dense golden (about a minute)"),
     "distill-indexer": ("kvsieve.eval.distill_indexer:main", "train a DSA indexer for a GQA model"),
 }
+
+
+def plain(doc: str) -> str:
+    """A docstring for a terminal: RST roles and literals (``x``, :class:`~a.b.C`) as plain text."""
+    doc = re.sub(r":\w+:`~?(?:[\w.]+\.)?([^`]+)`", r"\1", doc)
+    return doc.replace("``", "")
 
 
 def _help() -> str:

@@ -12,6 +12,7 @@ import json
 
 import torch
 
+from .cli import plain
 from .metadata import KVCacheManager, KVCacheSpec
 from .sparse import Engine, SparseAttention, SparseAttentionConfig, lower_config
 
@@ -67,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvsieve demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="kvsieve demo", description=plain(__doc__.splitlines()[0]))
     add_arguments(p)
     r = run_demo(p.parse_args(argv))
     print(f"selector={r['selector']} params={r['params']} backend={r['backend']} context={r['context']}")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from ..cli import plain
 from ..selectors.dsa_projections import IndexerInputs, IndexerProjections, save_projections
 
 __all__ = ["distill", "indexer_recall", "attach_dsa_indexer", "main"]
@@ -170,7 +171,7 @@ def attach_dsa_indexer(session: Any) -> list[Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvsieve distill-indexer", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvsieve distill-indexer", description=plain(__doc__.split("\n\n")[0]))
     ap.add_argument("--model", default="smollm2", help="smollm2 | tiny-random | a local checkpoint directory")
     ap.add_argument("--out", required=True, help="where to write the projections (torch.save file)")
     ap.add_argument("--n-heads", type=int, default=8)

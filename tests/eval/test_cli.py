@@ -26,7 +26,7 @@ def test_version_and_help(capsys):
     assert rc == 2 and "unknown command 'evl'" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("command", ["eval", "list"])
+@pytest.mark.parametrize("command", list(SUBCOMMANDS))
 def test_subcommand_help_has_no_rst_markup(capsys, command):
     with pytest.raises(SystemExit) as info:
         main([command, "--help"])

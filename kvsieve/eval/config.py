@@ -195,7 +195,8 @@ def _type_name(tp: Any) -> str:
         return f"a list of {_type_name(args[0])}"
     if origin is dict:
         return f"a mapping of {_type_name(args[0])} to {_type_name(args[1])}"
-    return {int: "int", float: "number", str: "str", bool: "bool", Any: "any value"}.get(tp, str(tp))
+    return {int: "int", float: "number", str: "str", bool: "bool", Any: "any value",
+            type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 def _conforms(value: Any, tp: Any) -> bool:

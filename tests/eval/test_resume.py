@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from kvsieve.eval import runner
-from kvsieve.eval.config import apply_overrides, from_dict
+from kvsieve.eval.config import EvalConfig, apply_overrides, from_dict
 from kvsieve.eval.model import load_model
 from kvsieve.eval.runner import SweepInterrupted, run_sweep
 
@@ -53,7 +53,7 @@ def _ids(out, folders):
 MATRIX = {
     "nothing": ([], ALL, [], []),
     "seed": (["seed=7"], [], ALL, []),
-    "backend": (["backend=torch"], [], ALL, []),
+    "backend": ([f"backend={'vanilla' if EvalConfig().backend != 'vanilla' else 'torch'}"], [], ALL, []),
     "task samples": (["tasks.passkey.samples=2"], FIDELITY, PASSKEY, []),
     "task depths": (["tasks.passkey.depths=[40]"], FIDELITY, PASSKEY, []),
     "selector param": (["selectors.streaming.params.num_sink=3"], [PASSKEY[0], PASSKEY[1], FIDELITY[0], FIDELITY[1]],

@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help=f"YAML sweep config (default: the built-in {DEFAULT!r} preset)")
     src.add_argument("--quick", action="store_true",
-                     help="the built-in quick preset: 3 cells at 1K tokens, about 3 min on 2 idle CPU cores")
+                     help="the built-in quick preset: 3 cells at 1K tokens, 33 runs; about 6 CPU-minutes, so under "
+                          "10 min on 2 free CPU cores (docs/eval.md has the measured figure and load)")
     p.add_argument("--model", help="'smollm2' (default), 'tiny-random', or a local transformers checkpoint dir "
                                    "(kvsieve list models)")
     p.add_argument("--output-dir", help="where run folders, summary.csv, plots and report.md go")

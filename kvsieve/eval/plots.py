@@ -7,8 +7,8 @@ scores, from n), the dense score as a dashed line with its interval shaded.
 
 ``heatmap__<task>.png`` (needle tasks): mean score by depth (rows) and length (columns), one panel
 per run configuration (dense first, then each selector by increasing budget), each cell printed,
-one shared colorbar. A grid of a single depth and length is drawn as one panel with a row per
-run configuration instead of a page of one-cell panels.
+one shared colorbar. A sweep of a single length is drawn as one panel, a row per run
+configuration and a column per depth, instead of a page of one-column panels.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _score_plot(out: Path, task: str, rows: list[dict[str, Any]]) -> Path:
 
     metric = get_task(task).metric
     lengths = sorted({int(r["length"]) for r in rows})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4.6 * len(lengths), 4.0), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(max(6.4, 4.6 * len(lengths)), 4.2), squeeze=False, sharey=True)
     for ax, length in zip(axes[0], lengths):
         cell = [r for r in rows if int(r["length"]) == length]
         by_sel: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -87,7 +87,7 @@ def _score_plot(out: Path, task: str, rows: list[dict[str, Any]]) -> Path:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(metric)
     axes[0][-1].legend(fontsize=7, loc="lower left")
-    fig.suptitle(f"{task}: {metric} vs sparsity (labels: budget; bars: 95% interval)", fontsize=9)
+    fig.suptitle(f"{task}: {metric} against sparsity\n(point labels: budget; bars: 95% interval)", fontsize=9)
     fig.tight_layout()
     return _save(fig, out / f"score_vs_sparsity__{task}.png")
 
@@ -111,12 +111,11 @@ def _heatmap(out: Path, task: str, rows: list[dict[str, Any]]) -> Path:
     depths = sorted({d for cells in panels.values() for d, _ in cells})
     lengths = sorted({n for cells in panels.values() for _, n in cells})
     metric = get_task(task).metric
-    if len(depths) * len(lengths) == 1:  # one cell per run: one panel, a row per run configuration
-        cell = (depths[0], lengths[0])
-        grid = [[_avg(panels[n].get(cell, []))] for n in names]
-        fig, ax = plt.subplots(figsize=(4.2, 0.9 + 0.32 * len(names)), constrained_layout=True)
-        im = _draw(ax, grid, [f"depth {depths[0]:g}%, {lengths[0]} tokens"], names)
-        ax.set_title(f"{task}: {metric}", fontsize=9)
+    if len(lengths) == 1:  # one length: one panel, a row per run configuration, a column per depth
+        grid = [[_avg(panels[n].get((d, lengths[0]), [])) for d in depths] for n in names]
+        fig, ax = plt.subplots(figsize=(3.4 + 0.9 * len(depths), 0.9 + 0.32 * len(names)), constrained_layout=True)
+        im = _draw(ax, grid, [f"depth {d:g}%" for d in depths], names)
+        ax.set_title(f"{task}, {lengths[0]} tokens: {metric}", fontsize=9)
         fig.colorbar(im, ax=ax, label=metric)
         return _save(fig, out / f"heatmap__{task}.png")
     cols = min(4, len(names))

@@ -258,7 +258,7 @@ def _mapping(key: str, raw: Any, example: str) -> dict[str, Any]:
 def from_dict(raw: dict[str, Any]) -> EvalConfig:
     """Validate a raw mapping (as read from YAML) into an :class:`EvalConfig`; a :class:`ConfigError`
     names the offending key, the expected type and the valid values."""
-    from ..sparse import available_backends, available_selectors
+    from ..sparse import available_backends, available_selectors, create_selector
     from .tasks import available_tasks
 
     top = _fields(EvalConfig, "config", raw, skip=(), nested=("tasks", "selectors"))
@@ -276,6 +276,13 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
     _named("backend", cfg.backend, available_backends())
     if not cfg.tasks:
         raise ConfigError(f"tasks: the sweep has no task; valid tasks: {available_tasks()}")
+    shortest = min(n for t in cfg.tasks for n in t.lengths)
+    for s in cfg.selectors:  # the selector's own config check, before any model is loaded
+        try:
+            for budget in s.resolve(shortest):
+                create_selector(s.selector, **s.sparse_config(budget).params)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"selectors.{s.label}: {err}") from None
     return cfg
 
 

@@ -278,6 +278,10 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
         raise ConfigError(f"tasks: the sweep has no task; valid tasks: {available_tasks()}")
     shortest = min(n for t in cfg.tasks for n in t.lengths)
     for s in cfg.selectors:  # the selector's own config check, before any model is loaded
+        labels = [b.label for b in s.resolve(shortest)]
+        if s.label == "dense" or len(set(labels)) != len(labels):
+            raise ConfigError(f"selectors.{s.label}: run folders must be distinct: the label 'dense' is the "
+                              f"dense run's and budgets must not repeat (got budgets {labels})")
         try:
             for budget in s.resolve(shortest):
                 create_selector(s.selector, **s.sparse_config(budget).params)

@@ -63,6 +63,8 @@ def test_list(capsys):
                                      "valid: ["),
     ("selectors.quest.params=16", "selectors.quest.params: expected a mapping of str to any value, got int 16"),
     ("seed=zero", "config.seed: expected int, got str 'zero'"),
+    ("selectors.quest.budgets=[64, 64.0]", "selectors.quest: run folders must be distinct"),
+    ("selectors.dense={selector: quest, budgets: [64]}", "selectors.dense: run folders must be distinct"),
     ("selectors.quest.params={page_sise: 16}", "selectors.quest: selector 'quest': bad config ['budget', 'page_sise']"),
     ("backend=tritn", "backend: unknown name 'tritn' (did you mean 'triton'?)"),
     ("tasks.passkey.depths=[120]", "tasks.passkey.depths must be a non-empty list of percentages in [0, 100]"),

@@ -133,17 +133,22 @@ def gqa_decode_blocks(env: Env, small: bool) -> tuple[str, float, str]:
 
 def gqa_skip_softmax(env: Env, small: bool) -> tuple[str, float, str]:
     from ..kernels.triton.sparse_gqa_decode import kernel, naive
-    kv, hkv, group, page, d = ([256], 1, 4, 16, 64) if small else ([256, 700], 2, 4, 16, 64)
+    kv, hkv, group, page, d = ([700], 2, 4, 16, 64) if small else ([256, 700], 2, 4, 16, 64)
     bt, k, v = _paged(env, kv, hkv, page, d, d)
-    q = env.randn(len(kv), hkv * group, d, scale=3.0)
+    q = env.randn(len(kv), hkv * group, d).float()
+    q = (q / q.norm(dim=-1, keepdim=True) * 8).to(env.dtype)
+    k.mul_(0.1)
+    for t in range(len(kv)):  # the first 64 keys align with the query: later tiles fall under the threshold
+        for p in range(64):
+            k[bt[t, p // page], :, p % page] += q[t].reshape(hkv, group, d).mean(1) * 3.0
     args = (q, k, v, bt, env.ints(list(range(len(kv)))), env.ints(kv))
     got_st = torch.zeros(2, dtype=torch.int64, device=env.device)
     want_st = torch.zeros(2, dtype=torch.int64, device=env.device)
     o, lse = kernel.sparse_gqa_decode(*args, threshold_scale_factor=2.0, stats=got_st)
     ro, rlse = naive.sparse_gqa_decode(*args, threshold_scale_factor=2.0, stats=want_st)
     err = max(_err(o, ro, env.perturb), _err(lse, rlse, env.perturb))
-    # the tile counters are integers: any difference is a mismatch
-    if not torch.equal(got_st.cpu(), want_st.cpu()):
+    # the tile counters are integers: any difference is a mismatch, and the case must skip something
+    if not torch.equal(got_st.cpu(), want_st.cpu()) or int(want_st[0]) == 0:
         err = math.inf
     return f"kv={kv} factor=2.0", err, f"skipped/walked kernel {got_st.tolist()} reference {want_st.tolist()}"
 
@@ -262,7 +267,7 @@ CASES: dict[str, tuple[str, Callable]] = {
     "topk": ("radix/gvr top-k", topk),
     "indexer_decode": ("indexer_logits_decode", indexer),
 }
-SMALL = ("gqa_decode", "prefill_dense", "mla_decode", "merge_states", "compact_kv", "topk", "indexer_decode")
+SMALL = ("gqa_decode", "gqa_skip_softmax", "prefill_dense", "mla_decode", "merge_states", "compact_kv", "topk", "indexer_decode")
 
 
 def run_cases(device: str, small: bool = False, perturb: float = 0.0,

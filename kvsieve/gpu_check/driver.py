@@ -57,7 +57,7 @@ class StepResult:
 STEPS = (
     Step("imports", "import every kvsieve layer with the installed torch/triton", 30, False),
     Step("triton_cases", "Triton kernels vs their references on awkward shapes", 75, False),
-    Step("gpu_tests", "pytest -m 'sm90 or sm100' (kernels, cute, dsa)", 120, True),
+    Step("gpu_tests", "pytest -m 'sm90 or sm100' tests/kernels tests/cute", 120, True),
     Step("benchmarks", "kernel GB/s vs HBM peak, TFLOP/s vs bf16 matmul", 75, True),
     Step("sanitizer", "compute-sanitizer memcheck on one small case per kernel", 120, True),
     Step("cute_aot", "CuTe-DSL kernels from the ahead-of-time bundle", 45, False),
@@ -106,7 +106,7 @@ def _commands(step: str, out: Path, dry_run: bool, perturb: float, cute_bundle: 
                 "--json", str(out / "cases.json")]
     if step == "gpu_tests":
         return [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "sm90 or sm100",
-                "tests/kernels", "tests/cute", "tests/dsa", f"--junitxml={out / 'gpu_tests.xml'}"]
+                "tests/kernels", "tests/cute", f"--junitxml={out / 'gpu_tests.xml'}"]
     if step == "benchmarks":
         return [py, "-m", "benchmarks.triton_kernels", "--quick", "--json", str(out / "benchmarks.json")]
     if step == "sanitizer":
@@ -179,6 +179,8 @@ def run_step(step: Step, out: Path, *, dry_run: bool, gpu_ok: bool, time_left: f
         res.status, res.reason = "timeout", f"over its {timeout:.0f} s budget"
     elif code == 0:
         res.status = "pass"
+    elif step.name == "sanitizer" and "Device not supported" in text:  # gVisor machines refuse the tool
+        res.status, res.reason = "skipped", "compute-sanitizer: 'Device not supported' on this machine's runtime"
     elif step.name == "cute_aot" and code == 3:  # the bundle is absent: nothing to verify with
         res.status, res.reason = "skipped", text.strip().splitlines()[-1] if text.strip() else "no bundle"
     else:
@@ -202,10 +204,11 @@ def run(out: Path, *, dry_run: bool, perturb: float = 0.0, steps: tuple[str, ...
         r = run_step(step, out, dry_run=dry_run, gpu_ok=gpu_ok, time_left=left, perturb=perturb, cute_bundle=bundle)
         print(f"[gpu_check] {r.name:<13} {r.status:<8} {r.seconds:6.1f}s / {r.budget_s:.0f}s  {r.reason}", flush=True)
         results.append(r)
+    env = environment()
     report = {
         "meta": {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "dry_run": dry_run,
                  "perturb": perturb, "total_budget_s": TOTAL_BUDGET_S,
-                 "wall_s": round(time.perf_counter() - t0, 2), "environment": environment()},
+                 "wall_s": round(time.perf_counter() - t0, 2), "environment": env},
         "steps": [asdict(r) for r in results],
         "ok": all(r.status in ("pass", "skipped") for r in results),
     }

@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -57,10 +58,11 @@ class StepResult:
 STEPS = (
     Step("imports", "import every kvsieve layer with the installed torch/triton", 30, False),
     Step("triton_cases", "Triton kernels vs their references on awkward shapes", 75, False),
-    Step("gpu_tests", "pytest -m 'sm90 or sm100' tests/kernels tests/cute", 120, True),
-    Step("benchmarks", "kernel GB/s vs HBM peak, TFLOP/s vs bf16 matmul", 75, True),
-    Step("sanitizer", "compute-sanitizer memcheck on one small case per kernel", 120, True),
+    Step("gpu_tests", "pytest -m 'sm90 or sm100' tests/kernels tests/cute", 110, True),
+    Step("benchmarks", "Triton kernel GB/s vs HBM peak, TFLOP/s vs bf16 matmul", 70, True),
+    Step("sanitizer", "compute-sanitizer memcheck on one small case per kernel", 110, True),
     Step("cute_aot", "CuTe-DSL kernels from the ahead-of-time bundle", 45, False),
+    Step("cute_benchmarks", "CuTe MLA decode (bundle) GB/s and TFLOP/s beside the Triton kernel", 30, True),
 )
 
 
@@ -115,6 +117,8 @@ def _commands(step: str, out: Path, dry_run: bool, perturb: float, cute_bundle: 
             return None
         return [tool, "--tool", "memcheck", "--error-exitcode", "86", "--print-limit", "20", py, "-m",
                 "kvsieve.gpu_check.cases", "--device", "cuda", "--small", "--json", str(out / "sanitizer_cases.json")]
+    if step == "cute_benchmarks":
+        return [py, "-m", "benchmarks.cute_kernels", "--json", str(out / "cute_benchmarks.json")]
     if step == "cute_aot":
         action = ["check"] if dry_run else ["run"]
         return [py, "-m", "kvsieve.gpu_check.cute_aot", *action, "--bundle", str(cute_bundle),
@@ -122,7 +126,7 @@ def _commands(step: str, out: Path, dry_run: bool, perturb: float, cute_bundle: 
     raise ValueError(f"step: unknown {step!r}")
 
 
-def _child_env(step: str, out: Path, dry_run: bool) -> dict[str, str]:
+def _child_env(step: str, out: Path, dry_run: bool, cute_bundle: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("TRITON_CACHE_DIR", str(out / "triton_cache"))  # compiled once, reused by later steps
@@ -131,6 +135,8 @@ def _child_env(step: str, out: Path, dry_run: bool) -> dict[str, str]:
     env.pop("TRITON_INTERPRET", None)
     if dry_run and step == "triton_cases":
         env["TRITON_INTERPRET"] = "1"
+    if step == "cute_benchmarks":
+        env["KVSIEVE_CUTE_AOT"] = str(cute_bundle)
     if step == "sanitizer":  # the caching allocator would hide out-of-bounds accesses inside its pool
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
     return env
@@ -138,7 +144,7 @@ def _child_env(step: str, out: Path, dry_run: bool) -> dict[str, str]:
 
 def _details(step: str, out: Path) -> object:
     name = {"triton_cases": "cases.json", "benchmarks": "benchmarks.json", "cute_aot": "cute_aot.json",
-            "sanitizer": "sanitizer_cases.json"}.get(step)
+            "sanitizer": "sanitizer_cases.json", "cute_benchmarks": "cute_benchmarks.json"}.get(step)
     if step == "gpu_tests" and (out / "gpu_tests.xml").exists():
         import xml.etree.ElementTree as ET
         suite = ET.parse(out / "gpu_tests.xml").getroot()
@@ -149,12 +155,30 @@ def _details(step: str, out: Path) -> object:
     return None
 
 
+def _run_bounded(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[str, int | None]:
+    """Run ``cmd`` in its own process group; on timeout the whole group is killed (a test's own
+    child process must not keep the GPU busy during the next step). Returns (output, exit code or
+    None on timeout)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+        return text, proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        return text, None
+
+
 def run_step(step: Step, out: Path, *, dry_run: bool, gpu_ok: bool, time_left: float, perturb: float,
              cute_bundle: Path) -> StepResult:
     """Run one step (or say why it was skipped)."""
     res = StepResult(step.name, step.what, "skipped", 0.0, step.budget_s)
     if step.needs_gpu and (dry_run or not gpu_ok):
         res.reason = "dry run: needs a GPU" if dry_run else "no CUDA device"
+        return res
+    if step.name == "cute_benchmarks" and not (cute_bundle / "manifest.json").exists():
+        res.reason = f"no CuTe AOT bundle at {cute_bundle}"
         return res
     cmd = _commands(step.name, out, dry_run, perturb, cute_bundle)
     if cmd is None:
@@ -166,13 +190,7 @@ def run_step(step: Step, out: Path, *, dry_run: bool, gpu_ok: bool, time_left: f
         return res
     res.command = cmd
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(step.name, out, dry_run), capture_output=True,
-                              text=True, timeout=timeout)
-        text, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        code = None
+    text, code = _run_bounded(cmd, _child_env(step.name, out, dry_run, cute_bundle), timeout)
     res.seconds = round(time.perf_counter() - t0, 2)
     res.output_tail = text[-3000:]
     if code is None:

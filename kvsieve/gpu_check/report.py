@@ -13,11 +13,15 @@ def _cases_table(cases: list[dict]) -> list[str]:
 
 
 def _bench_table(bench: dict) -> list[str]:
-    rows = [f"Ceilings measured in this run: copy {bench.get('copy_tb_s', 0):.2f} TB/s "
-            f"(peak used: {bench.get('hbm_peak_tb_s', 0):.2f} TB/s), bf16 matmul "
-            f"{bench.get('matmul_tflops', 0):.0f} TFLOP/s (peak used: {bench.get('bf16_peak_tflops', 0):.0f}).", "",
-            "| kernel | shape | ms | GB/s | % HBM peak | TFLOP/s | % bf16 peak |", "|---|---|---|---|---|---|---|"]
+    rows = [f"Peaks used: {bench['hbm_peak_tb_s']:.2f} TB/s HBM, {bench['bf16_peak_tflops']:.0f} TFLOP/s bf16."]
+    if "copy_tb_s" in bench:
+        rows.append(f"Ceilings measured in this run: copy {bench['copy_tb_s']:.2f} TB/s, bf16 matmul "
+                    f"{bench['matmul_tflops']:.0f} TFLOP/s.")
+    rows += ["", "| kernel | shape | ms | GB/s | % HBM peak | TFLOP/s | % bf16 peak |", "|---|---|---|---|---|---|---|"]
     for r in bench.get("rows", []):
+        if "error" in r:
+            rows.append(f"| {r['kernel']} | failed: {r['error']} | | | | | |")
+            continue
         rows.append(f"| {r['kernel']} | {r['shape']} | {r['ms']:.3f} | {r['gb_s']:.0f} | {r['pct_hbm']:.0f} | "
                     f"{r['tflops']:.1f} | {r['pct_flops']:.1f} |")
     return rows
@@ -42,7 +46,7 @@ def render_markdown(report: dict) -> str:
         lines += ["", f"## {s['name']}", ""]
         if s["name"] in ("triton_cases", "sanitizer") and isinstance(d, list):
             lines += _cases_table(d)
-        elif s["name"] == "benchmarks" and isinstance(d, dict):
+        elif s["name"] in ("benchmarks", "cute_benchmarks") and isinstance(d, dict):
             lines += _bench_table(d)
         else:
             lines.append("```\n" + (d if isinstance(d, str) else __import__("json").dumps(d, indent=1)) + "\n```")

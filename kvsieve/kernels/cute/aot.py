@@ -173,11 +173,11 @@ def build(out: str | os.PathLike, arch: str = "sm90", jobs: int = 2, timeout: fl
     if proc.returncode != 0:
         raise RuntimeError(f"link failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
     from importlib.metadata import version
+    files = [p for p in out.iterdir() if p.is_file() and p.name != "manifest.json"]
     manifest = {"arch": arch, "dsl_version": version("nvidia-cutlass-dsl"), "library": LIB_NAME,
                 "library_bytes": lib.stat().st_size, "library_sha256": _sha256(lib), "kernels": kernels,
-                "bundle_bytes": sum(p.stat().st_size for p in out.iterdir() if p.is_file())}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    manifest["bundle_bytes"] = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+                # every file of the bundle but the manifest itself
+                "bundle_bytes": sum(p.stat().st_size for p in files)}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     return manifest

@@ -1,7 +1,7 @@
 """Every Triton kernel against its plain-PyTorch reference on awkward shapes.
 
 One case = one kernel call and its ``naive`` reference on the same inputs; the result is a
-:class:`CaseResult` (max abs error, tolerance, pass). Shapes are chosen to hit the edges: page
+:class:`CaseResult` (max error ``|got - ref| / (1 + |ref|)``, tolerance, pass). Shapes are chosen to hit the edges: page
 sizes that do not divide the context (53) or are tiny (1), GQA groups that are not powers of two
 (7), head dims split into a power of two and a remainder (96 = 64 + 32, 576 = 512 + 64),
 selections with ``-1`` and beyond-context entries, block-granular selections, top-k widths not a
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["CaseResult", "CASES", "run_cases", "main"]
+__all__ = ["CaseResult", "CASES", "rel_err", "run_cases", "main"]
 
 # bf16 on a device against the fp32-accumulating reference; fp32 under the interpreter
 TOL = {torch.bfloat16: 3e-2, torch.float16: 3e-3, torch.float32: 1e-4}
@@ -44,7 +44,7 @@ class CaseResult:
     kernel: str
     shape: str
     dtype: str
-    max_abs_err: float
+    max_err: float
     tol: float
     passed: bool
     seconds: float
@@ -91,19 +91,21 @@ def _selection(env: Env, kv_lens: list[int], hkv: int, n_sel: int, block_size: i
     return env.ints(rows), env.ints(offsets)
 
 
-def _err(got: torch.Tensor, want: torch.Tensor, perturb: float) -> float:
-    """Max abs error over finite entries; inf positions must agree exactly (else inf)."""
+def rel_err(got: torch.Tensor, want: torch.Tensor, perturb: float = 0.0) -> float:
+    """``max |got - want| / (1 + |want|)`` over finite entries (absolute below 1, relative above:
+    one bf16 rounding step of a value near 4 is 0.016); inf positions must agree exactly, NaN never
+    passes (both give inf)."""
     got, want = got.double().cpu(), want.double().cpu() * (1.0 + perturb)
     if not torch.equal(torch.isinf(got), torch.isinf(want)) or bool(torch.isnan(got).any()):
         return math.inf
     fin = ~torch.isinf(want)
-    return float((got[fin] - want[fin]).abs().max()) if bool(fin.any()) else 0.0
+    return float(((got[fin] - want[fin]).abs() / (1 + want[fin].abs())).max()) if bool(fin.any()) else 0.0
 
 
 def _attention(env: Env, fn, ref, args: tuple, kwargs: dict) -> tuple[float, str]:
     o, lse = fn(*args, **kwargs)
     ro, rlse = ref(*args, **kwargs)
-    return max(_err(o, ro, env.perturb), _err(lse, rlse, env.perturb)), ""
+    return max(rel_err(o, ro, env.perturb), rel_err(lse, rlse, env.perturb)), ""
 
 
 def gqa_decode(env: Env, small: bool) -> tuple[str, float, str]:
@@ -146,7 +148,7 @@ def gqa_skip_softmax(env: Env, small: bool) -> tuple[str, float, str]:
     want_st = torch.zeros(2, dtype=torch.int64, device=env.device)
     o, lse = kernel.sparse_gqa_decode(*args, threshold_scale_factor=2.0, stats=got_st)
     ro, rlse = naive.sparse_gqa_decode(*args, threshold_scale_factor=2.0, stats=want_st)
-    err = max(_err(o, ro, env.perturb), _err(lse, rlse, env.perturb))
+    err = max(rel_err(o, ro, env.perturb), rel_err(lse, rlse, env.perturb))
     # the tile counters are integers: any difference is a mismatch, and the case must skip something
     if not torch.equal(got_st.cpu(), want_st.cpu()) or int(want_st[0]) == 0:
         err = math.inf
@@ -200,7 +202,7 @@ def merge(env: Env, small: bool) -> tuple[str, float, str]:
     lse[1, :, ::2] = -math.inf
     o, l = kernel.merge_states(v, lse)
     ro, rl = naive.merge_states(v, lse)
-    return f"[{t},{h},{s},{d}] with empty states", max(_err(o, ro, env.perturb), _err(l, rl, env.perturb)), ""
+    return f"[{t},{h},{s},{d}] with empty states", max(rel_err(o, ro, env.perturb), rel_err(l, rl, env.perturb)), ""
 
 
 def compact(env: Env, small: bool) -> tuple[str, float, str]:
@@ -213,7 +215,7 @@ def compact(env: Env, small: bool) -> tuple[str, float, str]:
     k2, v2 = k.clone(), v.clone()
     kernel.compact_kv_(k, v, bt[0], keep)
     naive.compact_kv_(k2, v2, bt[0], keep)
-    return f"Hkv={hkv} page={page} keep {n // 3} of {n}", max(_err(k, k2, env.perturb), _err(v, v2, env.perturb)), ""
+    return f"Hkv={hkv} page={page} keep {n // 3} of {n}", max(rel_err(k, k2, env.perturb), rel_err(v, v2, env.perturb)), ""
 
 
 def _topk_rows(n: int, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,7 +254,7 @@ def indexer(env: Env, small: bool) -> tuple[str, float, str]:
     width = max(kv) + 7
     got = kernel.indexer_logits_decode(q, kc, None, w, bt, tok, kl, width)
     want = naive.indexer_logits_decode(q, kc, None, w, bt, tok, kl, width)
-    return f"decode kv={kv} H={h} D={d} page={page}", _err(got, want, env.perturb), ""
+    return f"decode kv={kv} H={h} D={d} page={page}", rel_err(got, want, env.perturb), ""
 
 
 CASES: dict[str, tuple[str, Callable]] = {
@@ -302,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = run_cases(a.device, a.small, a.perturb)
     for r in results:
-        print(f"{'ok  ' if r.passed else 'FAIL'} {r.name:<18} {r.kernel:<22} {r.dtype:<8} err {r.max_abs_err:.3g} "
+        print(f"{'ok  ' if r.passed else 'FAIL'} {r.name:<18} {r.kernel:<22} {r.dtype:<8} err {r.max_err:.3g} "
               f"(tol {r.tol:g}) {r.seconds:.1f}s  {r.shape} {r.detail}")
     if a.json:
         with open(a.json, "w") as f:

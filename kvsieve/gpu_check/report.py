@@ -5,9 +5,9 @@ __all__ = ["render_markdown"]
 
 
 def _cases_table(cases: list[dict]) -> list[str]:
-    rows = ["| case | kernel | dtype | max abs err | tol | result | shape |", "|---|---|---|---|---|---|---|"]
+    rows = ["| case | kernel | dtype | max err | tol | result | shape |", "|---|---|---|---|---|---|---|"]
     for c in cases:
-        rows.append(f"| {c['name']} | {c['kernel']} | {c['dtype']} | {c['max_abs_err']:.3g} | {c['tol']:g} | "
+        rows.append(f"| {c['name']} | {c['kernel']} | {c['dtype']} | {c['max_err']:.3g} | {c['tol']:g} | "
                     f"{'pass' if c['passed'] else 'FAIL'} | {c['shape']} {c['detail']} |")
     return rows
 

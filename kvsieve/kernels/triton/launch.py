@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -86,9 +87,26 @@ COMPACT_BLOCK_N = {"interpreter": 64, "sm90": 64, "sm100": 64, "other": 32}
 NUM_SMS = {"interpreter": 1, "sm90": 132, "sm100": 148, "other": 80}
 
 
+@lru_cache(maxsize=1)
+def check_interpreter(triton_version: str, numpy_version: str) -> None:
+    """Refuse the one known-broken interpreter stack: triton < 3.8 (3.6 seen failing, 3.8 and 3.9
+    working) turns 1-element arrays into loop bounds with ``int()``, which numpy >= 2.4 refuses (a
+    TypeError inside the interpreter at the first ``range()`` over a tensor). Compiled kernels on a
+    GPU are unaffected."""
+    tv, nv = (tuple(int(x) for x in v.split(".")[:2]) for v in (triton_version, numpy_version))
+    if tv < (3, 8) and nv >= (2, 4):
+        raise RuntimeError(f"TRITON_INTERPRET=1: triton {triton_version}'s interpreter fails with numpy "
+                           f"{numpy_version} (numpy >= 2.4 refuses int() of 1-element arrays, which it uses "
+                           f"for loop bounds); install numpy<2.4 or triton>=3.8")
+
+
 def detect_arch(device: torch.device) -> str:
     """Return the launch-table key for tensors living on ``device``."""
     if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            import numpy
+            import triton
+            check_interpreter(triton.__version__, numpy.__version__)
         return "interpreter"
     major, _ = torch.cuda.get_device_capability(device)
     return {9: "sm90", 10: "sm100"}.get(major, "other")

@@ -34,25 +34,65 @@ def require_arch(device: torch.device) -> str:
     return arch
 
 
-@lru_cache(maxsize=None)
-def _compiled(arch: str, kind: str, d_qk: int, d_v: int, dv_tile: int, group: int, hkv: int,
-              k_row: int, v_row: int):
+def compile_args(arch: str, spec: dict, block_n: int) -> tuple[object, list]:
+    """Kernel object and null-pointer compile arguments of one compile key ``spec`` (``kind``,
+    ``d_qk``, ``d_v``, ``dv_tile``, ``group``, ``hkv``, ``k_row``, ``v_row``); also used by the
+    ahead-of-time export (``kvsieve.kernels.cute.aot``)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
     import cuda.bindings.driver as cuda
 
-    from .._common import ARCH_FLAGS, build_kernel
-    kernel = build_kernel(dict(arch=arch, kind=kind, d_qk=d_qk, d_v=d_v, dv_tile=dv_tile,
-                               group=group, num_kv_heads=hkv, block_n=BLOCK_N[arch]))
+    from .._common import build_kernel
+    kernel = build_kernel(dict(arch=arch, kind=spec["kind"], d_qk=spec["d_qk"], d_v=spec["d_v"],
+                               dv_tile=spec["dv_tile"], group=spec["group"], num_kv_heads=spec["hkv"],
+                               block_n=block_n))
     g, bf = cute.AddressSpace.gmem, cutlass.BFloat16
-    kd = cutlass.Uint8 if kind == "mla_fp8" else bf
+    kd = cutlass.Uint8 if spec["kind"] == "mla_fp8" else bf
     args = [make_ptr(bf, 0, g, 16), make_ptr(kd, 0, g, 16), make_ptr(bf, 0, g, 16),
             make_ptr(cutlass.Int32, 0, g, 16), make_ptr(cutlass.Float32, 0, g, 16),
             make_ptr(cutlass.Float32, 0, g, 16), cutlass.Int32(1), cutlass.Int32(1),
-            cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(8), cutlass.Int64(8), k_row, v_row,
-            cutlass.Float32(1.0), cuda.CUstream(0)]
-    return cute.compile(kernel, *args, options=f"--gpu-arch {ARCH_FLAGS[arch]}")
+            cutlass.Int32(1), cutlass.Int32(1), cutlass.Int64(8), cutlass.Int64(8), spec["k_row"],
+            spec["v_row"], cutlass.Float32(1.0), cuda.CUstream(0)]
+    return kernel, args
+
+
+@lru_cache(maxsize=None)
+def _compiled(arch: str, kind: str, d_qk: int, d_v: int, dv_tile: int, group: int, hkv: int,
+              k_row: int, v_row: int):
+    """JIT-compile one key; returns a launcher taking raw values (as ``aot.AotKernel``)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+    import cuda.bindings.driver as cuda
+
+    from .._common import ARCH_FLAGS
+    spec = dict(kind=kind, d_qk=d_qk, d_v=d_v, dv_tile=dv_tile, group=group, hkv=hkv, k_row=k_row,
+                v_row=v_row)
+    kernel, args = compile_args(arch, spec, BLOCK_N[arch])
+    fn = cute.compile(kernel, *args, options=f"--gpu-arch {ARCH_FLAGS[arch]}")
+    g, bf, f32, i32 = cute.AddressSpace.gmem, cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+    kd = cutlass.Uint8 if kind == "mla_fp8" else bf
+
+    def launch_jit(q, k, v, rows, o, lse, t, length, splits, tps, q_s0, q_s1, scale_log2, stream):
+        fn(make_ptr(bf, q, g, 16), make_ptr(kd, k, g, 16), make_ptr(bf, v, g, 16),
+           make_ptr(i32, rows, g, 16), make_ptr(f32, o, g, 16), make_ptr(f32, lse, g, 16), i32(t),
+           i32(length), i32(splits), i32(tps), cutlass.Int64(q_s0), cutlass.Int64(q_s1), k_row,
+           v_row, f32(scale_log2), cuda.CUstream(stream))
+    return launch_jit
+
+
+def _kernel(arch: str, spec: dict):
+    """The launcher of a compile key: from the ahead-of-time bundle named by
+    ``KVSIEVE_CUTE_AOT`` when set (refusing keys or archs it lacks), else JIT-compiled."""
+    from ..aot import bundle_from_env, key_of
+    bundle = bundle_from_env()
+    if bundle is None:
+        return _compiled(arch, **spec)
+    if bundle.manifest["arch"] != arch:
+        raise ValueError(f"KVSIEVE_CUTE_AOT: the bundle at {bundle.path} is built for "
+                         f"{bundle.manifest['arch']}, this device is {arch}")
+    return bundle.kernel(key_of(spec))
 
 
 def merge_splits(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype
@@ -76,11 +116,6 @@ def launch(kind: str, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tenso
     """Run the gather-attention kernel. ``q [T, Hq, Dqk]`` bf16 (unit last stride, strides
     multiple of 8), ``k_rows [R, k_row]`` / ``v_rows [R, v_row]`` 2-D row views, ``rows
     [T, Hkv, L]`` int32 row ids (-1 skip), ``L % BN == 0``."""
-    import cutlass
-    from cutlass.cute.runtime import make_ptr
-    import cuda.bindings.driver as cuda
-    import cutlass.cute as cute
-
     arch = require_arch(q.device)
     t, hq, d_qk = q.shape
     hkv, length = rows.shape[1], rows.shape[2]
@@ -100,19 +135,12 @@ def launch(kind: str, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tenso
     tps = -(-tiles // num_splits)
     o = torch.empty(num_splits, t, hq, d_v, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_splits, t, hq, dtype=torch.float32, device=q.device)
-    fn = _compiled(arch, kind, d_qk, d_v, dv_tile, group, hkv, k_rows.stride(0),
-                   v_rows.stride(0))
-    g, bf = cute.AddressSpace.gmem, cutlass.BFloat16
-    kd = cutlass.Uint8 if kind == "mla_fp8" else bf
+    fn = _kernel(arch, dict(kind=kind, d_qk=d_qk, d_v=d_v, dv_tile=dv_tile, group=group, hkv=hkv,
+                            k_row=k_rows.stride(0), v_row=v_rows.stride(0)))
     rows = rows.contiguous()
-    fn(make_ptr(bf, q.data_ptr(), g, 16), make_ptr(kd, k_rows.data_ptr(), g, 16),
-       make_ptr(bf, v_rows.data_ptr(), g, 16), make_ptr(cutlass.Int32, rows.data_ptr(), g, 16),
-       make_ptr(cutlass.Float32, o.data_ptr(), g, 16),
-       make_ptr(cutlass.Float32, lse.data_ptr(), g, 16), cutlass.Int32(t),
-       cutlass.Int32(length), cutlass.Int32(num_splits), cutlass.Int32(tps),
-       cutlass.Int64(q.stride(0)), cutlass.Int64(q.stride(1)), k_rows.stride(0),
-       v_rows.stride(0), cutlass.Float32(sm_scale * LOG2E),
-       cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+    fn(q.data_ptr(), k_rows.data_ptr(), v_rows.data_ptr(), rows.data_ptr(), o.data_ptr(),
+       lse.data_ptr(), t, length, num_splits, tps, q.stride(0), q.stride(1), sm_scale * LOG2E,
+       torch.cuda.current_stream(q.device).cuda_stream)
     return merge_splits(o, lse, q.dtype)
 
 

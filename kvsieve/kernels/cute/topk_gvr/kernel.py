@@ -36,13 +36,36 @@ def gpu_arch(device: torch.device) -> str:
 
 @lru_cache(maxsize=None)
 def _compiled(arch: str, k: int):
+    """JIT-compile the kernel for ``k``; returns a launcher taking raw values (as ``aot.AotKernel``)."""
     import cuda.bindings.driver as cuda
+    import cutlass
     import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
 
     from .compile import compile_args
 
     kernel, args = compile_args(k, cuda.CUstream(0))
-    return cute.compile(kernel, *args, options=f"--gpu-arch {arch}")
+    fn = cute.compile(kernel, *args, options=f"--gpu-arch {arch}")
+    g, i32 = cute.AddressSpace.gmem, cutlass.Int32
+
+    def launch_jit(scores, lens, out, stats, rows, width, s_stride, o_stride, with_stats, stream):
+        fn(make_ptr(i32, scores, g, 4), make_ptr(i32, lens, g, 4), make_ptr(i32, out, g, 4),
+           make_ptr(i32, stats, g, 4), i32(rows), i32(width), cutlass.Int64(s_stride),
+           cutlass.Int64(o_stride), i32(with_stats), cuda.CUstream(stream))
+    return launch_jit
+
+
+def _kernel(arch: str, k: int):
+    """The launcher for ``k``: from the ahead-of-time bundle named by ``KVSIEVE_CUTE_AOT`` when
+    set (it holds sm_90a code only; other archs and missing k are refused), else JIT-compiled."""
+    from ..aot import bundle_from_env, key_of
+    bundle = bundle_from_env()
+    if bundle is None:
+        return _compiled(arch, k)
+    if {"sm90": "sm_90a", "sm100": "sm_100a"}[bundle.manifest["arch"]] != arch:
+        raise ValueError(f"KVSIEVE_CUTE_AOT: the bundle at {bundle.path} is built for "
+                         f"{bundle.manifest['arch']}, this device needs {arch}")
+    return bundle.kernel(key_of(dict(kind="topk_gvr", k=k)))
 
 
 def _check_out(scores: torch.Tensor, k: int, out: torch.Tensor | None) -> torch.Tensor:
@@ -77,18 +100,9 @@ def gvr_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, out: torch.Ten
         return res
     if rows >= 2 ** 31 or width >= 2 ** 31:
         raise ValueError(f"scores: shape {tuple(scores.shape)} exceeds the kernel's int32 indexing")
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
-    fn = _compiled(arch, k)
-    g, i32 = cute.AddressSpace.gmem, cutlass.Int32
+    fn = _kernel(arch, k)
     lens = lengths.contiguous()
     st = stats if stats is not None else res
-    stream = cuda.CUstream(torch.cuda.current_stream(scores.device).cuda_stream)
-    fn(make_ptr(i32, scores.data_ptr(), g, 4), make_ptr(i32, lens.data_ptr(), g, 4),
-       make_ptr(i32, res.data_ptr(), g, 4), make_ptr(i32, st.data_ptr(), g, 4), i32(rows),
-       i32(width), cutlass.Int64(scores.stride(0)), cutlass.Int64(res.stride(0)),
-       i32(int(stats is not None)), stream)
+    fn(scores.data_ptr(), lens.data_ptr(), res.data_ptr(), st.data_ptr(), rows, width, scores.stride(0),
+       res.stride(0), int(stats is not None), torch.cuda.current_stream(scores.device).cuda_stream)
     return res

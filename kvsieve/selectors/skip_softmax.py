@@ -75,11 +75,11 @@ class SkipSoftmaxConfig:
 class SkipSoftmaxSelector(SparseSelector):
     name = "skip_softmax"
     config_class = SkipSoftmaxConfig
-    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), granularity="none")
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}))
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
-        return SparseRuntimeParams(threshold_scale_factor=self.config.factor("prefill"),
-                                   threshold_scale_factor_decode=self.config.factor("decode"))
+        return SparseRuntimeParams(threshold_scale_factor_context=self.config.factor("prefill"),
+                                   threshold_scale_factor_generation=self.config.factor("decode"))
 
 
 def measure_skip_fraction(samples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], factor: float,

@@ -13,7 +13,9 @@ def selection_mask(params: SparseRuntimeParams | None, rows: slice, token_kv_len
     """Boolean ``[num_kv_heads, n_rows, kv_len]``: which positions each query row attends.
 
     ``rows`` selects query tokens ``[start, stop)`` (one request); ``token_kv_lens [num_tokens]``
-    bounds each row causally. ``params=None`` (or no attention indices) means dense-causal.
+    bounds each row causally. ``params=None`` (or no attention indices) means dense-causal; the
+    caller passes ``None`` for rows of a phase the params do not select
+    (:meth:`SparseRuntimeParams.selects_positions`).
     Block entries ``i`` cover ``[i*B, (i+1)*B)``; ``-1`` and out-of-range entries select nothing.
     """
     lens = token_kv_lens[rows].to(torch.int64).cpu()
@@ -37,18 +39,28 @@ def selection_mask(params: SparseRuntimeParams | None, rows: slice, token_kv_len
 
 
 def attended_counts(params: SparseRuntimeParams | None, token_kv_lens: torch.Tensor, num_kv_heads: int,
-                    page_size: int = 1) -> torch.Tensor:
+                    page_size: int = 1, selected_rows: list[slice] | None = None) -> torch.Tensor:
     """int64 ``[num_tokens, num_kv_heads]``: positions read per query after rounding to pages.
 
+    ``selected_rows``: the row slices that read the selection (``None``: every row when
+    ``params`` has attention indices); all other rows are dense and read ``token_kv_lens``.
     ``page_size=1`` counts exact tokens (what the Vanilla golden reads). With ``page_size > 1``
     every touched page counts whole (clipped to the query's valid length), which is what a
     page-gathering kernel pays (``kvsieve.kernels.triton.effective_attended_tokens``).
     """
     lens = token_kv_lens.to(torch.int64)
+    counts = lens.unsqueeze(1).expand(lens.numel(), num_kv_heads).cpu().clone()
     if params is None or params.sparse_attn_indices is None:
-        return lens.unsqueeze(1).expand(lens.numel(), num_kv_heads).cpu().clone()
+        return counts
+    if selected_rows is None:
+        selected_rows = [slice(0, lens.numel())]
+    if not any(r.stop > r.start for r in selected_rows):
+        return counts
     from ..kernels.triton.kv_helpers.indexing import effective_attended_tokens  # lazy: imports triton
 
-    counts = effective_attended_tokens(params.sparse_attn_indices, params.sparse_attn_offsets,
+    sparse = effective_attended_tokens(params.sparse_attn_indices, params.sparse_attn_offsets,
                                        token_kv_lens.to(torch.int32), params.sparse_attn_indices_block_size, page_size)
-    return counts.to(torch.int64).cpu()
+    sparse = sparse.to(torch.int64).cpu()
+    for rows in selected_rows:
+        counts[rows] = sparse[rows]
+    return counts

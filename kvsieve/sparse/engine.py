@@ -1,4 +1,4 @@
-"""A small step driver (the engine role of DESIGN.md section 2) used by tests, the demo and eval.
+"""A small step driver (the engine role: ledger, metadata, layers, evictions) used by tests, the demo and eval.
 
 ``begin_step`` commits the step's tokens to the ledger, fills :class:`AttentionMetadata` and runs
 ``prepare()``; the caller then runs its layers; ``end_step`` commits evictions. ``step`` does all

@@ -5,7 +5,7 @@ import torch
 
 from .params import SparseRuntimeParams
 
-__all__ = ["selection_mask", "attended_counts"]
+__all__ = ["selection_mask", "attended_counts", "unique_sorted_segments"]
 
 
 def selection_mask(params: SparseRuntimeParams | None, rows: slice, token_kv_lens: torch.Tensor,
@@ -64,3 +64,30 @@ def attended_counts(params: SparseRuntimeParams | None, token_kv_lens: torch.Ten
     for rows in selected_rows:
         counts[rows] = sparse[rows]
     return counts
+
+
+def unique_sorted_segments(indices: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``indices [Hkv, total]`` with each segment ``offsets[t]:offsets[t+1]`` sorted ascending, each
+    unit once, ``-1`` padding at the tail (same shape and dtype): the set the segment names.
+
+    The carrier promises ascending unique segments, but with validation off nothing enforces it;
+    backends whose kernels walk the list as given read it through this, so a repeated index is
+    attended once in every backend (as the mask-based Vanilla golden does).
+    """
+    total = indices.shape[1]
+    if total == 0:
+        return indices
+    off = offsets.to(torch.int64)
+    row = torch.repeat_interleave(torch.arange(off.numel() - 1, device=indices.device), off.diff(),
+                                  output_size=total)
+    idx = indices.to(torch.int64)
+    pad = 1 << 31  # above every valid unit (int32): sorts to the tail of its segment
+    key = torch.where(idx < 0, pad, idx)
+    span = pad + 1
+    comp = (row * span).unsqueeze(0) + key
+    comp = comp.sort(dim=1).values
+    repeat = torch.zeros_like(comp, dtype=torch.bool)
+    repeat[:, 1:] = comp[:, 1:] == comp[:, :-1]
+    comp = torch.where(repeat, (row * span).unsqueeze(0) + pad, comp).sort(dim=1).values
+    unit = comp - (row * span).unsqueeze(0)
+    return torch.where(unit >= pad, -1, unit).to(indices.dtype)

@@ -20,6 +20,7 @@ import torch
 from ...kernels.triton import paged_prefill, select_prefill_path, sparse_gqa_decode, sparse_mla_decode
 from ...metadata import AttentionMetadata, half_block_views
 from ..params import SparseRuntimeParams
+from ..selection import unique_sorted_segments
 from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
 
 __all__ = ["TritonBackend", "phase_selection"]
@@ -27,8 +28,9 @@ __all__ = ["TritonBackend", "phase_selection"]
 
 def phase_selection(params: SparseRuntimeParams | None, phase: str, rows: slice
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, int, float]:
-    """What the kernels take for the rows ``rows`` of ``phase``: indices, re-based offsets (both
-    ``None`` when the phase is not selected), the block size and the skip-softmax factor."""
+    """What the kernels take for the rows ``rows`` of ``phase``: indices (each segment as a set,
+    :func:`unique_sorted_segments`), re-based offsets (both ``None`` when the phase is not
+    selected), the block size and the skip-softmax factor."""
     if params is None:
         return None, None, 1, 0.0
     factor = params.threshold_scale_factor(phase)
@@ -36,7 +38,8 @@ def phase_selection(params: SparseRuntimeParams | None, phase: str, rows: slice
         return None, None, 1, factor
     off = params.sparse_attn_offsets
     lo, hi = int(off[rows.start]), int(off[rows.stop])
-    return (params.sparse_attn_indices[:, lo:hi], (off[rows.start: rows.stop + 1] - lo).to(torch.int32),
+    local = (off[rows.start: rows.stop + 1] - lo).to(torch.int32)
+    return (unique_sorted_segments(params.sparse_attn_indices[:, lo:hi], local), local,
             params.sparse_attn_indices_block_size, factor)
 
 

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from .._checks import next_pow2
-from ..sparse_gqa_decode.gather import LN2, LOG2E, _dot, launch_gather_attention
+from ..common.gather import LN2, LOG2E, _dot, launch_gather_attention
 from ..sparse_gqa_decode.plan import plan_gqa_decode
 from .plan import plan_dense_prefill, query_tiles, select_prefill_path
 

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from ..sparse_gqa_decode.naive import gather_attention_reference, gather_rows, walk_tiles
+from ..common.naive import gather_attention_reference, gather_rows, walk_tiles
 from ..sparse_gqa_decode.plan import plan_gqa_decode
 from .plan import plan_dense_prefill, query_tiles, select_prefill_path
 

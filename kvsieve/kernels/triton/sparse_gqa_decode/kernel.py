@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .gather import launch_gather_attention
+from ..common.gather import launch_gather_attention
 from .plan import plan_gqa_decode
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sparse_gqa_decode.gather import launch_gather_attention
+from ..common.gather import launch_gather_attention
 from .plan import latent_views, plan_mla_decode
 
 

@@ -35,19 +35,16 @@ def clean_registries():
         reg._classes.update(saved)
 
 
-def test_entry_point_whose_import_raises_names_entry_point_and_distribution(tmp_path, monkeypatch):
-    install(tmp_path, monkeypatch, "kvsieve.selectors", "broken", "import not_a_module_xyz\n", "plugmod:Sel")
-    with pytest.raises(PluginError, match=r"entry point 'broken' in group 'kvsieve.selectors' \(plugmod:Sel, "
-                                          r"distribution bad-plugin 1.2.3\) failed to import: ModuleNotFoundError"):
-        registry.create_selector("broken")
-
-
-def test_backend_entry_point_whose_import_raises(tmp_path, monkeypatch):
-    install(tmp_path, monkeypatch, BACKEND_ENTRY_POINT_GROUP, "broken_be", "raise RuntimeError('boom')\n",
-            "plugmod:Be")
-    with pytest.raises(PluginError, match=r"entry point 'broken_be' in group 'kvsieve.backends'.*bad-plugin "
-                                          r"1.2.3\) failed to import: RuntimeError: boom"):
-        get_backend("broken_be")
+@pytest.mark.parametrize("group, source, error, lookup", [
+    ("kvsieve.selectors", "import not_a_module_xyz\n", "ModuleNotFoundError", registry.create_selector),
+    (BACKEND_ENTRY_POINT_GROUP, "raise RuntimeError('boom')\n", "RuntimeError: boom", get_backend),
+])
+def test_entry_point_whose_import_raises_names_entry_point_and_distribution(tmp_path, monkeypatch, group, source,
+                                                                           error, lookup):
+    install(tmp_path, monkeypatch, group, "broken", source, "plugmod:Obj")
+    with pytest.raises(PluginError, match=rf"entry point 'broken' in group '{group}' \(plugmod:Obj, "
+                                          rf"distribution bad-plugin 1.2.3\) failed to import: {error}"):
+        lookup("broken")
 
 
 def test_entry_point_reusing_a_builtin_name_is_an_error(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ CONFIGS = {
     "quest": {"budget": 8, "page_size": 4, "summary_dtype": "float32"},
     "rocketkv": {"prompt_budget": 4096, "page_size": 4, "topk": 2, "summary_dtype": "float32"},
     "snapkv": {"prompt_budget": 4096, "window_size": 4, "kernel_size": 3},
-    "skip_softmax": {"threshold_scale_factor_prefill": 50.0, "threshold_scale_factor_decode": 50.0},
+    "skip_softmax": {"threshold_scale_factor_context": 50.0, "threshold_scale_factor_generation": 50.0},
     "dsa": {"index_topk": 8, "n_heads": 2, "head_dim": 16, "rope_dim": 0},
 }
 

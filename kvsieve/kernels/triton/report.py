@@ -22,7 +22,7 @@ from . import launch
 
 SMEM_LIMIT = {90: 227 * 1024, 100: 227 * 1024}
 ARCH_KEY = {90: "sm90", 100: "sm100"}
-FLOAT_ARGS = ("qk_scale", "lam_factor")
+FLOAT_ARGS = ("qk_scale", "threshold_scale_factor")
 UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_vd")
 
 

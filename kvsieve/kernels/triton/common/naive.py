@@ -95,7 +95,7 @@ def gather_attention_reference(q: torch.Tensor, k4: torch.Tensor, v4: torch.Tens
     reqs = token_to_req.long().cpu().tolist()
     for t in range(num_tokens):
         bt_row = block_table[reqs[t]]
-        lam = plan.threshold / lens[t] if plan.threshold > 0 else None
+        lam = plan.threshold_scale_factor / lens[t] if plan.threshold_scale_factor > 0 else None
         for h in range(k4.shape[1]):
             row = indices[h] if indices is not None else None
             start, end = (offs[t], offs[t + 1]) if offs is not None else (0, 0)

@@ -195,7 +195,7 @@ class DSASelector(SparseSelector):
         layer = inputs.layer_idx
         q, w = inputs.state["index_qw"]  # this step's index q / weights, from on_append
         md = inputs.metadata
-        lens = inputs.token_kv_lens
+        lens = inputs.row_kv_lens
         kk = self.config.index_topk
         lens_host = inputs.token_kv_lens_host()[inputs.rows]
         dev = lens.device

@@ -48,7 +48,7 @@ class StreamingSelector(SparseSelector):
     capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}))
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
-        lens = inputs.token_kv_lens
+        lens = inputs.row_kv_lens
         sel = streaming_topk(lens, self.config.budget, self.config.num_sink)
         sel = sel.unsqueeze(1).expand(-1, inputs.num_kv_heads, -1)
         return SparseRuntimeParams.from_topk(sel)

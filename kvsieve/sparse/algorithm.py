@@ -108,8 +108,9 @@ class SelectorInputs:
         return range(first.start, last.stop)
 
     @property
-    def token_kv_lens(self) -> torch.Tensor:
-        """Device int32 ``[num_rows]``: positions each asked-about query may attend."""
+    def row_kv_lens(self) -> torch.Tensor:
+        """Device int32 ``[num_rows]``: positions each query of :attr:`rows` may attend (the
+        metadata's ``token_kv_lens`` covers every row of the step)."""
         return self.metadata.token_kv_lens[self.rows]
 
     def query_range(self, i: int) -> tuple[int, int]:

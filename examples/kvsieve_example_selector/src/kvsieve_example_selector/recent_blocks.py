@@ -29,7 +29,7 @@ class RecentBlocksSelector(SparseSelector):
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         c = self.config
-        lens = inputs.token_kv_lens.to(torch.int64)  # the rows asked about (generation rows)
+        lens = inputs.row_kv_lens.to(torch.int64)  # the rows asked about (generation rows)
         last = (lens - 1) // c.block_size  # block of the newest position
         recent = last.unsqueeze(1) - torch.arange(c.num_blocks - 2, -1, -1, device=lens.device)
         recent = torch.where(recent >= 1, recent, -1)

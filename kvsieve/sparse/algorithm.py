@@ -75,8 +75,8 @@ class SelectorInputs:
     num_kv_heads: int
     sm_scale: float
     attention_kind: str = "gqa"
-    rows: slice = field(default_factory=lambda: slice(0, 0))
-    phases: frozenset[str] = frozenset()
+    rows: slice = field(kw_only=True)
+    phases: frozenset[str] = field(kw_only=True)
     state: dict[str, Any] = field(default_factory=dict, repr=False)
     _keys: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 

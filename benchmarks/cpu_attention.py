@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvsieve import AttentionMetadata, KVCacheManager, KVCacheSpec, SparseRuntimeParams
+from kvsieve.metadata import TRANSLATIONS
 from kvsieve.sparse.backends import AttentionGeometry, get_backend
 
 from ._timing import load_average, measure
@@ -70,7 +71,7 @@ def _cache(length: int, hkv: int, d: int, page: int, seq: int, seed: int = 0):
     pool = mgr.pools[0]
     for i in range(0, pool.shape[0], 512):  # chunked so the generator never holds a second copy
         pool[i: i + 512].normal_(generator=g)
-    md = AttentionMetadata(kv_cache_manager=mgr, max_num_requests=1, max_num_tokens=seq)
+    md = AttentionMetadata(kv_cache_manager=mgr, max_num_requests=1, max_num_tokens=seq, translations=TRANSLATIONS)
     md.request_ids = [0]
     md.seq_lens = [seq]
     md.num_contexts = 0 if seq == 1 else 1
@@ -94,7 +95,7 @@ def bench_decode(cfg: dict, budget_s: float, bandwidth: dict) -> list[dict]:
         sdpa = measure(lambda: F.scaled_dot_product_attention(qg, k, v, scale=geo.sm_scale), budget_s=budget_s)
         dense = measure(lambda: backend.forward(q, md, 0, geo, None), budget_s=budget_s)
         ref = F.scaled_dot_product_attention(qg, k, v, scale=geo.sm_scale).reshape(1, hq, d)
-        dense_err = float((backend.forward(q, md, 0, geo, None)[0] - ref).abs().max())
+        dense_err = float((backend.forward(q, md, 0, geo, None).out - ref).abs().max())
         nb = -(-length // page)
         for dens in cfg["densities"]:
             n_sel = max(1, nb // dens)
@@ -108,7 +109,7 @@ def bench_decode(cfg: dict, budget_s: float, bandwidth: dict) -> list[dict]:
             mask = torch.zeros(hkv, length, dtype=torch.bool).scatter_(1, pos.clamp(max=length - 1), True)
             ref_sparse = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.view(1, hkv, 1, length),
                                                         scale=geo.sm_scale).reshape(1, hq, d)
-            err = float((backend.forward(q, md, 0, geo, params)[0] - ref_sparse).abs().max())
+            err = float((backend.forward(q, md, 0, geo, params).out - ref_sparse).abs().max())
             gathered = hkv * n_sel * page * d * 4 * 2  # K and V bytes read through the block table
             rows.append({
                 "context": length, "density": f"1/{dens}", "density_inv": dens, "selected_tokens_per_head": n_sel * page,
@@ -202,7 +203,7 @@ def bench_prefill(cfg: dict, budget_s: float, compile_flex: bool) -> tuple[list[
                 t_flex = measure(lambda: flex(q4, k, v, block_mask=bm, scale=geo.sm_scale, enable_gqa=True),
                                  budget_s=budget_s, min_reps=2, max_reps=5)
                 ref = flex(q4, k, v, block_mask=bm, scale=geo.sm_scale, enable_gqa=True)[0].permute(1, 0, 2)
-                ours = backend.forward(q, md, 0, geo, params)[0]
+                ours = backend.forward(q, md, 0, geo, params).out
                 err = float((ours - ref).abs().max())
                 if flex_mode == "compiled":
                     eager_ref = eager_flex(q4, k, v, block_mask=bm, scale=geo.sm_scale, enable_gqa=True)

@@ -64,7 +64,8 @@ def _decode_batch(cfg: dict, seed: int = 0):
     for rid in range(b):
         mgr.add_request(rid, ctx - 1)
         mgr.append_tokens(rid, 1)  # the step's new token (already in the pool: random data)
-    md = AttentionMetadata(kv_cache_manager=mgr, max_num_requests=b, max_num_tokens=b, translations=())
+    md = AttentionMetadata(kv_cache_manager=mgr, max_num_requests=b, max_num_tokens=b,
+                           translations=("ragged_page_table",))
     md.request_ids = list(range(b))
     md.seq_lens = [1] * b
     md.num_contexts = 0
@@ -92,7 +93,8 @@ def run(quick: bool = False) -> dict:
         try:
             sel = create_selector(name, **configs[name])
             inputs = SelectorInputs(q=q, k=k_new, v=v_new, metadata=md, layer_idx=0, num_kv_heads=hkv,
-                                    sm_scale=geo.sm_scale)
+                                    sm_scale=geo.sm_scale, rows=md.generation_rows,
+                                    phases=frozenset({"generation"}))
             if hasattr(sel, "summaries"):  # page summaries of the whole history (the prefill's work)
                 lens = md.kv_lens_host.copy()
                 sel.summaries(inputs).refresh(0, md.slots, lens * 0, lens)

@@ -9,16 +9,16 @@ from . import selectors as _builtin_selectors  # noqa: F401  (registers the buil
 from .selectors import DSAConfig, DSASelector, IndexerInputs
 from .metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
 from .sparse import (
-    Capabilities, Engine, SelectorInputs, SparseAttention, SparseAttentionConfig, SparseMetadataParams,
+    Capabilities, Engine, SelectorInputs, SparseAttention, SparseAttentionConfig,
     SparseRuntimeParams, SparseSelector, available_backends, available_selectors, create_selector, get_backend,
-    lower_config, register_selector,
+    lower_config, register_backend, register_selector,
 )
 
 __version__ = "0.1.0"
 __all__ = [
     "DSAConfig", "DSASelector", "IndexerInputs",
     "AttentionMetadata", "KVCacheManager", "KVCacheSpec", "Capabilities", "Engine", "SelectorInputs",
-    "SparseAttention", "SparseAttentionConfig", "SparseMetadataParams", "SparseRuntimeParams", "SparseSelector",
+    "SparseAttention", "SparseAttentionConfig", "SparseRuntimeParams", "SparseSelector",
     "available_backends", "available_selectors", "create_selector", "get_backend", "lower_config",
-    "register_selector",
+    "register_backend", "register_selector",
 ]

@@ -45,10 +45,10 @@ def run_demo(args: argparse.Namespace) -> dict:
     for _ in range(args.steps):
         qs = 0.4 * k[needle].repeat_interleave(hq // hkv, dim=0).unsqueeze(0) + torch.randn(1, hq, d)
         ks, vs = torch.randn(1, hkv, d), torch.randn(1, hkv, d)
-        (o_s, _), = sparse.step([0], [1], 0, [(qs, ks, vs)])
-        (o_d, _), = dense.step([0], [1], 0, [(qs, ks, vs)])
-        errors.append(float((o_s - o_d).norm() / o_d.norm()))
-        fractions.append(sparse.layers[0].last_stats.attended_fraction)
+        (res_s,) = sparse.step([0], [1], 0, [(qs, ks, vs)])
+        (res_d,) = dense.step([0], [1], 0, [(qs, ks, vs)])
+        errors.append(float((res_s.out - res_d.out).norm() / res_d.out.norm()))
+        fractions.append(res_s.stats.attended_fraction)
     return {"selector": args.selector, "params": params, "backend": args.backend, "context": args.context,
             "decode_steps": args.steps, "mean_rel_error": sum(errors) / len(errors),
             "max_rel_error": max(errors), "attended_fraction": sum(fractions) / len(fractions)}

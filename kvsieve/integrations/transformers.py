@@ -40,8 +40,6 @@ import torch
 
 from ..metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
 from ..sparse import Engine, SparseAttention, SparseAttentionConfig, get_backend, lower_config
-from ..sparse.backends import AttentionBackend, AttentionGeometry
-from ..sparse.params import SparseRuntimeParams
 
 __all__ = ["KvsieveSession", "ATTN_IMPLEMENTATION", "register_attention", "LayerObserver", "gather_request_kv"]
 
@@ -99,49 +97,6 @@ def gather_request_kv(cache: KVCacheManager, layer_idx: int, request_id: int, *,
     return kv[0], kv[1]
 
 
-class _DenseSdpaFastPath(AttentionBackend):
-    """Wraps a backend: a layer step with no selection (no attention indices, no skip-softmax
-    threshold; prompt-eviction indices alone do not change the attention) runs torch SDPA over
-    each request's K/V gathered from the paged cache; any selection goes to the wrapped backend.
-
-    The dense prefill of a 4K prompt through the Vanilla golden materializes ``[H, S, L]`` fp32
-    scores per layer; SDPA is the same math, fused. SDPA returns no LSE, so the fast rows carry
-    ``lse = NaN`` (transformers never reads it).
-    """
-
-    def __init__(self, inner: AttentionBackend) -> None:
-        self.inner = inner
-        self.name = f"{inner.name}+sdpa_dense"
-        self.required_translations = inner.required_translations
-        self.kv_page_granular = inner.kv_page_granular
-
-    def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
-                params: SparseRuntimeParams | None) -> tuple[torch.Tensor, torch.Tensor]:
-        selects = params is not None and (params.sparse_attn_indices is not None or params.threshold_scale_factor > 0)
-        if selects or geometry.kind != "gqa":
-            return self.inner.forward(q, metadata, layer_idx, geometry, params)
-        mgr = metadata.kv_cache_manager
-        out = torch.zeros(q.shape[0], q.shape[1], geometry.value_dim, dtype=q.dtype, device=q.device)
-        for i, rid in enumerate(metadata.request_ids):
-            t0, t1 = (int(x) for x in metadata.query_start_host[i: i + 2])
-            if t1 == t0:
-                continue
-            k, v = gather_request_kv(mgr, layer_idx, rid, head_major=True)  # [Hkv, L, D]
-            n, kv_len = t1 - t0, k.shape[1]
-            mask = None
-            if 1 < n < kv_len:  # bottom-right aligned causal mask
-                mask = torch.arange(kv_len, device=q.device) <= (kv_len - n + torch.arange(n, device=q.device))[:, None]
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q[t0:t1].transpose(0, 1).unsqueeze(0), k.to(q.dtype).unsqueeze(0), v.to(q.dtype).unsqueeze(0),
-                attn_mask=mask, is_causal=n == kv_len and n > 1, scale=geometry.sm_scale, enable_gqa=True)
-            out[t0:t1] = o[0].transpose(0, 1)
-        return out, torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
-
-    def effective_attended_tokens(self, params: SparseRuntimeParams | None, metadata: AttentionMetadata,
-                                  geometry: AttentionGeometry) -> torch.Tensor:
-        return self.inner.effective_attended_tokens(params, metadata, geometry)
-
-
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     layers = getattr(decoder, "layers", None)
@@ -156,7 +111,7 @@ class KvsieveSession:
 
     ``config``: the selector (``None`` = dense everywhere); ``backend``: a kvsieve backend name;
     ``dense_fast_path``: run steps without a selection through torch SDPA over the paged KV
-    (see :class:`_DenseSdpaFastPath`); ``max_tokens``: per-request capacity of the paged cache;
+    (the registered ``sdpa`` backend wrapping ``backend``); ``max_tokens``: per-request capacity of the paged cache;
     ``decode_threads``: torch intra-op threads during :meth:`decode` (on a CPU, one thread is
     faster for one-token steps: their ops are too small to repay thread hand-offs).
     """
@@ -184,7 +139,7 @@ class KvsieveSession:
             num_kv_heads=num_kv, head_dim=head_dim, dtype=dtype, device=device, max_requests=max_batch,
             max_blocks_per_seq=blocks_per_seq))
         inner = get_backend(backend)
-        self.backend = _DenseSdpaFastPath(inner) if dense_fast_path else inner
+        self.backend = get_backend("sdpa", inner=inner) if dense_fast_path else inner
         self.layers = [
             SparseAttention(layer_idx=i, num_q_heads=num_q, num_kv_heads=num_kv, head_dim=head_dim,
                             backend=self.backend, sm_scale=float(getattr(m, "scaling", head_dim ** -0.5)), debug=debug)
@@ -332,11 +287,12 @@ class KvsieveSession:
         q = query.transpose(1, 2).reshape(b * s, hq, d)
         layer = self.layers[layer_idx]
         md = self.engine.metadata
-        out, _ = layer.forward(q, k, v, md)
+        res = layer.forward(q, k, v, md)
+        out = res.out
         # dense = every position each new token has seen, eviction notwithstanding
         first = self._next_pos - s + 1
         dense = b * layer.geometry.num_kv_heads * (s * first + s * (s - 1) // 2)
-        self._stats[self._phase][layer_idx] += (layer.last_stats.attended, dense)
+        self._stats[self._phase][layer_idx] += (res.stats.attended, dense)
         for observer in self.observers:
             observer(layer_idx, q, out, md, layer)
         if not self._driven and layer_idx == self.num_layers - 1:

@@ -5,10 +5,19 @@ construction; every per-row buffer is allocated to capacity once and only its fi
 written each step, in place (``copy_``), so a captured CUDA graph keeps valid addresses.
 
 Per step the engine sets ``request_ids`` (context requests first), ``seq_lens`` (new query
-tokens per request), ``num_contexts`` and ``beam_width``, appends the step's tokens to the
-ledger (:meth:`KVCacheManager.append_tokens`), then calls :meth:`prepare` once; ``prepare``
-asks the manager for block ids and lengths through the request ids and fills the translations
-the backend asked for.
+tokens per request) and ``num_contexts``, appends the step's tokens to the ledger
+(:meth:`KVCacheManager.append_tokens`), then calls :meth:`prepare` once; ``prepare`` asks the
+manager for block ids and lengths through the request ids and fills the translations the
+backends asked for.
+
+Phases: the first ``num_contexts`` requests are the context (prefill) phase, the rest the
+generation (decode) phase. Their query tokens are contiguous, context first:
+:attr:`AttentionMetadata.context_rows` and :attr:`AttentionMetadata.generation_rows` are the two
+token-row slices, :meth:`AttentionMetadata.phase_rows` / :meth:`AttentionMetadata.phase_requests`
+the slices of one phase, :meth:`AttentionMetadata.phases` the phases present this step.
+
+Translations (each has a reader): ``block_lists`` (Vanilla), ``ragged_page_table`` (torch),
+``block_offsets`` (Triton and CuTe GQA).
 """
 from __future__ import annotations
 
@@ -22,9 +31,10 @@ from .block_offsets import BlockOffsetTable
 from .kv_cache import KVCacheManager
 from .ragged_page_table import RaggedPageTable
 
-__all__ = ["AttentionMetadata", "TRANSLATIONS"]
+__all__ = ["AttentionMetadata", "TRANSLATIONS", "PHASES"]
 
 TRANSLATIONS = ("block_lists", "ragged_page_table", "block_offsets")
+PHASES = ("context", "generation")
 
 
 class AttentionMetadata:
@@ -38,7 +48,6 @@ class AttentionMetadata:
         max_num_tokens: int,
         max_num_sequences: int | None = None,
         translations: Sequence[str] = ("block_lists",),
-        extra_pools: Sequence[KVCacheManager] = (),
         device: str | torch.device | None = None,
     ) -> None:
         unknown = [t for t in translations if t not in TRANSLATIONS]
@@ -74,9 +83,8 @@ class AttentionMetadata:
         self.ragged_page_table = (
             RaggedPageTable(r, t, r * spec.max_blocks_per_seq, dev) if "ragged_page_table" in translations else None
         )
-        self.pool_managers = [kv_cache_manager, *extra_pools]
         self.block_offset_table = (
-            BlockOffsetTable(len(self.pool_managers), self.max_num_sequences, spec.max_blocks_per_seq, dev)
+            BlockOffsetTable(self.max_num_sequences, spec.max_blocks_per_seq, dev)
             if "block_offsets" in translations else None
         )
         self.block_ids_per_seq: BlockLists = build_block_lists(kv_cache_manager.block_table,
@@ -85,7 +93,6 @@ class AttentionMetadata:
         self._num_seqs = 0
         self._num_contexts = 0
         self._seq_lens_kv: torch.Tensor | None = None
-        self.beam_width = 1
         self.num_tokens = 0
         self.num_ctx_tokens = 0
         self.num_generations = 0
@@ -210,10 +217,7 @@ class AttentionMetadata:
             self.ragged_page_table.fill(mgr.block_table, slots, kv, seq, mgr.tokens_per_block)
         if self.block_offset_table is not None:
             speculative = bool((mgr.addressable_lens[slots] > kv).any())
-            self.block_offset_table.fill(
-                [m.block_table for m in self.pool_managers], slots,
-                [m.num_blocks_of for m in self.pool_managers], self._num_contexts, self.beam_width, speculative,
-            )
+            self.block_offset_table.fill(mgr.block_table, slots, mgr.num_blocks_of, speculative)
         self.prepared = True
 
     # ---- per-step outputs of prepare -------------------------------------------------------
@@ -260,4 +264,43 @@ class AttentionMetadata:
         return self._block_table_device[: self._num_seqs, : max(self._table_width, 1)]
 
     def is_context(self, i: int) -> bool:
+        """Whether batch row ``i`` is a context (prefill) request."""
         return i < self._num_contexts
+
+    def require(self, reader: str, translations: Sequence[str]) -> None:
+        """Raise ``ValueError`` naming ``reader`` and the missing ones unless every translation in
+        ``translations`` is built by :meth:`prepare` (constructor argument ``translations``)."""
+        missing = [t for t in translations if t not in self.translations]
+        if missing:
+            raise ValueError(f"{reader} needs metadata translations {missing}; this AttentionMetadata builds "
+                             f"{list(self.translations)} (constructor argument translations=)")
+
+    # ---- phases ----------------------------------------------------------------------------
+    @property
+    def context_rows(self) -> slice:
+        """Query-token rows ``[0, num_ctx_tokens)`` of the context (prefill) requests."""
+        return slice(0, self.num_ctx_tokens)
+
+    @property
+    def generation_rows(self) -> slice:
+        """Query-token rows ``[num_ctx_tokens, num_tokens)`` of the generation (decode) requests."""
+        return slice(self.num_ctx_tokens, self.num_tokens)
+
+    def phase_rows(self, phase: str) -> slice:
+        """Query-token rows of ``phase`` (``"context"`` or ``"generation"``)."""
+        return self.context_rows if _phase(phase) == "context" else self.generation_rows
+
+    def phase_requests(self, phase: str) -> slice:
+        """Batch rows (requests) of ``phase``: ``[0, num_contexts)`` or ``[num_contexts, num_seqs)``."""
+        c = min(self._num_contexts, self._num_seqs)
+        return slice(0, c) if _phase(phase) == "context" else slice(c, self._num_seqs)
+
+    def phases(self) -> tuple[str, ...]:
+        """The phases with at least one query token this step, context first."""
+        return tuple(p for p in PHASES if self.phase_rows(p).stop > self.phase_rows(p).start)
+
+
+def _phase(phase: str) -> str:
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {list(PHASES)}, got {phase!r}")
+    return phase

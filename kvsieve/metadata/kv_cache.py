@@ -1,6 +1,6 @@
 """Paged KV pools, the block allocator and the per-request block ledger.
 
-Pools (one tensor per layer, DESIGN.md 3.1):
+Pools (one tensor per layer):
 
 * GQA, ``layout="HND"``: ``[num_blocks, 2, num_kv_heads, tokens_per_block, head_dim]``
 * GQA, ``layout="NHD"``: ``[num_blocks, 2, tokens_per_block, num_kv_heads, head_dim]``

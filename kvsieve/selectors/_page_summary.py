@@ -24,7 +24,7 @@ import torch
 
 from ..metadata import KVCacheManager
 from ..sparse import SelectorInputs, SparseRuntimeParams
-from ._paged import pack_selection, top_units
+from ._paged import pack_generation_rows, top_units
 
 __all__ = ["SUMMARY_DTYPES", "SCORE_MODES", "PageSummaries", "page_scores", "select_pages", "select_pages_golden"]
 
@@ -119,7 +119,7 @@ def select_pages(inputs: SelectorInputs, summaries: PageSummaries, *, mode: str,
                  ) -> SparseRuntimeParams | None:
     """Fast path: batched over every generation token; context rows (mixed batch) stay dense."""
     md = inputs.metadata
-    if md.num_generations == 0:
+    if "generation" not in inputs.phases:
         return None
     ps, c = summaries.page_size, md.num_contexts
     g0 = int(md.query_start_host[c])
@@ -129,11 +129,7 @@ def select_pages(inputs: SelectorInputs, summaries: PageSummaries, *, mode: str,
     kmin, kmax = summaries.read(inputs.layer_idx, md.slots[c:], md.kv_lens_host[c: md.num_seqs])
     scores = page_scores(inputs.q[g0:], kmin[req], kmax[req], n_pages[g0:], mode=mode, topr=topr,
                          sm_scale=inputs.sm_scale)
-    gen = _finish(scores, n_pages[g0:], topk)
-    sel = torch.full((md.num_tokens, inputs.num_kv_heads, gen.shape[-1]), -1, dtype=torch.int64, device=gen.device)
-    sel[g0:] = gen
-    dense = torch.where(torch.arange(md.num_tokens, device=gen.device) < g0, n_pages, 0)
-    return pack_selection(sel, dense, ps)
+    return pack_generation_rows(_finish(scores, n_pages[g0:], topk), inputs, ps)
 
 
 def select_pages_golden(inputs: SelectorInputs, *, page_size: int, dtype: torch.dtype, mode: str, topk: int,
@@ -141,22 +137,18 @@ def select_pages_golden(inputs: SelectorInputs, *, page_size: int, dtype: torch.
     """Plain-PyTorch reference: per request summarize the gathered keys page by page, then per
     generation token and KV head score, softmax, average and pick. Same output as :func:`select_pages`."""
     md = inputs.metadata
-    if md.num_generations == 0:
+    if "generation" not in inputs.phases:
         return None
-    c, hkv, g = md.num_contexts, inputs.num_kv_heads, inputs.group_size
-    rows, dense = [], []
+    hkv, g = inputs.num_kv_heads, inputs.group_size
+    rows = []
     width = 1
-    for i in range(md.num_seqs):
+    for i in range(md.num_contexts, md.num_seqs):
         t0, t1 = inputs.query_range(i)
         keys = inputs.request_keys(i).float()
         summ = [(keys[p: p + page_size].amin(0).to(dtype).float(), keys[p: p + page_size].amax(0).to(dtype).float())
                 for p in range(0, keys.shape[0], page_size)]
         for t in range(t0, t1):
             n = -(-(int(md.positions_host[t]) + 1) // page_size)
-            if i < c:
-                rows.append(None)
-                dense.append(n)
-                continue
             per_head = []
             for h in range(hkv):
                 qg = inputs.q[t, h * g: (h + 1) * g].float()  # [G, D]
@@ -175,9 +167,8 @@ def select_pages_golden(inputs: SelectorInputs, *, page_size: int, dtype: torch.
                 per_head.append(top_units(score, min(topk, n)))
             width = max(width, min(topk, n))
             rows.append(per_head)
-            dense.append(0)
     sel = torch.full((len(rows), hkv, width), -1, dtype=torch.int64)
     for t, per_head in enumerate(rows):
-        for h, picked in enumerate(per_head or []):
+        for h, picked in enumerate(per_head):
             sel[t, h, : picked.numel()] = picked
-    return pack_selection(sel, torch.tensor(dense, dtype=torch.int64), page_size)
+    return pack_generation_rows(sel, inputs, page_size)

@@ -1,14 +1,16 @@
 """Shared plumbing of the built-in selectors: batched reads of the paged cache, deterministic
-top-k, and packing per-token selections (with dense rows) into :class:`SparseRuntimeParams`."""
+top-k, and packing the generation rows' selections into :class:`SparseRuntimeParams`."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from ..metadata import KVCacheManager
-from ..sparse import SparseRuntimeParams
+from ..sparse import SelectorInputs, SparseRuntimeParams
 
-__all__ = ["gather_padded_keys", "top_units", "pack_selection", "check_power_of_two"]
+__all__ = ["gather_padded_keys", "top_units", "pack_generation_rows", "check_power_of_two"]
 
 
 def check_power_of_two(owner: str, field: str, value: int) -> None:
@@ -46,19 +48,11 @@ def top_units(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(torch.isneginf(picked), -1, order)
 
 
-def pack_selection(sel: torch.Tensor, dense_units: torch.Tensor | None, block_size: int) -> SparseRuntimeParams:
-    """Pack ``sel [T, Hkv, k]`` (unit ids, ``-1`` = none) into the head-major carrier.
-
-    ``dense_units [T]`` int64 (or ``None``): where ``> 0``, the row attends every unit
-    ``0 .. dense_units[t]-1`` instead (context rows of a mixed batch stay dense). Every row gets
-    the same slice length, ``max(k, max(dense_units))``, ``-1`` padded, as backends that batch
-    the step's tokens expect.
-    """
-    if dense_units is not None and bool((dense_units > 0).any()):
-        t, h, k = sel.shape
-        width = max(k, int(dense_units.max()))
-        units = torch.arange(width, device=sel.device)
-        dense = torch.where(units < dense_units.unsqueeze(1), units, -1)  # [T, width]
-        padded = torch.nn.functional.pad(sel, (0, width - k), value=-1)
-        sel = torch.where((dense_units > 0)[:, None, None], dense.unsqueeze(1).expand(t, h, width), padded)
-    return SparseRuntimeParams.from_topk(sel, block_size=block_size)
+def pack_generation_rows(sel: torch.Tensor, inputs: SelectorInputs, block_size: int) -> SparseRuntimeParams:
+    """Pack ``sel [Tg, Hkv, k]`` (unit ids, ``-1`` = none) of the generation rows among
+    ``inputs.rows`` into a carrier over all of ``inputs.rows``: the context rows before them get
+    empty segments and stay outside ``selected_phases`` (they attend densely)."""
+    packed = SparseRuntimeParams.from_topk(sel, block_size=block_size, selected_phases=frozenset({"generation"}))
+    n_ctx = inputs.metadata.generation_rows.start - inputs.rows.start
+    off = packed.sparse_attn_offsets
+    return replace(packed, sparse_attn_offsets=torch.cat([off.new_zeros(n_ctx), off]))

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ..sparse.params import SparseMetadataParams
 from ._paged import gather_padded_keys, top_units
 
 __all__ = ["BlockSelectConfig", "BlockSelectSelector", "SCORE_TYPES"]
@@ -64,10 +63,10 @@ def _force(scores: torch.Tensor, kv_lens: torch.Tensor, cfg: BlockSelectConfig) 
 def block_select_golden(inputs: SelectorInputs, cfg: BlockSelectConfig) -> SparseRuntimeParams:
     """Plain-PyTorch reference: per request, token, KV head and block, in loops."""
     md, bs = inputs.metadata, cfg.block_size
-    g = inputs.group_size
-    width = min(cfg.topk_blocks, -(-int(md.kv_lens_host[: md.num_seqs].max()) // bs))
-    sel = torch.full((md.num_tokens, inputs.num_kv_heads, width), -1, dtype=torch.int64)
-    for i in range(md.num_seqs):
+    g, reqs = inputs.group_size, inputs.requests
+    width = min(cfg.topk_blocks, -(-int(md.kv_lens_host[reqs.start: reqs.stop].max()) // bs))
+    sel = torch.full((inputs.num_rows, inputs.num_kv_heads, width), -1, dtype=torch.int64)
+    for i in reqs:
         t0, t1 = inputs.query_range(i)
         keys = inputs.request_keys(i).float()
         for t in range(t0, t1):
@@ -85,7 +84,7 @@ def block_select_golden(inputs: SelectorInputs, cfg: BlockSelectConfig) -> Spars
                     score[j] = per_head.max()
                 score = _force(score, torch.tensor(n), cfg)
                 picked = top_units(score, min(width, n_blocks))
-                sel[t, h, : picked.numel()] = picked
+                sel[t - inputs.rows.start, h, : picked.numel()] = picked
     return SparseRuntimeParams.from_topk(sel.to(inputs.q.device), block_size=bs)
 
 
@@ -119,14 +118,15 @@ def _block_scores(qp: torch.Tensor, keys: torch.Tensor, row_lens: torch.Tensor, 
 
 
 def block_select(inputs: SelectorInputs, cfg: BlockSelectConfig) -> SparseRuntimeParams:
-    """Fast path: all requests at once as a padded batch, query rows in chunks."""
+    """Fast path: the asked requests at once as a padded batch, query rows in chunks."""
     md, bs, dev = inputs.metadata, cfg.block_size, inputs.q.device
-    b, hkv, g = md.num_seqs, inputs.num_kv_heads, inputs.group_size
-    lens = md.kv_lens_host[:b].astype(np.int64)
+    reqs = inputs.requests
+    b, hkv, g = len(reqs), inputs.num_kv_heads, inputs.group_size
+    lens = md.kv_lens_host[reqs.start: reqs.stop].astype(np.int64)
     nb = -(-int(lens.max()) // bs)
-    keys, valid = gather_padded_keys(inputs.cache, inputs.layer_idx, md.slots, lens)
+    keys, valid = gather_padded_keys(inputs.cache, inputs.layer_idx, md.slots[reqs.start: reqs.stop], lens)
     keys = F.pad(keys.float().masked_fill(~valid[..., None, None], 0.0), (0, 0, 0, 0, 0, nb * bs - keys.shape[1]))
-    starts = md.query_start_host[: b + 1].astype(np.int64)
+    starts = md.query_start_host[reqs.start: reqs.stop + 1].astype(np.int64)
     t_max = int(np.diff(starts).max())
     rows = torch.from_numpy(starts[:-1]).unsqueeze(1) + torch.arange(t_max)  # [B, Tmax]
     live = rows < torch.from_numpy(starts[1:]).unsqueeze(1)
@@ -142,8 +142,8 @@ def block_select(inputs: SelectorInputs, cfg: BlockSelectConfig) -> SparseRuntim
         scores = _block_scores(qp, keys, row_lens[:, c0:c1], cfg, inputs.sm_scale)
         scores = _force(scores, row_lens[:, c0:c1, None].expand(-1, -1, hkv), cfg)
         picked[:, c0:c1] = top_units(scores, width)
-    sel = torch.empty(md.num_tokens, hkv, width, dtype=torch.int64, device=dev)
-    sel[rows[live]] = picked[live]
+    sel = torch.empty(inputs.num_rows, hkv, width, dtype=torch.int64, device=dev)
+    sel[rows[live] - inputs.rows.start] = picked[live]
     return SparseRuntimeParams.from_topk(sel, block_size=bs)
 
 
@@ -151,15 +151,11 @@ def block_select(inputs: SelectorInputs, cfg: BlockSelectConfig) -> SparseRuntim
 class BlockSelectSelector(SparseSelector):
     name = "block_select"
     config_class = BlockSelectConfig
-    capabilities = Capabilities(granularity="block")
-
-    def metadata_params(self) -> SparseMetadataParams:
-        c = self.config
-        return SparseMetadataParams(indices_block_size=c.block_size, max_selected_per_token=c.topk_blocks)
+    capabilities = Capabilities()
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         return block_select(inputs, self.config)
 
-    def predict_attn_golden(self, inputs: SelectorInputs) -> SparseRuntimeParams:
-        """The per-request reference of :meth:`predict_attn` (tests compare them)."""
+    def predict_attn_reference(self, inputs: SelectorInputs) -> SparseRuntimeParams:
+        """The per-request reference of :meth:`predict_attn`."""
         return block_select_golden(inputs, self.config)

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ..sparse.params import SparseMetadataParams
 from .dsa_projections import IndexerInputs, IndexerProjections, load_projections
 
 __all__ = ["DSAConfig", "DSASelector", "IndexerInputs", "INDEX_K_POOL", "INDEX_K_SCALE_POOL"]
@@ -88,7 +87,7 @@ class DSAStats:
 class DSASelector(SparseSelector):
     name = "dsa"
     config_class = DSAConfig
-    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), granularity="token")
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}))
 
     def __init__(self, config: DSAConfig | None = None, **overrides) -> None:
         super().__init__(config, **overrides)
@@ -109,7 +108,6 @@ class DSASelector(SparseSelector):
             self.set_projections(load_projections(c.projections, dev)[0])
         self.stats = DSAStats()
         self._inputs: dict[int, IndexerInputs] = {}
-        self._step: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._workspace = None
 
     # ---- what was decided ----------------------------------------------------------------
@@ -117,9 +115,6 @@ class DSASelector(SparseSelector):
     def topk_engine(self) -> str:
         """The top-k engine in use (``torch``, ``radix``, ``gvr`` or ``cute_gvr``)."""
         return self.topk_decision.engine
-
-    def metadata_params(self) -> SparseMetadataParams:
-        return SparseMetadataParams(max_selected_per_token=self.config.index_topk)
 
     # ---- inputs from the model integration ----------------------------------------------
     def set_projections(self, layers: dict[int, IndexerProjections]) -> None:
@@ -172,7 +167,7 @@ class DSASelector(SparseSelector):
             w = w * q_scale
         elif self.k_dtype != torch.float32:
             q = q.to(self.k_dtype)
-        self._step[layer] = (q, w.float().contiguous())
+        inputs.state["index_qw"] = (q, w.float().contiguous())
 
     def _pools(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache = inputs.cache
@@ -198,15 +193,15 @@ class DSASelector(SparseSelector):
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         layer = inputs.layer_idx
-        q, w = self._step.pop(layer)
+        q, w = inputs.state["index_qw"]  # this step's index q / weights, from on_append
         md = inputs.metadata
-        lens = md.token_kv_lens
+        lens = inputs.row_kv_lens
         kk = self.config.index_topk
-        lens_host = inputs.token_kv_lens_host()
+        lens_host = inputs.token_kv_lens_host()[inputs.rows]
         dev = lens.device
         if torch.device(self.config.device).type != dev.type:
             raise ValueError(f"dsa: configured for device {self.config.device!r} but the cache is on {dev}")
-        if md.num_tokens == 0 or int(lens_host.max()) <= kk:
+        if inputs.num_rows == 0 or int(lens_host.max()) <= kk:
             self.stats.short_path_steps += 1
             self.stats.last_short_path[layer] = True
             pos = torch.arange(kk, device=dev, dtype=torch.int32)
@@ -226,10 +221,10 @@ class DSASelector(SparseSelector):
         if self._workspace is None or self._workspace.max_rows < md.max_num_tokens:
             self._workspace = TopKWorkspace(self.topk_decision, md.max_num_tokens, md.token_kv_lens.device)
         k_pool, s_pool = self._pools(inputs)
-        lens = md.token_kv_lens
-        out = torch.empty(md.num_tokens, self.config.index_topk, dtype=torch.int32, device=lens.device)
+        lens, r0 = md.token_kv_lens, inputs.rows.start
+        out = torch.empty(inputs.num_rows, self.config.index_topk, dtype=torch.int32, device=lens.device)
         for rows, logits in self._logits_chunks(inputs, q, w, k_pool, s_pool):
-            out[rows] = run_topk(self._workspace, logits, lens[rows].contiguous())
+            out[rows.start - r0: rows.stop - r0] = run_topk(self._workspace, logits, lens[rows].contiguous())
         return out
 
     def _logits_chunks(self, inputs: SelectorInputs, q: torch.Tensor, w: torch.Tensor, k_pool: torch.Tensor,
@@ -246,7 +241,7 @@ class DSASelector(SparseSelector):
         lens = md.token_kv_lens
         lens_host = inputs.token_kv_lens_host()
         qs = md.query_start_host
-        for i in range(md.num_seqs):
+        for i in inputs.requests:
             t0, t1 = int(qs[i]), int(qs[i + 1])
             if t1 == t0:
                 continue

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ..sparse.params import SparseMetadataParams
 
 __all__ = ["OracleTopKConfig", "OracleTopKSelector", "attention_mass"]
 
@@ -46,18 +45,15 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, sm_s
 class OracleTopKSelector(SparseSelector):
     name = "oracle_topk"
     config_class = OracleTopKConfig
-    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), granularity="token")
-
-    def metadata_params(self) -> SparseMetadataParams:
-        c = self.config
-        return SparseMetadataParams(indices_block_size=c.block_size, max_selected_per_token=c.budget // c.block_size)
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}))
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         bs = self.config.block_size
         k_sel = self.config.budget // bs
         lens = inputs.metadata.token_kv_lens
-        out = torch.full((inputs.q.shape[0], inputs.num_kv_heads, k_sel), -1, dtype=torch.int32, device=inputs.q.device)
-        for i in range(inputs.metadata.num_seqs):
+        r0 = inputs.rows.start
+        out = torch.full((inputs.num_rows, inputs.num_kv_heads, k_sel), -1, dtype=torch.int32, device=inputs.q.device)
+        for i in inputs.requests:
             t0, t1 = inputs.query_range(i)
             keys = inputs.request_keys(i)
             if inputs.attention_kind == "mla":
@@ -74,5 +70,5 @@ class OracleTopKSelector(SparseSelector):
                 score = mass.masked_fill(~valid, -1.0)
                 kk = min(k_sel, score.shape[-1])
                 val, idx = score.topk(kk, dim=-1)
-                out[c0:c1, :, :kk] = torch.where(val >= 0, idx, -1).to(torch.int32)
+                out[c0 - r0:c1 - r0, :, :kk] = torch.where(val >= 0, idx, -1).to(torch.int32)
         return SparseRuntimeParams.from_topk(out, block_size=bs)

@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..sparse import Capabilities, register_selector
-from ..sparse.params import SparseMetadataParams
-from .rocketkv import PageSelectorBase, check_page_knobs
+from ._page_selector import PageKnobs, PageSelectorBase, check_page_knobs
 
 __all__ = ["QuestConfig", "QuestSelector"]
 
@@ -43,12 +42,9 @@ class QuestConfig:
 class QuestSelector(PageSelectorBase):
     name = "quest"
     config_class = QuestConfig
-    capabilities = Capabilities(phases=frozenset({"generation"}), granularity="block")
+    capabilities = Capabilities(phases=frozenset({"generation"}))
     mode = "bound"
 
-    def metadata_params(self) -> SparseMetadataParams:
-        return SparseMetadataParams(indices_block_size=self.config.page_size)
-
-    def _page_knobs(self, head_dim: int) -> tuple[int, int, int, str]:
+    def page_knobs(self, head_dim: int) -> PageKnobs:
         c = self.config
-        return c.page_size, c.topk, head_dim, c.summary_dtype
+        return PageKnobs(c.page_size, c.topk, head_dim, c.summary_dtype)

@@ -99,8 +99,8 @@ def run_selector(name: str | None, params: dict, data: SyntheticInput, *, tokens
     layer = SparseAttention(layer_idx=0, num_q_heads=data.q.shape[1], num_kv_heads=hkv, head_dim=d, plan=plan,
                             backend="vanilla")
     engine = Engine(cache, [layer], max_num_requests=1, max_num_tokens=n)
-    engine.step([0], [n], 1, [(data.q, data.k, data.v)])
-    p = layer.last_params
+    (prefill,) = engine.step([0], [n], 1, [(data.q, data.k, data.v)])
+    p = prefill.params
     if p is not None and p.sparse_kv_indices is not None:
         origin = p.sparse_kv_indices.to(torch.int64)  # [Hkv, kept]: cache position -> prompt position
     else:
@@ -110,9 +110,9 @@ def run_selector(name: str | None, params: dict, data: SyntheticInput, *, tokens
     for s in range(steps):
         origin = torch.cat([origin, torch.full((hkv, 1), n + s)], dim=1)
         md = engine.begin_step([0], [1], 0)
-        layer.forward(data.dq[s: s + 1], data.dk[s: s + 1], data.dv[s: s + 1], md)
+        params = layer.forward(data.dq[s: s + 1], data.dk[s: s + 1], data.dv[s: s + 1], md).params
         engine.end_step()
-        mask = selection_mask(layer.last_params, slice(0, 1), md.token_kv_lens, origin.shape[1], hkv)[:, 0]
+        mask = selection_mask(params, slice(0, 1), md.token_kv_lens, origin.shape[1], hkv)[:, 0]
         mass = attention_mass(data.dq[s: s + 1], all_k[: n + s + 1], torch.tensor([n + s + 1]), d ** -0.5)[0]
         mass = mass / data.group_size  # [Hkv, n + s + 1], rows sum to 1
         picked = [origin[h][mask[h]] for h in range(hkv)]

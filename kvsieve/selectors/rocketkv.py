@@ -11,16 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ..sparse.params import SparseMetadataParams
-from ._paged import check_power_of_two
-from ._page_summary import SUMMARY_DTYPES, PageSummaries, select_pages, select_pages_golden
+from ..sparse import Capabilities, SelectorInputs, register_selector
+from ._page_selector import PageKnobs, PageSelectorBase, check_page_knobs
 from ._prefill_scoring import PromptBudget, check_prompt_budget, pack_kept, snap_keep, snap_keep_golden
 
-__all__ = ["RocketKVConfig", "RocketKVSelector", "PageSelectorBase"]
+__all__ = ["RocketKVConfig", "RocketKVSelector"]
 
 
 @dataclass(frozen=True)
@@ -49,75 +46,17 @@ class RocketKVConfig:
             raise ValueError(f"rocketkv: topr must be >= 1 (or None = head_dim), got {self.topr}")
 
 
-def check_page_knobs(owner: str, page_size: int, topk: int, summary_dtype: str) -> None:
-    """Validation shared by the stage-2 configs."""
-    check_power_of_two(owner, "page_size", page_size)
-    if topk < 1:
-        raise ValueError(f"{owner}: topk (pages per query) must be >= 1, got {topk}")
-    if summary_dtype not in SUMMARY_DTYPES:
-        raise ValueError(f"{owner}: summary_dtype must be one of {sorted(SUMMARY_DTYPES)}, got {summary_dtype!r}")
-
-
-class PageSelectorBase(SparseSelector):
-    """Stage-2 machinery: keep page summaries in sync with the cache and select pages on decode.
-
-    Subclasses give ``mode`` (``"sign"``/``"bound"``) and the page knobs through ``_page_knobs``.
-    """
-
-    mode: str = "sign"
-
-    def __init__(self, config: object = None, **overrides: object) -> None:
-        super().__init__(config, **overrides)
-        self._summaries: PageSummaries | None = None
-
-    def _page_knobs(self, head_dim: int) -> tuple[int, int, int, str]:
-        """``(page_size, topk pages, topr, summary_dtype)``."""
-        raise NotImplementedError
-
-    def summaries(self, inputs: SelectorInputs) -> PageSummaries:
-        page_size, _, _, dtype = self._page_knobs(inputs.q.shape[-1])
-        if self._summaries is None or self._summaries.cache is not inputs.cache:
-            self._summaries = PageSummaries(inputs.cache, page_size, SUMMARY_DTYPES[dtype])
-        return self._summaries
-
-    def on_append(self, inputs: SelectorInputs) -> None:
-        md = inputs.metadata
-        lens = md.kv_lens_host[: md.num_seqs]
-        starts = lens - np.diff(md.query_start_host[: md.num_seqs + 1])
-        self.summaries(inputs).refresh(inputs.layer_idx, md.slots, starts, lens)
-
-    def on_compacted(self, inputs: SelectorInputs, kept: list[torch.Tensor]) -> None:
-        n_keep = np.array([k.shape[1] for k in kept], dtype=np.int64)
-        slots = inputs.metadata.slots[: len(kept)]
-        self.summaries(inputs).refresh(inputs.layer_idx, slots, np.zeros_like(n_keep), n_keep)
-
-    def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams | None:
-        _, topk, topr, _ = self._page_knobs(inputs.q.shape[-1])
-        return select_pages(inputs, self.summaries(inputs), mode=self.mode, topk=topk, topr=topr)
-
-    def predict_attn_golden(self, inputs: SelectorInputs) -> SparseRuntimeParams | None:
-        """The plain-PyTorch per-request reference of :meth:`predict_attn` (tests compare them)."""
-        page_size, topk, topr, dtype = self._page_knobs(inputs.q.shape[-1])
-        return select_pages_golden(inputs, page_size=page_size, dtype=SUMMARY_DTYPES[dtype], mode=self.mode,
-                                   topk=topk, topr=topr)
-
-
 @register_selector
 class RocketKVSelector(PageSelectorBase):
     name = "rocketkv"
     config_class = RocketKVConfig
-    capabilities = Capabilities(granularity="block", evicts=True)
+    capabilities = Capabilities(evicts=True)
     mode = "sign"
 
-    def metadata_params(self) -> SparseMetadataParams:
-        # context rows of a mixed batch attend densely, so no per-token bound on the selection width
-        c = self.config
-        return SparseMetadataParams(indices_block_size=c.page_size, prompt_budget=c.prompt_budget)
-
-    def _page_knobs(self, head_dim: int) -> tuple[int, int, int, str]:
+    def page_knobs(self, head_dim: int) -> PageKnobs:
         c = self.config
         topr = head_dim if c.topr is None else min(c.topr, head_dim)
-        return c.page_size, c.topk, topr, c.summary_dtype
+        return PageKnobs(c.page_size, c.topk, topr, c.summary_dtype)
 
     def _budget(self) -> PromptBudget:
         c = self.config
@@ -126,6 +65,6 @@ class RocketKVSelector(PageSelectorBase):
     def predict_kv(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         return pack_kept(snap_keep(inputs, self._budget()))
 
-    def predict_kv_golden(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def predict_kv_reference(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The per-request reference of :meth:`predict_kv`."""
         return pack_kept(snap_keep_golden(inputs, self._budget()))

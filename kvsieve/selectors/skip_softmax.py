@@ -3,8 +3,8 @@
 No indices: the selector hands the kernels a threshold. Inside the online-softmax loop a KV tile
 is skipped (no exp, no V load, no P.V) when for every query row of the tile
 ``exp(tile_max - running_max) < lambda`` with ``lambda = threshold_scale_factor / kv_len``;
-prefill and decode have separate factors (0 = off). The kernels count skipped tiles, so the
-achieved sparsity is measured, not promised.
+context (prefill) and generation (decode) rows have separate factors (0 = off). The kernels count
+skipped tiles, so the achieved sparsity is measured, not promised.
 
 Calibration: :func:`fit_threshold_formula` measures the skipped-tile fraction of captured
 attention samples over a grid of factors and fits the published form
@@ -19,29 +19,30 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..metadata import PHASES
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 
 __all__ = ["SkipSoftmaxConfig", "SkipSoftmaxSelector", "measure_skip_fraction", "fit_threshold_formula",
            "ThresholdFit"]
 
-PHASE_KEYS = ("prefill", "decode")
+PHASE_KEYS = PHASES  # ("context", "generation"): the phase names of the whole package
 
 
 @dataclass(frozen=True)
 class SkipSoftmaxConfig:
     """Either explicit factors, or ``target_sparsity`` plus ``calibration`` coefficients.
 
-    ``calibration`` maps ``"prefill"``/``"decode"`` to ``(a, b)`` of ``a * exp(b * s)``.
+    ``calibration`` maps ``"context"``/``"generation"`` to ``(a, b)`` of ``a * exp(b * s)``.
     A phase with neither an explicit factor nor a calibrated target stays dense (factor 0).
     """
 
-    threshold_scale_factor_prefill: float | None = None
-    threshold_scale_factor_decode: float | None = None
+    threshold_scale_factor_context: float | None = None
+    threshold_scale_factor_generation: float | None = None
     target_sparsity: float | None = None
     calibration: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("threshold_scale_factor_prefill", "threshold_scale_factor_decode"):
+        for name in ("threshold_scale_factor_context", "threshold_scale_factor_generation"):
             value = getattr(self, name)
             if value is not None and not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"skip_softmax: {name} must be a finite float >= 0 (0 = off), got {value}")
@@ -56,12 +57,12 @@ class SkipSoftmaxConfig:
         unknown = set(self.calibration) - set(PHASE_KEYS)
         if unknown:
             raise ValueError(f"skip_softmax: calibration keys must be in {list(PHASE_KEYS)}, got {sorted(unknown)}")
-        if (self.threshold_scale_factor_prefill is None and self.threshold_scale_factor_decode is None
+        if (self.threshold_scale_factor_context is None and self.threshold_scale_factor_generation is None
                 and self.target_sparsity is None):
-            raise ValueError("skip_softmax: give threshold_scale_factor_prefill/_decode or target_sparsity")
+            raise ValueError("skip_softmax: give threshold_scale_factor_context/_generation or target_sparsity")
 
     def factor(self, phase: str) -> float:
-        """The resolved factor of ``phase`` (``"prefill"`` or ``"decode"``)."""
+        """The resolved factor of ``phase`` (``"context"`` or ``"generation"``)."""
         explicit = getattr(self, f"threshold_scale_factor_{phase}")
         if explicit is not None:
             return explicit
@@ -75,11 +76,11 @@ class SkipSoftmaxConfig:
 class SkipSoftmaxSelector(SparseSelector):
     name = "skip_softmax"
     config_class = SkipSoftmaxConfig
-    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), granularity="none")
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}))
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
-        return SparseRuntimeParams(threshold_scale_factor=self.config.factor("prefill"),
-                                   threshold_scale_factor_decode=self.config.factor("decode"))
+        return SparseRuntimeParams(threshold_scale_factor_context=self.config.factor("context"),
+                                   threshold_scale_factor_generation=self.config.factor("generation"))
 
 
 def measure_skip_fraction(samples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], factor: float,

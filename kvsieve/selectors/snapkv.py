@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from ..sparse import Capabilities, SelectorInputs, SparseSelector, register_selector
-from ..sparse.params import SparseMetadataParams
 from ._prefill_scoring import PromptBudget, check_prompt_budget, pack_kept, snap_keep, snap_keep_golden
 
 __all__ = ["SnapKVConfig", "SnapKVSelector"]
@@ -35,10 +34,7 @@ class SnapKVConfig:
 class SnapKVSelector(SparseSelector):
     name = "snapkv"
     config_class = SnapKVConfig
-    capabilities = Capabilities(phases=frozenset({"context"}), granularity="none", evicts=True)
-
-    def metadata_params(self) -> SparseMetadataParams:
-        return SparseMetadataParams(prompt_budget=self.config.prompt_budget)
+    capabilities = Capabilities(phases=frozenset({"context"}), evicts=True)
 
     def _budget(self) -> PromptBudget:
         c = self.config
@@ -47,6 +43,6 @@ class SnapKVSelector(SparseSelector):
     def predict_kv(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         return pack_kept(snap_keep(inputs, self._budget()))
 
-    def predict_kv_golden(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def predict_kv_reference(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The per-request reference of :meth:`predict_kv`."""
         return pack_kept(snap_keep_golden(inputs, self._budget()))

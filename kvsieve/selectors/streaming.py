@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ..sparse.params import SparseMetadataParams
 
 __all__ = ["StreamingConfig", "StreamingSelector", "streaming_topk"]
 
@@ -46,13 +45,10 @@ def streaming_topk(kv_lens: torch.Tensor, budget: int, num_sink: int) -> torch.T
 class StreamingSelector(SparseSelector):
     name = "streaming"
     config_class = StreamingConfig
-    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), granularity="token")
-
-    def metadata_params(self) -> SparseMetadataParams:
-        return SparseMetadataParams(max_selected_per_token=self.config.budget)
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}))
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
-        lens = inputs.metadata.token_kv_lens
+        lens = inputs.row_kv_lens
         sel = streaming_topk(lens, self.config.budget, self.config.num_sink)
         sel = sel.unsqueeze(1).expand(-1, inputs.num_kv_heads, -1)
         return SparseRuntimeParams.from_topk(sel)

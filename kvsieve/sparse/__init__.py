@@ -2,18 +2,20 @@
 from __future__ import annotations
 
 from .algorithm import Capabilities, SelectorInputs, SparseSelector
-from .attention import LayerStats, SparseAttention, commit_evictions
-from .backends import AttentionBackend, AttentionGeometry, available_backends, get_backend
+from .attention import LayerOutput, LayerStats, SparseAttention, commit_evictions
+from .backends import (AttentionBackend, AttentionGeometry, AttentionResult, available_backends, get_backend,
+                       register_backend)
 from .engine import Engine
 from .config import LayerPlan, SparseAttentionConfig, lower_config
-from .params import SparseMetadataParams, SparseRuntimeParams
-from .registry import ENTRY_POINT_GROUP, available_selectors, create_selector, get_selector_class, register_selector
+from .params import SparseRuntimeParams, is_dense
+from .registry import ENTRY_POINT_GROUP, PluginError, available_selectors, create_selector, get_selector_class, register_selector
 from .selection import attended_counts, selection_mask
 
 __all__ = [
-    "Capabilities", "Engine", "SelectorInputs", "SparseSelector", "LayerStats", "SparseAttention", "commit_evictions",
-    "AttentionBackend", "AttentionGeometry", "available_backends", "get_backend", "LayerPlan",
-    "SparseAttentionConfig", "lower_config", "SparseMetadataParams", "SparseRuntimeParams", "ENTRY_POINT_GROUP",
+    "Capabilities", "Engine", "SelectorInputs", "SparseSelector", "LayerOutput", "LayerStats", "SparseAttention",
+    "commit_evictions", "AttentionBackend", "AttentionGeometry", "AttentionResult", "available_backends",
+    "get_backend", "register_backend", "PluginError", "is_dense", "LayerPlan",
+    "SparseAttentionConfig", "lower_config", "SparseRuntimeParams", "ENTRY_POINT_GROUP",
     "available_selectors", "create_selector", "get_selector_class", "register_selector", "attended_counts",
     "selection_mask",
 ]

@@ -2,14 +2,22 @@
 
 A selector decides, per layer and step, which prompt tokens the cache keeps (``predict_kv``,
 context phase) and which tokens or blocks each query attends (``predict_attn``). Either hook
-may return ``None`` (nothing to do). Adding one is one file::
+may return ``None`` (nothing to do); a selector overrides at least one. Adding one is one file::
 
     @register_selector
     class MySelector(SparseSelector):
         name = "mine"
         config_class = MyConfig
-        capabilities = Capabilities(phases={"generation"}, granularity="token")
+        capabilities = Capabilities(phases={"generation"})
         def predict_attn(self, inputs): ...
+
+Phases: the layer asks ``predict_attn`` only about the query rows of the phases the selector
+runs in this step (``inputs.rows``, ``inputs.phases``); rows of other phases stay dense without
+the selector's help. ``predict_attn`` returns a carrier whose ``sparse_attn_offsets`` has
+``len(rows) + 1`` entries (row ``0`` of the carrier is step row ``rows.start``); it may narrow
+``selected_phases`` (e.g. RocketKV selects only generation rows and leaves context rows dense,
+with empty segments). The optional ``predict_attn_reference`` is the plain-PyTorch reference of
+``predict_attn``; the shared selector test checks every registered selector against it.
 """
 from __future__ import annotations
 
@@ -20,24 +28,22 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..metadata import AttentionMetadata, KVCacheManager
-from .params import SparseMetadataParams, SparseRuntimeParams
+from ..metadata import PHASES, AttentionMetadata, KVCacheManager
+from .params import SparseRuntimeParams
 
 __all__ = ["Capabilities", "SelectorInputs", "SparseSelector", "PHASES", "ATTENTION_KINDS", "DEVICES"]
 
-PHASES = ("context", "generation")
 ATTENTION_KINDS = ("gqa", "mla")
 DEVICES = ("cpu", "cuda")
-GRANULARITIES = ("token", "block", "none")
 
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a selector can serve. ``granularity``: ``token``/``block`` indices or ``none`` (hints)."""
+    """What a selector can serve: the phases it selects in, the attention kinds and devices it
+    runs on, and whether its ``predict_kv`` evicts prompt tokens."""
 
     phases: frozenset[str] = frozenset(PHASES)
     attention_kinds: frozenset[str] = frozenset({"gqa"})
-    granularity: str = "token"
     devices: frozenset[str] = frozenset(DEVICES)
     evicts: bool = False
 
@@ -47,8 +53,6 @@ class Capabilities:
             object.__setattr__(self, name, values)
             if not values or not values <= set(allowed):
                 raise ValueError(f"Capabilities.{name} must be a non-empty subset of {list(allowed)}, got {sorted(values)}")
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"Capabilities.granularity must be one of {list(GRANULARITIES)}, got {self.granularity!r}")
 
 
 @dataclass
@@ -57,7 +61,10 @@ class SelectorInputs:
 
     ``q [num_tokens, num_q_heads, head_dim]``; GQA ``k``/``v [num_tokens, num_kv_heads,
     head_dim]`` (the step's new tokens, already in the cache); MLA ``k`` is the latent
-    ``[num_tokens, kv_lora_rank + rope_dim]`` and ``v`` is ``None``.
+    ``[num_tokens, kv_lora_rank + rope_dim]`` and ``v`` is ``None`` (all rows of the step).
+    ``rows``: the step's query rows ``predict_attn`` is asked about (the rows of ``phases``, the
+    phases the selector runs in this step, contiguous because context rows come first).
+    ``state``: scratch shared by the hooks of this one layer step (dropped after it).
     """
 
     q: torch.Tensor
@@ -68,6 +75,9 @@ class SelectorInputs:
     num_kv_heads: int
     sm_scale: float
     attention_kind: str = "gqa"
+    rows: slice = field(kw_only=True)
+    phases: frozenset[str] = field(kw_only=True)
+    state: dict[str, Any] = field(default_factory=dict, repr=False)
     _keys: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -81,6 +91,27 @@ class SelectorInputs:
     @property
     def group_size(self) -> int:
         return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def num_rows(self) -> int:
+        """Rows ``predict_attn`` answers for (``len(rows)``)."""
+        return self.rows.stop - self.rows.start
+
+    @property
+    def requests(self) -> range:
+        """Batch rows (requests) whose query tokens lie in :attr:`rows`."""
+        md = self.metadata
+        if not self.phases:
+            return range(0)
+        first = md.phase_requests("context" if "context" in self.phases else "generation")
+        last = md.phase_requests("generation" if "generation" in self.phases else "context")
+        return range(first.start, last.stop)
+
+    @property
+    def row_kv_lens(self) -> torch.Tensor:
+        """Device int32 ``[num_rows]``: positions each query of :attr:`rows` may attend (the
+        metadata's ``token_kv_lens`` covers every row of the step)."""
+        return self.metadata.token_kv_lens[self.rows]
 
     def query_range(self, i: int) -> tuple[int, int]:
         """Token rows ``[start, end)`` of request ``i`` of the batch."""
@@ -130,10 +161,6 @@ class SparseSelector:
                     f"selector {self.name!r} does not support {what} {value!r}; supported: {sorted(allowed)}"
                 )
 
-    def metadata_params(self) -> SparseMetadataParams:
-        """Sizing hints for buffers the metadata preallocates (override when known)."""
-        return SparseMetadataParams()
-
     # ---- hooks --------------------------------------------------------------------------
     def on_append(self, inputs: SelectorInputs) -> None:
         """Called after the step's K/V are written, before any prediction (e.g. page summaries)."""
@@ -143,8 +170,15 @@ class SparseSelector:
         return None
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams | None:
-        """Which tokens/blocks each query attends (or kernel hints), or ``None`` for dense."""
+        """Which tokens/blocks each query of ``inputs.rows`` attends (or kernel hints), or ``None``
+        for dense; offsets cover ``inputs.num_rows`` rows."""
         return None
+
+    #: optional plain-PyTorch reference of :meth:`predict_attn` (same signature and result);
+    #: ``None`` when the selector has none. Checked for every registered selector by one test.
+    predict_attn_reference: ClassVar[Any] = None
+    #: optional plain-PyTorch reference of :meth:`predict_kv`, likewise.
+    predict_kv_reference: ClassVar[Any] = None
 
     def on_compacted(self, inputs: SelectorInputs, kept: list[torch.Tensor]) -> None:
         """Called after this layer's cache was compacted (``kept[i]``: ``[Hkv, n_keep]`` of context ``i``)."""

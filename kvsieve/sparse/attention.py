@@ -1,16 +1,25 @@
-"""``SparseAttention``: one layer of DESIGN.md section 2 — append, predict, attend, compact.
+"""``SparseAttention``: one layer of a step — append, predict, attend, compact — returning what it did.
 
 Order within ``forward`` for one step:
 
 1. write the step's K/V into the paged cache;
-2. ``selector.on_append`` (e.g. page summaries);
-3. context phase: ``selector.predict_kv`` picks the prompt tokens to keep;
-4. ``selector.predict_attn`` picks what each query attends (or gives kernel hints);
-5. the backend computes attention over exactly that set;
-6. if tokens were evicted, this layer's pool is compacted in place *after* the attention (the
+2. ``selector.on_append`` (e.g. page summaries), every step;
+3. the phases the selector runs in are the plan's phases present this step
+   (:meth:`AttentionMetadata.phases`); their rows (context first, so contiguous) are
+   ``inputs.rows``;
+4. context phase among them: ``selector.predict_kv`` picks the prompt tokens to keep;
+5. ``selector.predict_attn`` answers for ``inputs.rows`` only; the layer places the answer in
+   the step's rows (other rows: empty segments, outside ``selected_phases``, dense, and no
+   skip-softmax) and validates it (``debug``, default on);
+6. the backend computes attention and returns an :class:`~.backends.AttentionResult`;
+7. if tokens were evicted, this layer's pool is compacted in place *after* the attention (the
    prompt's own causal attention still sees the whole prompt, as in RocketKV/SnapKV), and the
-   new per-request length is recorded in :attr:`AttentionMetadata` for the engine to commit once
-   every layer is done (:func:`commit_evictions`), because the ledger length is shared by layers.
+   new per-request length is recorded in :attr:`AttentionMetadata.pending_kv_lens` for the engine
+   to commit once every layer is done (:func:`commit_evictions`): the ledger length is shared.
+
+``forward`` returns a :class:`LayerOutput` (output, LSE, the placed params, :class:`LayerStats`,
+the backend's paths). :attr:`SparseAttention.last` is a read-only view of the last one, for
+observers of a model integration that cannot pass results through the model's code.
 """
 from __future__ import annotations
 
@@ -23,14 +32,14 @@ from ..metadata import AttentionMetadata
 from .algorithm import SelectorInputs
 from .backends import AttentionBackend, AttentionGeometry, default_backend, get_backend
 from .config import LayerPlan
-from .params import SparseRuntimeParams
+from .params import PHASES, SparseRuntimeParams
 
-__all__ = ["SparseAttention", "LayerStats", "commit_evictions"]
+__all__ = ["SparseAttention", "LayerOutput", "LayerStats", "commit_evictions"]
 
 
 @dataclass(frozen=True)
 class LayerStats:
-    """What the last forward really did: attended vs. dense positions (summed over tokens x KV heads)."""
+    """What one forward really did: attended vs. dense positions (summed over tokens x KV heads)."""
 
     attended: int
     dense: int
@@ -49,10 +58,25 @@ class LayerStats:
         return self.attended_fraction * (1.0 - skipped)
 
 
+@dataclass(frozen=True)
+class LayerOutput:
+    """The result of :meth:`SparseAttention.forward`.
+
+    ``out [T, Hq, Dv]`` (q's dtype); ``lse [T, Hq]`` fp32 or ``None`` (a backend path without
+    LSE); ``params``: what the selector decided, placed in the step's rows (``None`` = dense);
+    ``stats``; ``paths``: phase -> kernel path the backend took.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    params: SparseRuntimeParams | None
+    stats: LayerStats
+    paths: dict[str, str]
+
+
 class SparseAttention:
     """Runs one layer's selector then backend. GQA: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``;
-    MLA (absorbed): q ``[T, H, R+P]``, k = latent ``[T, R+P]``, v ``None``; returns
-    ``(out [T, Hq, Dv], lse [T, Hq])``."""
+    MLA (absorbed): q ``[T, H, R+P]``, k = latent ``[T, R+P]``, v ``None``."""
 
     def __init__(self, *, layer_idx: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  plan: LayerPlan | None = None, backend: AttentionBackend | str | None = None, kind: str = "gqa",
@@ -68,52 +92,62 @@ class SparseAttention:
             backend = default_backend(device)
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.debug = debug
-        self.last_params: SparseRuntimeParams | None = None
-        self.last_stats: LayerStats | None = None
+        self._last: LayerOutput | None = None
         if plan is not None:
             plan.selector.check_support(attention_kind=kind)
 
+    @property
+    def last(self) -> LayerOutput | None:
+        """Read-only view of the last :meth:`forward`'s result (``None`` before the first)."""
+        return self._last
+
+    def selector_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                        metadata: AttentionMetadata) -> SelectorInputs:
+        """The hooks' inputs for this step: ``phases`` = the plan's phases present this step, ``rows``
+        their query rows (context rows first, so one contiguous slice)."""
+        g = self.geometry
+        plan_phases = self.plan.phases if self.plan is not None else frozenset()
+        phases = tuple(p for p in metadata.phases() if p in plan_phases)
+        rows = slice(metadata.phase_rows(phases[0]).start, metadata.phase_rows(phases[-1]).stop) if phases \
+            else slice(0, 0)
+        return SelectorInputs(q=q, k=k, v=v, metadata=metadata, layer_idx=self.layer_idx,
+                              num_kv_heads=g.num_kv_heads, sm_scale=g.sm_scale, attention_kind=g.kind,
+                              rows=rows, phases=frozenset(phases))
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                metadata: AttentionMetadata) -> LayerOutput:
         if not metadata.prepared:
             raise RuntimeError("AttentionMetadata.prepare() must run before forward")
-        missing = [t for t in self.backend.required_translations if t not in metadata.translations]
-        if missing:
-            raise ValueError(f"backend {self.backend.name!r} needs metadata translations {missing}")
+        metadata.require(f"backend {self.backend.name!r}", self.backend.required_translations)
         g = self.geometry
         if q.shape[0] != metadata.num_tokens or q.shape[1] != g.num_q_heads:
             raise ValueError(f"q must be [num_tokens={metadata.num_tokens}, {g.num_q_heads}, D], got {tuple(q.shape)}")
         mgr = metadata.kv_cache_manager
         slots = metadata.slots[metadata.token_to_req_host]
         mgr.write(self.layer_idx, slots, metadata.positions_host, k, v)
-        params = kept = None
+        params = kept = inputs = None
         if self.plan is not None:
-            inputs = SelectorInputs(q=q, k=k, v=v, metadata=metadata, layer_idx=self.layer_idx,
-                                    num_kv_heads=g.num_kv_heads, sm_scale=g.sm_scale, attention_kind=g.kind)
+            inputs = self.selector_inputs(q, k, v, metadata)
             sel = self.plan.selector
             sel.on_append(inputs)
-            if metadata.num_contexts and "context" in self.plan.phases:
-                kept = sel.predict_kv(inputs)
-            phase_ok = (metadata.num_generations and "generation" in self.plan.phases) or (
-                metadata.num_contexts and "context" in self.plan.phases)
-            params = sel.predict_attn(inputs) if phase_ok else None
+            if "context" in inputs.phases:
+                kept = _checked_kept(sel.name, sel.predict_kv(inputs))
+            if inputs.phases:
+                params = place_rows(_checked_params(sel.name, sel.predict_attn(inputs)), inputs, sel.name)
             if kept is not None:
-                params = _with_kept(params, kept)
+                base = params if params is not None else SparseRuntimeParams()
+                params = replace(base, sparse_kv_indices=kept[0], sparse_kv_offsets=kept[1])
             if params is not None and self.debug:
                 prompt_lens = torch.as_tensor(metadata.kv_lens_host[: metadata.num_contexts])
                 params.validate(num_kv_heads=g.num_kv_heads, num_query_tokens=metadata.num_tokens,
                                 num_contexts=metadata.num_contexts, kv_lens=metadata.token_kv_lens,
                                 prompt_lens=prompt_lens)
-        out, lse = self.backend.forward(q, metadata, self.layer_idx, g, params)
-        attended = self.backend.effective_attended_tokens(params, metadata, g)
+        res = self.backend.forward(q, metadata, self.layer_idx, g, params)
         dense = metadata.token_kv_lens.to(torch.int64).sum() * g.num_kv_heads
-        n_kept = None
-        if kept is not None:
-            n_kept = self._compact(metadata, inputs, *kept)
-        self.last_params = params
-        skipped, walked = getattr(self.backend, "last_skip_stats", (0, 0))
-        self.last_stats = LayerStats(int(attended.sum()), int(dense), n_kept, skipped, walked)
-        return out, lse
+        n_kept = self._compact(metadata, inputs, *kept) if kept is not None else None
+        stats = LayerStats(int(res.attended.sum()), int(dense), n_kept, res.skipped_tiles, res.walked_tiles)
+        self._last = LayerOutput(res.out, res.lse, params, stats, dict(res.paths))
+        return self._last
 
     def _compact(self, metadata: AttentionMetadata, inputs: SelectorInputs, indices: torch.Tensor,
                  offsets: torch.Tensor) -> int:
@@ -133,9 +167,48 @@ class SparseAttention:
         return sum(s.shape[1] for s in kept_per_req)
 
 
-def _with_kept(params: SparseRuntimeParams | None, kept: tuple[torch.Tensor, torch.Tensor]) -> SparseRuntimeParams:
-    base = params if params is not None else SparseRuntimeParams()
-    return replace(base, sparse_kv_indices=kept[0], sparse_kv_offsets=kept[1])
+def place_rows(params: SparseRuntimeParams | None, inputs: SelectorInputs, selector: str
+               ) -> SparseRuntimeParams | None:
+    """A selector's answer for ``inputs.rows`` placed in the step's rows: the offsets grow to
+    ``num_tokens + 1`` (rows outside get empty segments), ``selected_phases`` is narrowed to the
+    phases asked, and the skip-softmax factor of a phase not asked is 0."""
+    if params is None:
+        return None
+    md, rows = inputs.metadata, inputs.rows
+    fields: dict[str, object] = {f"threshold_scale_factor_{p}": 0.0 for p in PHASES if p not in inputs.phases}
+    if params.sparse_attn_indices is not None:
+        off = params.sparse_attn_offsets
+        if off is None or off.dim() != 1 or off.numel() != inputs.num_rows + 1:
+            got = None if off is None else tuple(off.shape)
+            raise ValueError(f"selector {selector!r}: predict_attn was asked about rows [{rows.start}, {rows.stop}) "
+                             f"({inputs.num_rows} rows) and must return sparse_attn_offsets with "
+                             f"{inputs.num_rows + 1} entries, got shape {got}")
+        if inputs.num_rows != md.num_tokens:
+            end = off[-1:]
+            fields["sparse_attn_offsets"] = torch.cat([off.new_zeros(rows.start), off,
+                                                       end.expand(md.num_tokens - rows.stop)])
+        phases = params.selected_phases & inputs.phases
+        if phases:
+            fields["selected_phases"] = phases
+        else:  # the selector selects in none of the phases it was asked about: dense rows
+            fields.update(sparse_attn_indices=None, sparse_attn_offsets=None, selected_phases=frozenset(PHASES))
+    return replace(params, **fields)
+
+
+def _checked_params(selector: str, params: object) -> SparseRuntimeParams | None:
+    if params is not None and not isinstance(params, SparseRuntimeParams):
+        raise TypeError(f"selector {selector!r}: predict_attn must return SparseRuntimeParams or None, "
+                        f"got {type(params).__name__}")
+    return params
+
+
+def _checked_kept(selector: str, kept: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if kept is None:
+        return None
+    if not (isinstance(kept, tuple) and len(kept) == 2 and all(isinstance(t, torch.Tensor) for t in kept)):
+        raise TypeError(f"selector {selector!r}: predict_kv must return (sparse_kv_indices, sparse_kv_offsets) "
+                        f"tensors or None, got {type(kept).__name__}")
+    return kept
 
 
 def commit_evictions(metadata: AttentionMetadata) -> dict[int, int]:

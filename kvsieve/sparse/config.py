@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 from .algorithm import SparseSelector
-from .params import SparseMetadataParams
 from .registry import create_selector
 
 __all__ = ["SparseAttentionConfig", "LayerPlan", "lower_config"]
@@ -15,10 +14,9 @@ __all__ = ["SparseAttentionConfig", "LayerPlan", "lower_config"]
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """What one sparse layer runs: its selector and the metadata sizing it asks for."""
+    """What one sparse layer runs: its selector and the phases it selects in."""
 
     selector: SparseSelector
-    metadata_params: SparseMetadataParams
     phases: frozenset[str]
 
 
@@ -56,5 +54,5 @@ def lower_config(config: SparseAttentionConfig | None, *, num_layers: int, atten
             f"(the ledger length is shared); dense_layers must be empty, got {sorted(dense)}"
         )
     phases = frozenset(config.phases) if config.phases else selector.capabilities.phases
-    plan = LayerPlan(selector, selector.metadata_params(), phases)
+    plan = LayerPlan(selector, phases)
     return [None if i in dense else plan for i in range(num_layers)]

@@ -1,4 +1,4 @@
-"""A small step driver (the engine role of DESIGN.md section 2) used by tests, the demo and eval.
+"""A small step driver (the engine role: ledger, metadata, layers, evictions) used by tests, the demo and eval.
 
 ``begin_step`` commits the step's tokens to the ledger, fills :class:`AttentionMetadata` and runs
 ``prepare()``; the caller then runs its layers; ``end_step`` commits evictions. ``step`` does all
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ..metadata import AttentionMetadata, KVCacheManager
-from .attention import SparseAttention, commit_evictions
+from .attention import LayerOutput, SparseAttention, commit_evictions
 
 __all__ = ["Engine"]
 
@@ -49,7 +49,7 @@ class Engine:
 
     def step(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int,
              layer_inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
-             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+             ) -> list[LayerOutput]:
         if len(layer_inputs) != len(self.layers):
             raise ValueError(f"expected inputs for {len(self.layers)} layers, got {len(layer_inputs)}")
         md = self.begin_step(request_ids, seq_lens, num_contexts)

@@ -1,6 +1,8 @@
 """The carrier between selectors and backends: ``SparseRuntimeParams``.
 
-Layouts (DESIGN.md 3.3). All index tensors are int32 and live on the KV cache's device.
+All index tensors are int32 and live on the KV cache's device. A step's query tokens are ordered
+context (prefill) rows first, then generation (decode) rows (:attr:`AttentionMetadata.context_rows`,
+:attr:`AttentionMetadata.generation_rows`).
 
 * ``sparse_kv_indices [num_kv_heads, total_kept]`` with ``sparse_kv_offsets [num_contexts + 1]``:
   request-local prompt positions to keep, head-major; context request ``n`` and head ``h`` own
@@ -9,30 +11,27 @@ Layouts (DESIGN.md 3.3). All index tensors are int32 and live on the KV cache's 
   ``sparse_attn_offsets [num_query_tokens + 1]``: query token ``t`` and KV head ``h`` attend
   ``indices[h, off[t]:off[t+1]]``; entries are request-local token positions
   (``sparse_attn_indices_block_size == 1``) or block ids covering ``[i*B, (i+1)*B)``;
-  ``-1`` marks padding; valid entries ascending and unique.
+  ``-1`` marks padding; valid entries ascending and unique. Rows may have different lengths.
+* ``selected_phases``: the phases whose rows read the attention indices; the rows of any other
+  phase attend densely (causal) and own an empty segment.
+* ``threshold_scale_factor_context`` / ``threshold_scale_factor_generation``: the skip-softmax
+  factor of each phase (0 = off): a KV tile is skipped when every query row of it has
+  ``exp(tile_max - running_max) < threshold_scale_factor / kv_len``.
+
+Backends ask two questions per phase, :meth:`SparseRuntimeParams.selects_positions` and
+:meth:`SparseRuntimeParams.threshold_scale_factor`; a phase for which both say "no" is dense.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["SparseRuntimeParams", "SparseMetadataParams"]
+from ..metadata import PHASES
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SparseMetadataParams:
-    """Per-layer lowered settings a selector hands to the metadata (buffer sizing).
-
-    ``max_selected_per_token`` bounds ``sparse_attn_indices`` per (query token, KV head);
-    ``indices_block_size`` is the granularity the selector emits; ``prompt_budget`` bounds the
-    tokens kept by ``predict_kv`` (``None`` when the selector never evicts).
-    """
-
-    indices_block_size: int = 1
-    max_selected_per_token: int | None = None
-    prompt_budget: int | None = None
+__all__ = ["SparseRuntimeParams", "is_dense"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,10 +43,9 @@ class SparseRuntimeParams:
     sparse_attn_indices: torch.Tensor | None = None
     sparse_attn_offsets: torch.Tensor | None = None
     sparse_attn_indices_block_size: int = 1
-    sparse_attn_kv_lens: torch.Tensor | None = None
-    threshold_scale_factor: float = 0.0
-    threshold_scale_factor_decode: float | None = None
-    aux_pool: Any = field(default=None, compare=False)
+    selected_phases: frozenset[str] = frozenset(PHASES)
+    threshold_scale_factor_context: float = 0.0
+    threshold_scale_factor_generation: float = 0.0
 
     @staticmethod
     def from_topk(topk: torch.Tensor, block_size: int = 1, **fields: Any) -> SparseRuntimeParams:
@@ -66,11 +64,16 @@ class SparseRuntimeParams:
         return SparseRuntimeParams(sparse_attn_indices=indices, sparse_attn_offsets=offsets,
                                    sparse_attn_indices_block_size=block_size, **fields)
 
-    @property
-    def decode_threshold(self) -> float:
-        """Skip-softmax factor of generation tokens (``threshold_scale_factor`` unless set apart)."""
-        d = self.threshold_scale_factor_decode
-        return self.threshold_scale_factor if d is None else d
+    def selects_positions(self, phase: str) -> bool:
+        """Whether rows of ``phase`` attend only their listed indices (else: dense causal)."""
+        _check_phase(phase)
+        return self.sparse_attn_indices is not None and phase in self.selected_phases
+
+    def threshold_scale_factor(self, phase: str) -> float:
+        """The skip-softmax factor of ``phase`` (0 = off)."""
+        _check_phase(phase)
+        return self.threshold_scale_factor_context if phase == "context" else self.threshold_scale_factor_generation
+
 
     def validate(
         self,
@@ -91,10 +94,13 @@ class SparseRuntimeParams:
                 "sparse_attn_indices_block_size must be >= 1 (1 = token indices), got "
                 f"{self.sparse_attn_indices_block_size}"
             )
-        for name in ("threshold_scale_factor", "threshold_scale_factor_decode"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0 (0 = off), got {value}")
+        for phase in PHASES:
+            value = self.threshold_scale_factor(phase)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"threshold_scale_factor_{phase} must be a finite float >= 0 (0 = off), got {value}")
+        if not self.selected_phases or not self.selected_phases <= set(PHASES):
+            raise ValueError(f"selected_phases must be a non-empty subset of {list(PHASES)}, "
+                             f"got {sorted(self.selected_phases)}")
         if (self.sparse_kv_indices is None) != (self.sparse_kv_offsets is None):
             raise ValueError("sparse_kv_indices and sparse_kv_offsets must be given together")
         if (self.sparse_attn_indices is None) != (self.sparse_attn_offsets is None):
@@ -116,16 +122,17 @@ class SparseRuntimeParams:
                 "sparse_attn_indices", self.sparse_attn_indices, self.sparse_attn_offsets, kv_lens,
                 block_size=self.sparse_attn_indices_block_size, allow_padding=True,
             )
-        if self.sparse_attn_kv_lens is not None:
-            lens = self.sparse_attn_kv_lens
-            if lens.dtype != torch.int32 or lens.dim() != 1:
-                raise ValueError(
-                    f"sparse_attn_kv_lens must be a 1-D int32 tensor, got {lens.dtype} {tuple(lens.shape)}"
-                )
-            if num_query_tokens is not None and lens.numel() != num_query_tokens:
-                raise ValueError(
-                    f"sparse_attn_kv_lens must have num_query_tokens={num_query_tokens} entries, got {lens.numel()}"
-                )
+
+
+def is_dense(params: SparseRuntimeParams | None, phase: str) -> bool:
+    """True when ``params`` changes nothing for rows of ``phase``: no position selection and no
+    skip-softmax (prompt-eviction indices alone do not change this step's attention)."""
+    return params is None or not (params.selects_positions(phase) or params.threshold_scale_factor(phase) > 0)
+
+
+def _check_phase(phase: str) -> None:
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {list(PHASES)}, got {phase!r}")
 
 
 def _check_pair(

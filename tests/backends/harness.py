@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from kvsieve import AttentionMetadata, KVCacheManager, KVCacheSpec, SparseRuntimeParams
+from kvsieve.metadata import TRANSLATIONS
 from kvsieve.sparse.backends import AttentionGeometry, get_backend
 
 
@@ -30,7 +31,7 @@ def build(*, page: int, hq: int, hkv: int, d: int, ctx_lens: list[int], gen_hist
         mgr.append_tokens(rid, 1)
         _fill(mgr, rid, mgr.valid_len(rid) - 1, 1, kind, hkv, d, dtype, g)
     md = AttentionMetadata(kv_cache_manager=mgr, max_num_requests=len(rids), max_num_tokens=max(total, 1),
-                           translations=("block_lists",))
+                           translations=TRANSLATIONS)
     md.request_ids = rids
     md.seq_lens = [*ctx_lens, *([1] * len(gen_hist))]
     md.num_contexts = len(ctx_lens)
@@ -68,8 +69,10 @@ def random_selection(md, hkv: int, k: int, block_size: int, seed: int = 0, pad_f
 
 
 def compare(backend: str, md, q, geo, params, rtol=1e-5, atol=1e-5):
-    out, lse = get_backend(backend).forward(q, md, 0, geo, params)
-    ref, ref_lse = get_backend("vanilla").forward(q, md, 0, geo, params)
+    res = get_backend(backend).forward(q, md, 0, geo, params)
+    out, lse = res.out, res.lse
+    res = get_backend("vanilla").forward(q, md, 0, geo, params)
+    ref, ref_lse = res.out, res.lse
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=atol)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isposinf(lse), torch.isposinf(ref_lse)), "empty rows must give lse +inf"

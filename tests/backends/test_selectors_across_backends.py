@@ -33,19 +33,19 @@ def run(selector: str, backend: str) -> list[torch.Tensor]:
     layer = SparseAttention(layer_idx=0, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, plan=plan, backend=backend)
     eng = Engine(KVCacheManager(spec), [layer], max_num_requests=2, max_num_tokens=2 * PROMPT)
     outs = []
-    (o, _), = eng.step([0, 1], [PROMPT, PROMPT - 30], 2, [(torch.randn(2 * PROMPT - 30, HQ, D, generator=g),
-                                                           torch.randn(2 * PROMPT - 30, HKV, D, generator=g),
-                                                           torch.randn(2 * PROMPT - 30, HKV, D, generator=g))])
-    outs.append(o)
-    kept = layer.last_stats.kept_after_eviction
+    (res,) = eng.step([0, 1], [PROMPT, PROMPT - 30], 2, [(torch.randn(2 * PROMPT - 30, HQ, D, generator=g),
+                                                          torch.randn(2 * PROMPT - 30, HKV, D, generator=g),
+                                                          torch.randn(2 * PROMPT - 30, HKV, D, generator=g))])
+    outs.append(res.out)
+    kept = res.stats.kept_after_eviction
     if selector in EVICT_ONLY:
         assert kept is not None and kept < 2 * PROMPT - 30, "the prefill must evict"
     for _ in range(2):
-        (o, _), = eng.step([0, 1], [1, 1], 0, [(torch.randn(2, HQ, D, generator=g), torch.randn(2, HKV, D, generator=g),
-                                                torch.randn(2, HKV, D, generator=g))])
-        outs.append(o)
+        (res,) = eng.step([0, 1], [1, 1], 0, [(torch.randn(2, HQ, D, generator=g), torch.randn(2, HKV, D, generator=g),
+                                               torch.randn(2, HKV, D, generator=g))])
+        outs.append(res.out)
         if selector not in EVICT_ONLY:
-            assert layer.last_stats.attended < layer.last_stats.dense, "the decode step must sparsify"
+            assert res.stats.attended < res.stats.dense, "the decode step must sparsify"
     return outs
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.sparse.backends import default_backend
+from kvsieve import SparseRuntimeParams
+from kvsieve.sparse.backends import default_backend, get_backend
 from kvsieve.sparse.selection import attended_counts
 
 from .harness import build, compare, random_selection
@@ -43,8 +44,8 @@ def test_small_gather_budget_chunks_tokens_identically():
     md, q, geo = build(page=16, hq=4, hkv=2, d=16, ctx_lens=[50], gen_hist=[70])
     a = TorchBackend().forward(q, md, 0, geo, None)
     b = TorchBackend(max_gather_bytes=1).forward(q, md, 0, geo, None)  # one token per chunk
-    torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=1e-6)  # padding width differs per chunk
-    torch.testing.assert_close(a[1], b[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(a.out, b.out, rtol=1e-6, atol=1e-6)  # padding width differs per chunk
+    torch.testing.assert_close(a.lse, b.lse, rtol=1e-6, atol=1e-6)
 
 
 def test_default_backend_per_device_and_counts():
@@ -55,3 +56,47 @@ def test_default_backend_per_device_and_counts():
     params = random_selection(md, 1, k=2, block_size=4, pad_frac=0.0, seed=3)
     exact = attended_counts(params, md.token_kv_lens, 1)
     assert int(exact.sum()) <= 8
+
+
+def _ragged(md, hkv: int, block_size: int, seed: int, duplicate: bool = False) -> SparseRuntimeParams:
+    """Per-token selections of different lengths (0..5 units, ascending); with ``duplicate`` every
+    non-empty segment repeats its first unit (only possible with validation off)."""
+    g = torch.Generator().manual_seed(seed)
+    segs, offs = [], [0]
+    for n in md.token_kv_lens.tolist():
+        units = -(-n // block_size)
+        k = int(torch.randint(0, min(units, 5) + 1, (1,), generator=g))
+        rows = [torch.randperm(units, generator=g)[:k].sort().values for _ in range(hkv)]
+        if duplicate and k:
+            rows = [torch.cat([r[:1], r]) for r in rows]
+        segs.append(torch.stack(rows) if rows[0].numel() else torch.zeros(hkv, 0, dtype=torch.int64))
+        offs.append(offs[-1] + segs[-1].shape[1])
+    return SparseRuntimeParams(sparse_attn_indices=torch.cat(segs, 1).to(torch.int32),
+                               sparse_attn_offsets=torch.tensor(offs, dtype=torch.int32),
+                               sparse_attn_indices_block_size=block_size)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_selections_of_different_lengths_per_token(backend, block_size):
+    md, q, geo = build(page=4, hq=4, hkv=2, d=16, ctx_lens=[11], gen_hist=[30, 9], seed=block_size)
+    params = _ragged(md, 2, block_size, seed=block_size)
+    params.validate(num_kv_heads=2, num_query_tokens=md.num_tokens, kv_lens=md.token_kv_lens)
+    assert params.sparse_attn_offsets.diff().unique().numel() > 1
+    compare(backend, md, q, geo, params, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["vanilla", "torch", "triton"])
+def test_a_duplicate_index_is_attended_once_in_every_backend(backend):
+    """With validation off nothing rejects a repeated index: every backend reads the selection as a set."""
+    md, q, geo = build(page=4, hq=4, hkv=2, d=16, ctx_lens=[11], gen_hist=[30, 9], seed=2)
+    dup = _ragged(md, 2, 1, seed=5, duplicate=True)
+    with pytest.raises(ValueError, match="strictly ascending"):
+        dup.validate(num_kv_heads=2, num_query_tokens=md.num_tokens, kv_lens=md.token_kv_lens)
+    once = _ragged(md, 2, 1, seed=5)
+    res = get_backend(backend).forward(q, md, 0, geo, dup)
+    ref = get_backend("vanilla").forward(q, md, 0, geo, once)
+    torch.testing.assert_close(res.out, ref.out, rtol=2e-5, atol=2e-5)
+    finite = torch.isfinite(ref.lse)
+    torch.testing.assert_close(res.lse[finite], ref.lse[finite], rtol=2e-5, atol=2e-5)
+    assert torch.equal(res.attended, get_backend(backend).forward(q, md, 0, geo, once).attended)

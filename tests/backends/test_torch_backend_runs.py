@@ -45,8 +45,8 @@ def test_runs_chunked_equals_unchunked():
     for p in (None, params):
         a = TorchBackend().forward(q, md, 0, geo, p)
         b = TorchBackend(max_gather_bytes=1).forward(q, md, 0, geo, p)  # one token per chunk
-        torch.testing.assert_close(a[0], b[0])
-        torch.testing.assert_close(a[1], b[1])
+        torch.testing.assert_close(a.out, b.out)
+        torch.testing.assert_close(a.lse, b.lse)
 
 
 def _shared_prefill_selection(md, hkv: int, qblock: int, k: int, block_size: int, seed: int = 0):
@@ -77,10 +77,10 @@ def test_shared_groups_block_sparse_prefill(block_size, max_gather_bytes):
     params = _shared_prefill_selection(md, 2, qblock=block_size, k=3, block_size=block_size, seed=block_size)
     ref = get_backend("vanilla").forward(q, md, 0, geo, params)
     out = TorchBackend(max_gather_bytes=max_gather_bytes).forward(q, md, 0, geo, params)
-    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
-    finite = torch.isfinite(ref[1])
-    assert torch.equal(torch.isposinf(out[1]), torch.isposinf(ref[1]))
-    torch.testing.assert_close(out[1][finite], ref[1][finite], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.out, ref.out, rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(ref.lse)
+    assert torch.equal(torch.isposinf(out.lse), torch.isposinf(ref.lse))
+    torch.testing.assert_close(out.lse[finite], ref.lse[finite], rtol=1e-5, atol=1e-5)
 
 
 def test_shared_groups_mla_prefill():

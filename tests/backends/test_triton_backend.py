@@ -26,9 +26,8 @@ def test_sparse_mixed_batch(block_size, page):
     md, q, geo = build(page=page, hq=8, hkv=2, d=16, ctx_lens=[12], gen_hist=[150, 5, 70], seed=block_size)
     params = random_selection(md, 2, k=5, block_size=block_size, overshoot=1, seed=page)
     compare("triton", md, q, geo, params, **TOL)
-    backend = get_backend("triton")
-    backend.forward(q, md, 0, geo, params)
-    assert backend.last_paths == {"context": "sparse_gather", "generation": "decode_gather"}
+    res = get_backend("triton").forward(q, md, 0, geo, params)
+    assert res.paths == {"context": "sparse_gather", "generation": "decode_gather"}
 
 
 def test_mla_sparse_and_empty_rows():
@@ -50,8 +49,10 @@ def test_effective_tokens_round_to_pages():
 def test_skip_softmax_counts_and_zero_factor_is_dense():
     md, q, geo = build(page=16, hq=4, hkv=1, d=16, ctx_lens=[], gen_hist=[300], seed=5)
     backend = get_backend("triton")
-    dense, _ = backend.forward(q, md, 0, geo, None)
-    off, _ = backend.forward(q, md, 0, geo, SparseRuntimeParams(threshold_scale_factor=0.0))
-    assert torch.equal(dense, off) and backend.last_skip_stats[0] == 0
+    res = backend.forward(q, md, 0, geo, None)
+    dense, _ = res.out, res.lse
+    res = backend.forward(q, md, 0, geo, SparseRuntimeParams(threshold_scale_factor_generation=0.0))
+    off, _ = res.out, res.lse
+    assert torch.equal(dense, off) and res.skipped_tiles == 0
     with pytest.raises(ValueError, match="skip-softmax"):
-        get_backend("vanilla").forward(q, md, 0, geo, SparseRuntimeParams(threshold_scale_factor=1.0))
+        get_backend("vanilla").forward(q, md, 0, geo, SparseRuntimeParams(threshold_scale_factor_generation=1.0))

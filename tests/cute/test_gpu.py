@@ -68,7 +68,7 @@ def test_mla_decode_matches_reference(page, batch, topk, heads, fp8):
                                                     (64, 17, 16, 64)])
 def test_gqa_decode_matches_reference(page, batch, group, block):
     from kvsieve.kernels.cute.sparse_gqa_decode import sparse_gqa_decode
-    from kvsieve.kernels.triton.sparse_gqa_decode.naive import sparse_gqa_decode as ref
+    from kvsieve.kernels.cute.sparse_gqa_decode.naive import sparse_gqa_decode as ref
     hkv, d = 2, 128
     nb, bt, lens, idx, off = _selection(batch, page, 7 if block > 1 else 300, 1000, hkv, block,
                                         all_invalid=(1,) if batch > 1 else ())

@@ -21,6 +21,7 @@ import torch
 
 from kvsieve.kernels.cute._common import SMEM_LIMIT, cute_available
 from kvsieve.kernels.cute.topk_gvr import kernel as cute_topk
+from kvsieve.kernels.cute.topk_gvr import naive as cute_naive
 from kvsieve.kernels.cute.topk_gvr.mirror import gvr_topk_mirror
 from kvsieve.kernels.cute.topk_gvr.params import capacity_for, smem_bytes
 from kvsieve.kernels.triton.topk import dispatch, naive
@@ -138,7 +139,7 @@ def test_mirror_equals_reference(k):
         s = _rows(n, seed=i)
         lens = torch.tensor([n, n, n, max(0, n - 5)], dtype=torch.int32)
         got, fb = gvr_topk_mirror(s, lens, k)
-        ref = naive.radix_topk(s, lens, k)
+        ref = cute_naive.gvr_topk(s, lens, k)
         assert torch.equal(got, ref), (n, k)
         if n > capacity_for(k):
             assert fb[2] == 1  # all-equal row: the in-kernel fallback, still exact
@@ -153,7 +154,7 @@ def test_mirror_guess_rarely_falls_back():
     for k in KS:
         got, fb = gvr_topk_mirror(s, lens, k)
         assert int(fb.sum()) == 0
-        assert torch.equal(got, naive.radix_topk(s, lens, k))
+        assert torch.equal(got, cute_naive.gvr_topk(s, lens, k))
 
 
 # ---------------------------------------------------------------- GPU

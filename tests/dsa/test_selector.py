@@ -45,7 +45,7 @@ class Rig:
         for rid, n in zip(rids, lens):
             self.hist.setdefault(rid, []).append((q[t0:t0 + n], k[t0:t0 + n], w[t0:t0 + n]))
             t0 += n
-        return self.layer.last_params
+        return self.layer.last.params
 
     def expected(self, rid, n_last):
         """Radix top-k of fp32 logits computed from the remembered tensors, last ``n_last`` rows."""

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvsieve import SparseRuntimeParams
+from kvsieve.sparse import is_dense
 
 I32 = torch.int32
 
@@ -36,13 +37,15 @@ def test_valid_params_pass_and_from_topk_sorts_with_padding_tail():
     (lambda: attn([[-2, 2]], [0, 2]), "entries must be -1"),
     (lambda: attn([[1, 9]], [0, 2]), "out of range"),
     (lambda: attn([[1, 2]], [0, 2], bs=0), "sparse_attn_indices_block_size must be >= 1"),
-    (lambda: attn([[1, 2]], [0, 2], threshold_scale_factor=-1.0), "threshold_scale_factor"),
+    (lambda: attn([[1, 2]], [0, 2], threshold_scale_factor_context=-1.0), "threshold_scale_factor_context"),
+    (lambda: attn([[1, 2]], [0, 2], threshold_scale_factor_generation=float("nan")),
+     "threshold_scale_factor_generation must be a finite"),
+    (lambda: attn([[1, 2]], [0, 2], selected_phases=frozenset({"prefill"})), "selected_phases"),
     (lambda: SparseRuntimeParams(sparse_attn_indices=torch.zeros(1, 1, dtype=I32)), "given together"),
     (lambda: SparseRuntimeParams(sparse_kv_indices=torch.tensor([[3, 1]], dtype=I32),
                                  sparse_kv_offsets=torch.tensor([0, 2], dtype=I32)), "sparse_kv_indices must be strictly"),
     (lambda: SparseRuntimeParams(sparse_kv_indices=torch.tensor([[-1, 1]], dtype=I32),
                                  sparse_kv_offsets=torch.tensor([0, 2], dtype=I32)), "sparse_kv_indices entries must be a position"),
-    (lambda: attn([[1, 2]], [0, 2], sparse_attn_kv_lens=torch.tensor([3], dtype=torch.int64)), "sparse_attn_kv_lens"),
 ])
 def test_each_rule_raises_naming_the_field(params, match):
     with pytest.raises(ValueError, match=match):
@@ -62,4 +65,15 @@ def test_wrong_row_count_and_block_range():
 def test_params_are_frozen():
     p = SparseRuntimeParams()
     with pytest.raises(Exception):
-        p.threshold_scale_factor = 1.0  # type: ignore[misc]
+        p.threshold_scale_factor_context = 1.0  # type: ignore[misc]
+
+
+def test_phase_questions_of_the_carrier():
+    p = attn([[1, 2]], [0, 2], selected_phases=frozenset({"generation"}), threshold_scale_factor_context=2.0)
+    assert p.selects_positions("generation") and not p.selects_positions("context")
+    assert p.threshold_scale_factor("context") == 2.0 and p.threshold_scale_factor("generation") == 0.0
+    assert not is_dense(p, "context") and not is_dense(p, "generation") and is_dense(None, "context")
+    assert is_dense(SparseRuntimeParams(sparse_kv_indices=torch.zeros(1, 0, dtype=I32),
+                                        sparse_kv_offsets=torch.zeros(2, dtype=I32)), "context")
+    with pytest.raises(ValueError, match="phase must be one of"):
+        p.selects_positions("prefill")

@@ -27,7 +27,7 @@ def installed_example(tmp_path, monkeypatch):
     (info / "entry_points.txt").write_text("[kvsieve.selectors]\n" + line.replace('"', "") + "\n")
     monkeypatch.syspath_prepend(str(site))
     yield
-    registry._REGISTRY.pop("recent_blocks", None)
+    registry.SELECTORS._classes.pop("recent_blocks", None)
 
 
 def test_builtins_are_registered():
@@ -50,10 +50,10 @@ def test_entry_point_selector_is_found_and_runs(installed_example):
                                                         plan=plan)], max_num_requests=2, max_num_tokens=64)
     eng.step([0], [21], 1, [(torch.randn(21, 2, 8), torch.randn(21, 1, 8), torch.randn(21, 1, 8))])
     eng.step([0], [1], 0, [(torch.randn(1, 2, 8), torch.randn(1, 1, 8), torch.randn(1, 1, 8))])
-    layer = eng.layers[0]
-    # kv_len 22: blocks 0, 4, 5 -> positions 0..3 and 16..21 = 10 of 22
-    assert layer.last_params.sparse_attn_indices.tolist() == [[0, 4, 5]]
-    assert layer.last_stats.attended == 10 and layer.last_stats.dense == 22
+    (res,) = eng.step([0], [1], 0, [(torch.randn(1, 2, 8), torch.randn(1, 1, 8), torch.randn(1, 1, 8))])
+    # kv_len 23: blocks 0, 4, 5 -> positions 0..3 and 16..22 = 11 of 23
+    assert res.params.sparse_attn_indices.tolist() == [[0, 4, 5]]
+    assert res.stats.attended == 11 and res.stats.dense == 23
 
 
 def test_bad_config_and_unsupported_combinations_raise_at_configuration_time(installed_example):
@@ -74,5 +74,5 @@ def test_bad_config_and_unsupported_combinations_raise_at_configuration_time(ins
 def test_lowering_gives_dense_layers_none():
     plans = lower_config(SparseAttentionConfig("streaming", {"budget": 16}, dense_layers=(0, -1)), num_layers=4)
     assert plans[0] is None and plans[3] is None and plans[1] is plans[2] is not None
-    assert plans[1].metadata_params.max_selected_per_token == 16
+    assert plans[1].phases == {"context", "generation"}
     assert lower_config(None, num_layers=3) == [None, None, None]

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvsieve.metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
+from kvsieve.metadata import AttentionMetadata, KVCacheManager, KVCacheSpec, half_block_views
 
 
-def random_batch(rng, page, beam_width=1, speculative=False):
+def random_batch(rng, page, speculative=False):
     m = KVCacheManager(KVCacheSpec(num_layers=1, num_blocks=600, tokens_per_block=page, num_kv_heads=1,
                                    head_dim=4, max_requests=16, max_blocks_per_seq=64))
     n_ctx, n_gen = int(rng.integers(0, 4)), int(rng.integers(1, 5))
@@ -31,7 +31,6 @@ def random_batch(rng, page, beam_width=1, speculative=False):
         seq.append(draft)
     md = AttentionMetadata(kv_cache_manager=m, max_num_requests=16, max_num_tokens=512, max_num_sequences=64,
                            translations=("block_lists", "ragged_page_table", "block_offsets"))
-    md.beam_width = beam_width
     md.request_ids = rids
     md.seq_lens = seq
     md.num_contexts = n_ctx
@@ -67,17 +66,15 @@ def test_block_lists_and_ragged_table_match_ledger(page, seed):
 
 
 @pytest.mark.parametrize("page", PAGES)
-@pytest.mark.parametrize("beam_width", [1, 3])
+@pytest.mark.parametrize("seed", [1, 3])
 @pytest.mark.parametrize("speculative", [False, True])
-def test_block_offset_table_matches_ledger(page, beam_width, speculative):
-    rng = np.random.default_rng(page * 10 + beam_width)
-    m, md, rids, seq, n_ctx = random_batch(rng, page, beam_width, speculative)
+def test_block_offset_table_matches_ledger(page, seed, speculative):
+    rng = np.random.default_rng(page * 10 + seed)
+    m, md, rids, seq, n_ctx = random_batch(rng, page, speculative)
     t = md.block_offset_table
     dev = t.kv_cache_block_offsets
-    rows = []
-    for b, rid in enumerate(rids):
-        rows += [rid] * (1 if b < n_ctx else beam_width)
-    assert t.num_rows == len(rows)
+    rows = list(rids)  # one row per request, context requests first
+    assert dev.shape[0] == 1 and t.num_rows == len(rows)
     longest = max(len(m.block_ids(r)) for r in rids)
     assert t.width == (m.spec.max_blocks_per_seq if speculative else longest)
     for r, rid in enumerate(rows):
@@ -87,6 +84,18 @@ def test_block_offset_table_matches_ledger(page, beam_width, speculative):
         pad = dev[0, r, :, len(blocks): t.width]  # padded entries point at the sentinel block 0
         assert bool((pad[0] == 0).all()) and bool((pad[1] == 1).all())
     assert np.array_equal(t.host[:, : t.num_rows, :, : t.width], t.last_snapshot)
+    assert torch.equal(t.k_offsets, dev[0, : t.num_rows, 0, : max(t.width, 1)])
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_half_block_views_put_k_and_v_at_the_k_offset(layout):
+    """A reader of the offsets (the Triton and CuTe GQA paths) finds K and V of block b at offset 2*b."""
+    m = KVCacheManager(KVCacheSpec(num_layers=1, num_blocks=6, tokens_per_block=4, num_kv_heads=2, head_dim=8,
+                                   layout=layout, max_requests=1, max_blocks_per_seq=4))
+    m.pools[0].copy_(torch.randn(m.pools[0].shape))
+    k_half, v_half = half_block_views(m.pools[0], layout)
+    for b in range(6):
+        assert torch.equal(k_half[2 * b], m.k_cache(0)[b]) and torch.equal(v_half[2 * b], m.v_cache(0)[b])
 
 
 def test_snapshot_is_private_and_persistent_buffer_stays():
@@ -134,6 +143,12 @@ def test_derived_counts_and_cross_attention_identity():
     md.seq_lens = [5, 3, 1, 1]
     md.num_contexts = 2
     assert (md.num_tokens, md.num_ctx_tokens, md.num_generations) == (10, 8, 2)
+    assert (md.context_rows, md.generation_rows) == (slice(0, 8), slice(8, 10))
+    assert (md.phase_requests("context"), md.phase_requests("generation")) == (slice(0, 2), slice(2, 4))
+    assert md.phases() == ("context", "generation")
+    md.num_contexts = 0
+    assert md.phases() == ("generation",) and md.context_rows == slice(0, 0)
+    md.num_contexts = 2
     assert not md.is_cross_attention
     md.seq_lens_kv = torch.tensor([5, 3, 1, 1], dtype=torch.int32)
     assert md.is_cross_attention

@@ -38,14 +38,16 @@ def test_dense_gqa_equals_sdpa_prefill_and_decode(group, layout):
     qs = [torch.randn(n, hq, d) for n in lens]
     ks = [torch.randn(n, hkv, d) for n in lens]
     vs = [torch.randn(n, hkv, d) for n in lens]
-    (out, lse), = eng.step([1, 2, 3], lens, 3, [(torch.cat(qs), torch.cat(ks), torch.cat(vs))])
+    (res,) = eng.step([1, 2, 3], lens, 3, [(torch.cat(qs), torch.cat(ks), torch.cat(vs))])
+    out, lse = res.out, res.lse
     off = np.cumsum([0, *lens])
     for i in range(3):
         ref = sdpa(qs[i], ks[i], vs[i], 0)
         torch.testing.assert_close(out[off[i]: off[i + 1]], ref, rtol=1e-5, atol=1e-5)
     # decode step: each request one more token
     q1, k1, v1 = torch.randn(3, hq, d), torch.randn(3, hkv, d), torch.randn(3, hkv, d)
-    (out, lse), = eng.step([1, 2, 3], [1, 1, 1], 0, [(q1, k1, v1)])
+    (res,) = eng.step([1, 2, 3], [1, 1, 1], 0, [(q1, k1, v1)])
+    out, lse = res.out, res.lse
     for i in range(3):
         kk, vv = torch.cat([ks[i], k1[i:i + 1]]), torch.cat([vs[i], v1[i:i + 1]])
         torch.testing.assert_close(out[i:i + 1], sdpa(q1[i:i + 1], kk, vv, lens[i]), rtol=1e-5, atol=1e-5)
@@ -59,7 +61,8 @@ def test_dense_mla_equals_sdpa():
     eng = engine(h, 1, rank + rope, kind="mla", rank=rank)
     n = 21
     q, lat = torch.randn(n, h, rank + rope), torch.randn(n, rank + rope)
-    (out, _), = eng.step([4], [n], 1, [(q, lat, None)])
+    (res,) = eng.step([4], [n], 1, [(q, lat, None)])
+    out, _ = res.out, res.lse
     ref = sdpa(q, lat.unsqueeze(1), lat[:, :rank].unsqueeze(1), 0)
     assert out.shape == (n, h, rank)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -78,7 +81,8 @@ def test_selection_equals_direct_masked_computation(block_size):
     sel = torch.tensor([[[0, 3, -1]], [[2, 4, 1]]], dtype=torch.int32).permute(1, 0, 2)  # [T=1, Hkv, 3]
     params = SparseRuntimeParams.from_topk(sel, block_size=block_size)
     eng.cache.write(0, md.slots, md.positions_host, k1, v1)
-    out, lse = VanillaBackend().forward(q, md, 0, eng.layers[0].geometry, params)
+    res = VanillaBackend().forward(q, md, 0, eng.layers[0].geometry, params)
+    out, lse = res.out, res.lse
     kk, vv = torch.cat([k, k1]), torch.cat([v, v1])
     for h in range(hkv):
         chosen = sorted({p for b in sel[0, h].tolist() if b >= 0
@@ -97,5 +101,6 @@ def test_empty_selection_gives_zero_and_inf_lse():
     eng.step([0], [6], 1, [(torch.randn(6, hq, d), torch.randn(6, hkv, d), torch.randn(6, hkv, d))])
     md = eng.begin_step([0], [1], 0)
     params = SparseRuntimeParams.from_topk(torch.full((1, 1, 2), -1, dtype=torch.int32))
-    out, lse = VanillaBackend().forward(torch.randn(1, hq, d), md, 0, eng.layers[0].geometry, params)
+    res = VanillaBackend().forward(torch.randn(1, hq, d), md, 0, eng.layers[0].geometry, params)
+    out, lse = res.out, res.lse
     assert torch.count_nonzero(out) == 0 and bool(torch.isposinf(lse).all())

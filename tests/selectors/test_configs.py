@@ -48,4 +48,4 @@ def test_registered_and_capabilities():
             kvsieve.lower_config(kvsieve.SparseAttentionConfig(name), num_layers=1, attention_kind="mla")
     with pytest.raises(ValueError, match="evicts prompt tokens"):
         kvsieve.lower_config(kvsieve.SparseAttentionConfig("rocketkv", dense_layers=(0,)), num_layers=2)
-    assert kvsieve.create_selector("rocketkv", page_size=8).metadata_params().indices_block_size == 8
+    assert kvsieve.create_selector("rocketkv", page_size=8).page_knobs(64).page_size == 8

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import Harness, overlap, selection_sets
+from harness import Harness, overlap, reference_params, selection_sets
+from kvsieve.sparse.attention import place_rows
 
 PROMPTS = [300, 170, 41]  # one below every prompt budget used here
 
@@ -21,6 +22,7 @@ def _data(h: Harness, n: int, gen: torch.Generator, ties: bool):
 
 
 def _equal_or_overlap(a, b, num_tokens, hkv, ties, threshold):
+    assert a.selected_phases == b.selected_phases
     if ties:
         assert overlap(selection_sets(a, num_tokens, hkv), selection_sets(b, num_tokens, hkv)) >= threshold
     else:
@@ -38,7 +40,7 @@ def test_prompt_eviction(name, params, ties):
     gen = torch.Generator().manual_seed(1)
     q, k, v = _data(h, sum(PROMPTS), gen, ties)
     inputs = h.hook_inputs([1, 2, 3], PROMPTS, 3, q, k, v)
-    fast, gold = h.selector.predict_kv(inputs), h.selector.predict_kv_golden(inputs)
+    fast, gold = h.selector.predict_kv(inputs), h.selector.predict_kv_reference(inputs)
     assert torch.equal(fast[1], gold[1])
     budget = params["prompt_budget"]
     assert fast[1].tolist() == [0, budget, 2 * budget, 2 * budget + PROMPTS[2]]
@@ -59,12 +61,13 @@ def test_prompt_eviction(name, params, ties):
     ("block_select", {"block_size": 32, "topk_blocks": 3, "score_type": "mean"}),
 ])
 def test_attention_selection(name, params, ties):
-    """Prefill step (dense rows for page selectors), decode step, then a mixed context+decode step."""
+    """Prefill step (no answer from page selectors), decode step, then a mixed context+decode step
+    (page selectors answer for the generation rows only; context rows are outside ``selected_phases``)."""
     h = Harness(name, params, hkv=2, g=4, d=32)
     gen = torch.Generator().manual_seed(2)
     q, k, v = _data(h, sum(PROMPTS), gen, ties)
     inputs = h.hook_inputs([1, 2, 3], PROMPTS, 3, q, k, v)
-    fast, gold = h.selector.predict_attn(inputs), h.selector.predict_attn_golden(inputs)
+    fast, gold = h.selector.predict_attn(inputs), h.selector.predict_attn_reference(inputs)
     if name == "block_select":
         _equal_or_overlap(fast, gold, sum(PROMPTS), h.hkv, ties, 0.98)
     else:
@@ -73,8 +76,12 @@ def test_attention_selection(name, params, ties):
     for rids, lens, ctx in (([1, 2, 3], [1, 1, 1], 0), ([4, 1, 3], [57, 1, 1], 1)):
         q, k, v = _data(h, sum(lens), gen, ties)
         inputs = h.hook_inputs(rids, lens, ctx, q, k, v)
-        fast, gold = h.selector.predict_attn(inputs), h.selector.predict_attn_golden(inputs)
+        fast = place_rows(h.selector.predict_attn(inputs), inputs, name)
+        gold = reference_params(h.selector, inputs)
         fast.validate(num_kv_heads=h.hkv, num_query_tokens=sum(lens), kv_lens=inputs.metadata.token_kv_lens)
+        if name != "block_select":
+            assert fast.selected_phases == {"generation"}
+            assert fast.sparse_attn_offsets[: sum(lens[:ctx]) + 1].eq(0).all()  # context rows: empty
         _equal_or_overlap(fast, gold, sum(lens), h.hkv, ties, 0.94)
         h.engine.end_step()
 

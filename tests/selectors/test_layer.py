@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import Harness, expected_output
-from kvsieve import SelectorInputs
+from harness import Harness, expected_output, reference_params
 from kvsieve.sparse.backends.vanilla import masked_attention
 
 SCALE = 32 ** -0.5
@@ -24,14 +23,15 @@ def test_layer_output_matches_vanilla_over_the_golden_selection(name, params):
     for rids, lens, ctx in (([1, 2], [150, 90], 2), ([3, 1, 2], [40, 1, 1], 1), ([1, 2], [1, 1], 0)):
         q, k, v = h.qkv(sum(lens), gen)
         md = h.engine.begin_step(rids, lens, ctx)
-        out, lse = h.layers[0].forward(q, k, v, md)
-        inputs = SelectorInputs(q=q, k=k, v=v, metadata=md, layer_idx=0, num_kv_heads=h.hkv, sm_scale=SCALE)
-        golden = h.selector.predict_attn_golden(inputs)  # None = dense (pure prefill of a decode-time selector)
+        res = h.layers[0].forward(q, k, v, md)
+        out, lse = res.out, res.lse
+        golden = reference_params(h.selector, h.layers[0].selector_inputs(q, k, v, md))  # None = dense
         starts = md.query_start_host
         for i, rid in enumerate(rids):
             keys, values = h.cache.gather(0, rid)
             rows = slice(int(starts[i]), int(starts[i + 1]))
-            ref_out, ref_lse = expected_output(q, keys, values, golden, md, rows, keys.shape[0], h.hkv, SCALE)
+            phase = "context" if i < ctx else "generation"
+            ref_out, ref_lse = expected_output(q, keys, values, golden, md, rows, keys.shape[0], h.hkv, SCALE, phase)
             torch.testing.assert_close(out[rows], ref_out, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(lse[rows], ref_lse, rtol=1e-5, atol=1e-5)
         h.engine.end_step()
@@ -50,16 +50,17 @@ def test_rocketkv_end_to_end():
     outs = []
     for i, layer in enumerate(h.layers):
         outs.append(layer.forward(*qkv[i], md))
+        stats = outs[i].stats
         # prefill attention stays dense over the whole prompt
         k_full, v_full = before[i]
         causal = torch.arange(300).unsqueeze(0) <= torch.arange(300).unsqueeze(1)
         ref, _ = masked_attention(qkv[i][0][:300], k_full, v_full, causal.expand(2, 300, 300), SCALE)
-        torch.testing.assert_close(outs[i][0][:300], ref, rtol=1e-5, atol=1e-5)
-        assert layer.last_stats.kept_after_eviction == budget + 50
+        torch.testing.assert_close(outs[i].out[:300], ref, rtol=1e-5, atol=1e-5)
+        assert stats.kept_after_eviction == budget + 50
     assert h.engine.end_step() == {1: budget, 2: 50}
     assert h.cache.valid_len(1) == budget and h.cache.valid_len(2) == 50
     for i, layer in enumerate(h.layers):
-        kept = layer.last_params.sparse_kv_indices[:, :budget].to(torch.int64)  # request 1, head-major
+        kept = outs[i].params.sparse_kv_indices[:, :budget].to(torch.int64)  # request 1, head-major
         assert kept.shape == (2, budget) and bool((kept[:, -window:] == torch.arange(300 - window, 300)).all())
         k_now, v_now = h.cache.gather(i, 1)
         for hd in range(2):
@@ -69,10 +70,11 @@ def test_rocketkv_end_to_end():
         md = h.engine.begin_step([1, 2], [1, 1], 0)
         for i, layer in enumerate(h.layers):
             q, k, v = h.qkv(2, gen)
-            out, _ = layer.forward(q, k, v, md)
-            inputs = SelectorInputs(q=q, k=k, v=v, metadata=md, layer_idx=i, num_kv_heads=2, sm_scale=SCALE)
-            golden = h.selector.predict_attn_golden(inputs)
-            assert torch.equal(layer.last_params.sparse_attn_indices, golden.sparse_attn_indices)
+            res = layer.forward(q, k, v, md)
+            out = res.out
+            inputs = layer.selector_inputs(q, k, v, md)
+            golden = reference_params(h.selector, inputs)
+            assert torch.equal(res.params.sparse_attn_indices, golden.sparse_attn_indices)
             keys, values = h.cache.gather(i, 1)
             assert keys.shape[0] == budget + step + 1
             slots = h.cache.slots([1])
@@ -95,8 +97,8 @@ def test_decode_sparsifies(name, params, promised):
     h = Harness(name, params, hkv=2, g=2, d=32)
     gen = torch.Generator().manual_seed(6)
     h.engine.step([1, 2], [700, 500], 2, [h.qkv(1200, gen)])
-    h.engine.step([1, 2], [1, 1], 0, [h.qkv(2, gen)])
-    stats = h.layers[0].last_stats
+    (res,) = h.engine.step([1, 2], [1, 1], 0, [h.qkv(2, gen)])
+    stats = res.stats
     assert stats.attended <= promised * 2 * 2
     assert stats.attended_fraction < promised / 500
 
@@ -104,8 +106,8 @@ def test_decode_sparsifies(name, params, promised):
 def test_block_select_prefill_sparsifies():
     h = Harness("block_select", {"block_size": 16, "topk_blocks": 4}, hkv=2, g=2, d=32)
     gen = torch.Generator().manual_seed(7)
-    h.engine.step([1], [800], 1, [h.qkv(800, gen)])
-    stats = h.layers[0].last_stats
+    (res,) = h.engine.step([1], [800], 1, [h.qkv(800, gen)])
+    stats = res.stats
     assert stats.attended <= 800 * 2 * 64 and stats.attended_fraction < 64 / 400
 
 
@@ -113,6 +115,6 @@ def test_block_select_prefill_sparsifies():
 def test_eviction_sparsifies(name):
     h = Harness(name, {"prompt_budget": 128}, hkv=2, g=2, d=32)
     gen = torch.Generator().manual_seed(8)
-    h.engine.step([1], [1000], 1, [h.qkv(1000, gen)])
-    assert h.layers[0].last_stats.kept_after_eviction == 128  # kept positions per KV head
+    (res,) = h.engine.step([1], [1000], 1, [h.qkv(1000, gen)])
+    assert res.stats.kept_after_eviction == 128  # kept positions per KV head
     assert h.cache.valid_len(1) == 128 < 1000

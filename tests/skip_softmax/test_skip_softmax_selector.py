@@ -29,17 +29,18 @@ def engine(params, backend="triton"):
 
 def decode_once(eng, k, v, q):
     eng.step([0], [k.shape[0]], 1, [(torch.zeros(k.shape[0], 4, 32), k, v)])
-    (out, _), = eng.step([0], [1], 0, [(q, k[:1], v[:1])])
-    return out, eng.layers[0].last_stats
+    (res,) = eng.step([0], [1], 0, [(q, k[:1], v[:1])])
+    out, _ = res.out, res.lse
+    return out, eng.layers[0].last.stats
 
 
 def test_factor_zero_is_dense_and_skipping_factor_skips():
     k, v = peaked_context()
     q = k[:8].mean(0).repeat(4, 1).unsqueeze(0) * 0.3 + 0.1 * torch.randn(1, 4, 32)
     dense, _ = decode_once(engine(None), k, v, q)
-    zero, st0 = decode_once(engine({"threshold_scale_factor_decode": 0.0, "threshold_scale_factor_prefill": 0.0}), k, v, q)
+    zero, st0 = decode_once(engine({"threshold_scale_factor_generation": 0.0, "threshold_scale_factor_context": 0.0}), k, v, q)
     assert torch.equal(dense, zero) and st0.skipped_tiles == 0
-    skip, st = decode_once(engine({"threshold_scale_factor_decode": 1e4}), k, v, q)
+    skip, st = decode_once(engine({"threshold_scale_factor_generation": 1e4}), k, v, q)
     assert st.skipped_tiles > 0 and st.walked_tiles > st.skipped_tiles
     assert st.computed_fraction < st.attended_fraction
     diff = (skip - dense).abs().max().item()
@@ -59,17 +60,17 @@ def test_calibration_fit_hits_target_on_its_samples():
     target = 0.5
     achieved = measure_skip_fraction(samples, fit.factor_for(target))
     assert abs(achieved - target) < 0.25
-    sel = kvsieve.create_selector("skip_softmax", target_sparsity=target, calibration={"decode": (fit.a, fit.b),
-                                                                                      "prefill": (fit.a, fit.b)})
-    assert sel.config.factor("decode") == pytest.approx(fit.factor_for(target))
+    sel = kvsieve.create_selector("skip_softmax", target_sparsity=target, calibration={"generation": (fit.a, fit.b),
+                                                                                      "context": (fit.a, fit.b)})
+    assert sel.config.factor("generation") == pytest.approx(fit.factor_for(target))
 
 
 @pytest.mark.parametrize("kwargs,match", [
     ({}, "give threshold_scale_factor"),
-    ({"threshold_scale_factor_decode": -1.0}, "must be a finite float >= 0"),
-    ({"target_sparsity": 1.5, "calibration": {"decode": (1.0, 1.0), "prefill": (1.0, 1.0)}}, r"in \[0, 1\)"),
+    ({"threshold_scale_factor_generation": -1.0}, "must be a finite float >= 0"),
+    ({"target_sparsity": 1.5, "calibration": {"generation": (1.0, 1.0), "context": (1.0, 1.0)}}, r"in \[0, 1\)"),
     ({"target_sparsity": 0.5}, "needs calibration coefficients"),
-    ({"target_sparsity": 0.5, "calibration": {"decode": (1, 1), "prefill": (1, 1), "x": (1, 1)}}, "calibration keys"),
+    ({"target_sparsity": 0.5, "calibration": {"generation": (1, 1), "context": (1, 1), "x": (1, 1)}}, "calibration keys"),
 ])
 def test_bad_config_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -79,4 +80,4 @@ def test_bad_config_raises(kwargs, match):
 def test_golden_backends_refuse_rather_than_ignore():
     k, v = peaked_context(length=64)
     with pytest.raises(ValueError, match="skip-softmax"):
-        decode_once(engine({"threshold_scale_factor_decode": 10.0}, backend="vanilla"), k, v, torch.randn(1, 4, 32))
+        decode_once(engine({"threshold_scale_factor_generation": 10.0}, backend="vanilla"), k, v, torch.randn(1, 4, 32))

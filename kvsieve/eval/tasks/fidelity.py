@@ -51,13 +51,14 @@ class FidelityTask(Task):
 
         def observe(layer_idx: int, q: torch.Tensor, out: torch.Tensor, md: AttentionMetadata,
                     layer: SparseAttention) -> None:
-            if layer.last_params is None:
+            params = layer.last.params
+            if params is None:
                 per_layer.append({"mass_recall": 1.0, "rel_error": 0.0, "topk_overlap": 1.0})
                 return
             k, v = gather_request_kv(md.kv_cache_manager, layer_idx, md.request_ids[0])
             g = layer.geometry
-            mask = selection_mask(layer.last_params, slice(0, q.shape[0]), md.token_kv_lens, k.shape[0],
-                                  g.num_kv_heads)
+            mask = selection_mask(params if params.selects_positions("generation") else None, slice(0, q.shape[0]),
+                                  md.token_kv_lens, k.shape[0], g.num_kv_heads)
             per_layer.append(fidelity_metrics(q, k, v, mask, out, g.sm_scale))
 
         start = self.prefix_len(ids.shape[1])

@@ -22,7 +22,7 @@ from . import launch
 
 SMEM_LIMIT = {90: 227 * 1024, 100: 227 * 1024}
 ARCH_KEY = {90: "sm90", 100: "sm100"}
-FLOAT_ARGS = ("qk_scale", "lam_factor")
+FLOAT_ARGS = ("qk_scale", "threshold_scale_factor")
 UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_vd")
 
 
@@ -42,7 +42,7 @@ def _specs(cc: int) -> list[KernelSpec]:
     from .kv_helpers.kernel import _compact_kernel
     from .merge_states.kernel import _merge_states_kernel
     from .paged_prefill.kernel import _prefill_fwd
-    from .sparse_gqa_decode.gather import _gather_attn_fwd
+    from .common.gather import _gather_attn_fwd
 
     arch = ARCH_KEY[cc]
     g = launch.gqa_decode_config(arch, 128)

@@ -1,39 +1,33 @@
-"""Backend selection: a name -> backend table, loaded lazily (a backend's kernels import only
-when it is chosen); each backend is a narrow object (see ``base``)."""
+"""Backends by name: the built-ins (``vanilla`` golden, ``torch``, ``triton``, ``cute``, ``sdpa``)
+load lazily through the shared registry (a backend's kernels import only when it is chosen);
+other packages add backends with ``@register_backend`` or the ``kvsieve.backends`` entry point."""
 from __future__ import annotations
 
-import importlib
+from typing import Any
 
 import torch
 
-from .base import AttentionBackend, AttentionGeometry
+from .base import (BACKEND_ENTRY_POINT_GROUP, BACKENDS, AttentionBackend, AttentionGeometry, AttentionResult,
+                   register_backend)
 from .torch_backend import TorchBackend
 from .vanilla import VanillaBackend, masked_attention
 
-__all__ = ["AttentionBackend", "AttentionGeometry", "VanillaBackend", "TorchBackend", "masked_attention",
-           "get_backend", "available_backends", "default_backend"]
+__all__ = ["AttentionBackend", "AttentionGeometry", "AttentionResult", "VanillaBackend", "TorchBackend",
+           "masked_attention", "get_backend", "available_backends", "default_backend", "register_backend",
+           "BACKEND_ENTRY_POINT_GROUP"]
 
-# name -> "module:Class" relative to this package
-_BACKENDS = {
-    "vanilla": "vanilla:VanillaBackend",
-    "torch": "torch_backend:TorchBackend",
-    "triton": "triton_backend:TritonBackend",
-    "cute": "cute:CuteBackend",
-}
 # the fast path per device type; "vanilla" is the golden, never a default
 _DEFAULTS = {"cpu": "torch", "cuda": "triton"}
 
 
 def available_backends() -> list[str]:
-    return sorted(_BACKENDS)
+    return BACKENDS.available()
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """A fresh backend instance by name; unknown names list the known ones."""
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; known backends: {available_backends()}")
-    module, cls = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)()
+def get_backend(name: str, **options: Any) -> AttentionBackend:
+    """A fresh backend instance by name (``options`` go to its constructor); unknown names list
+    the known ones."""
+    return BACKENDS.get(name)(**options)
 
 
 def default_backend(device: str | torch.device) -> str:

@@ -1,17 +1,27 @@
-"""The backend interface: compute attention over exactly the selected set; report its cost."""
+"""The backend interface: compute attention over exactly the selected set and return what was done.
+
+A backend is a narrow object: it declares the metadata translation it reads
+(``required_translations``), whether it reads whole KV pages (``kv_page_granular``), and
+``forward`` returns an :class:`AttentionResult` (output, LSE, the positions really read, the
+kernel paths taken per phase, skip-softmax tile counters). Nothing is kept on the backend
+between calls. Built-ins register with ``@register_backend``; other packages use the
+``kvsieve.backends`` entry-point group (:mod:`kvsieve.sparse.registry`).
+"""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar, TypeVar
 
 import torch
 
 from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams
+from ..registry import Registry
 from ..selection import attended_counts
 
-__all__ = ["AttentionGeometry", "AttentionBackend"]
+__all__ = ["AttentionGeometry", "AttentionBackend", "AttentionResult", "BACKENDS", "BACKEND_ENTRY_POINT_GROUP",
+           "register_backend"]
 
 
 @dataclass(frozen=True)
@@ -39,23 +49,67 @@ class AttentionGeometry:
         return self.kv_lora_rank if self.kind == "mla" else self.head_dim
 
 
+@dataclass(frozen=True)
+class AttentionResult:
+    """What one :meth:`AttentionBackend.forward` computed for one layer and step.
+
+    * ``out [num_tokens, Hq, Dv]`` in q's dtype;
+    * ``lse [num_tokens, Hq]`` fp32 natural-log LSE, or ``None`` when the path computes none
+      (the SDPA dense path); a query with no valid entry has out 0 and lse ``+inf``;
+    * ``attended`` int64 ``[num_tokens, Hkv]``: positions read per (query, KV head), a backend
+      that gathers whole pages counting every touched page whole;
+    * ``paths``: phase (``"context"``/``"generation"``) -> kernel path taken (a composite that
+      hands a phase to another backend names it, e.g. ``"triton:sparse_gather"``);
+    * ``skipped_tiles`` / ``walked_tiles``: skip-softmax counters (0 / 0 when it did not run).
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor | None
+    attended: torch.Tensor
+    paths: dict[str, str] = field(default_factory=dict)
+    skipped_tiles: int = 0
+    walked_tiles: int = 0
+
+
 class AttentionBackend(ABC):
-    """``forward`` returns ``(out [num_tokens, Hq, Dv], lse [num_tokens, Hq] fp32)``; natural-log
-    LSE; a query with no valid entry gets out 0 and lse ``+inf``."""
+    """Computes attention of a step's query tokens over the paged cache, as ``params`` select.
+
+    Rows of a phase for which :func:`kvsieve.sparse.params.is_dense` holds attend densely and
+    causally; a backend that cannot honour a request (e.g. skip-softmax on a backend without it)
+    raises ``ValueError`` naming the feature and a backend that has it.
+    """
 
     name: ClassVar[str]
     required_translations: ClassVar[tuple[str, ...]] = ()
-    devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
     kv_page_granular: ClassVar[bool] = False
 
     @abstractmethod
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
-                params: SparseRuntimeParams | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[num_tokens, Hq, D]`` (rows ordered as the metadata's requests)."""
+                params: SparseRuntimeParams | None) -> AttentionResult:
+        """q ``[num_tokens, Hq, D]`` (rows ordered as the metadata's requests, context first)."""
 
     def effective_attended_tokens(self, params: SparseRuntimeParams | None, metadata: AttentionMetadata,
                                   geometry: AttentionGeometry) -> torch.Tensor:
         """int64 ``[num_tokens, num_kv_heads]``: positions this backend reads per query; a backend
-        that gathers whole KV pages rounds every touched page up."""
+        that gathers whole KV pages rounds every touched page up; dense-phase rows read all."""
         page = metadata.kv_cache_manager.tokens_per_block if self.kv_page_granular else 1
-        return attended_counts(params, metadata.token_kv_lens, geometry.num_kv_heads, page)
+        selected = [metadata.phase_rows(p) for p in metadata.phases()
+                    if params is not None and params.selects_positions(p)]
+        return attended_counts(params, metadata.token_kv_lens, geometry.num_kv_heads, page, selected)
+
+
+BACKEND_ENTRY_POINT_GROUP = "kvsieve.backends"
+_PKG = __name__.rsplit(".", 1)[0]
+BACKENDS: Registry[type[AttentionBackend]] = Registry(
+    "backend", AttentionBackend, BACKEND_ENTRY_POINT_GROUP,
+    # built-ins import lazily: a backend's kernels load only when it is chosen
+    builtin={"vanilla": f"{_PKG}.vanilla:VanillaBackend", "torch": f"{_PKG}.torch_backend:TorchBackend",
+             "triton": f"{_PKG}.triton_backend:TritonBackend", "cute": f"{_PKG}.cute:CuteBackend",
+             "sdpa": f"{_PKG}.sdpa:SdpaBackend"},
+)
+B = TypeVar("B", bound=type[AttentionBackend])
+
+
+def register_backend(cls: B) -> B:
+    """Class decorator: register a backend under ``cls.name`` (mirrors ``register_selector``)."""
+    return BACKENDS.register(cls)

@@ -4,31 +4,34 @@
   ``kernels.cute.sparse_mla_decode``;
 * GQA sparse generation tokens (bf16, head_dim multiple of 64) -> ``kernels.cute.sparse_gqa_decode``.
 
-What the CuTe kernels do not cover (context/prefill tokens, dense layers, skip-softmax) runs on
-the Triton kernels and is recorded in :attr:`last_paths` (``"triton:<path>"``), never silently.
+What the CuTe kernels do not cover (context/prefill tokens, dense phases, skip-softmax) runs on
+the Triton kernels; the result's ``paths`` name it (``"triton:<path>"``) and carry the Triton
+statistics, never silently.
 The backend refuses to run on anything but an SM90/SM100 CUDA device and names the backend to
 use instead.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from ...kernels.cute._common import cute_available, detect_arch
 from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams
-from .base import AttentionBackend, AttentionGeometry
-from .triton_backend import TritonBackend, _token_slice
+from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
+from .triton_backend import TritonBackend, phase_selection
 
 __all__ = ["CuteBackend"]
 
 
+@register_backend
 class CuteBackend(AttentionBackend):
     name = "cute"
     kv_page_granular = False
-    devices = frozenset({"cuda"})
+    required_translations = TritonBackend.required_translations
 
     def __init__(self) -> None:
-        self.last_paths: dict[str, str] = {}
         self._triton = TritonBackend()
 
     @staticmethod
@@ -51,50 +54,47 @@ class CuteBackend(AttentionBackend):
         return arch
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int,
-                geometry: AttentionGeometry, params: SparseRuntimeParams | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                geometry: AttentionGeometry, params: SparseRuntimeParams | None) -> AttentionResult:
         from ...kernels.cute.sparse_gqa_decode import sparse_gqa_decode
         from ...kernels.cute.sparse_mla_decode import sparse_mla_decode
 
         self.check_device(q.device)
+        phases = metadata.phases()
+        skip = any(params is not None and params.threshold_scale_factor(p) > 0 for p in phases)
+        covered = params is not None and not skip and q.dtype == torch.bfloat16
+        if geometry.kind == "mla":
+            covered = covered and geometry.kv_lora_rank == 512 and geometry.head_dim == 576 and all(
+                params.selects_positions(p) for p in phases)
+        else:
+            covered = covered and params.selects_positions("generation") and "generation" in phases
+        if not covered:
+            res = self._triton.forward(q, metadata, layer_idx, geometry, params)
+            return replace(res, paths={k: f"triton:{v}" for k, v in res.paths.items()})
         mgr = metadata.kv_cache_manager
         table, tok_req, lens = metadata.block_table, metadata.token_to_req, metadata.token_kv_lens
-        n_tok, n_ctx = q.shape[0], metadata.num_ctx_tokens
-        sparse = params is not None and params.sparse_attn_indices is not None
-        skip = params is not None and (params.threshold_scale_factor > 0
-                                       or params.decode_threshold > 0)
-        self.last_paths = {}
-        if not sparse or skip or q.dtype != torch.bfloat16 or (
-                geometry.kind == "mla" and (geometry.kv_lora_rank != 512
-                                            or geometry.head_dim != 576)):
-            out = self._triton.forward(q, metadata, layer_idx, geometry, params)
-            self.last_paths = {k: f"triton:{v}" for k, v in self._triton.last_paths.items()}
-            return out
-        bs = params.sparse_attn_indices_block_size
-        if geometry.kind == "mla":
-            idx, off = _token_slice(params, 0, n_tok)
-            if bs != 1:
-                raise ValueError("the cute MLA kernel takes token-level selections "
-                                 "(sparse_attn_indices_block_size == 1)")
-            out, lse = sparse_mla_decode(q, mgr.latent_cache(layer_idx), table, tok_req, lens,
+        out = torch.empty(q.shape[0], geometry.num_q_heads, geometry.value_dim, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[0], geometry.num_q_heads, dtype=torch.float32, device=q.device)
+        paths = {}
+        for phase in phases:
+            rows = metadata.phase_rows(phase)
+            idx, off, bs, _ = phase_selection(params, phase, rows)
+            if geometry.kind == "mla":
+                if bs != 1:
+                    raise ValueError("the cute MLA kernel takes token-level selections "
+                                     "(sparse_attn_indices_block_size == 1)")
+                o, l = sparse_mla_decode(q[rows], mgr.latent_cache(layer_idx), table, tok_req[rows], lens[rows],
                                          idx, off, geometry.kv_lora_rank, geometry.sm_scale)
-            self.last_paths["all"] = "cute:mla_gather"
-            return out, lse
-        out = torch.empty(n_tok, geometry.num_q_heads, geometry.value_dim, dtype=q.dtype,
-                          device=q.device)
-        lse = torch.empty(n_tok, geometry.num_q_heads, dtype=torch.float32, device=q.device)
-        if n_ctx:
-            idx, off = _token_slice(params, 0, n_ctx)
-            from ...kernels.triton import paged_prefill, select_prefill_path
-            o, l = paged_prefill(q[:n_ctx], mgr.k_cache(layer_idx), mgr.v_cache(layer_idx), table,
-                                 tok_req[:n_ctx], lens[:n_ctx], idx, off, bs, geometry.sm_scale)
-            out[:n_ctx], lse[:n_ctx] = o, l
-            self.last_paths["context"] = f"triton:{select_prefill_path(idx)}"
-        if n_tok > n_ctx:
-            idx, off = _token_slice(params, n_ctx, n_tok)
-            o, l = sparse_gqa_decode(q[n_ctx:], mgr.k_cache(layer_idx), mgr.v_cache(layer_idx),
-                                     table, tok_req[n_ctx:], lens[n_ctx:], idx, off, bs,
-                                     geometry.sm_scale)
-            out[n_ctx:], lse[n_ctx:] = o, l
-            self.last_paths["generation"] = "cute:gqa_block_gather"
-        return out, lse
+                paths[phase] = "cute:mla_gather"
+            elif phase == "context":
+                o, l, path = self._triton.run_phase(q, metadata, layer_idx, geometry, params, phase)
+                paths[phase] = f"triton:{path}"
+            else:
+                o, l = sparse_gqa_decode(q[rows], mgr.k_cache(layer_idx), mgr.v_cache(layer_idx), table,
+                                         tok_req[rows], lens[rows], idx, off, bs, geometry.sm_scale)
+                paths[phase] = "cute:gqa_block_gather"
+            out[rows], lse[rows] = o, l
+        attended = self.effective_attended_tokens(params, metadata, geometry)
+        if paths.get("context", "").startswith("triton:"):  # page-gathering rows count whole pages
+            ctx = metadata.context_rows
+            attended[ctx] = self._triton.effective_attended_tokens(params, metadata, geometry)[ctx]
+        return AttentionResult(out, lse, attended, paths)

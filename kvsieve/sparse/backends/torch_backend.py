@@ -1,11 +1,17 @@
-"""The CPU fast path: batched gather of the selected KV through the block table, then one fused
-masked-softmax attention per chunk of query tokens — no per-request Python loop.
+"""The CPU fast path: batched gather of the selected KV through FlashInfer's ragged page table,
+then one fused masked-softmax attention per chunk of query tokens — no per-request Python loop.
 
 For every (query token, KV head) the backend builds the request-local positions it reads
 (``[Hkv, T, K]``, ``-1`` = nothing): the selection expanded from blocks to tokens, or
-``[0, kv_len)`` for dense layers. Positions map to ``(block, offset)`` through the block table, K
-and V rows are gathered in one advanced-indexing op, and attention runs in fp32. Query tokens
-are processed in chunks sized so the gathered tile stays under ``max_gather_bytes``.
+``[0, kv_len)`` for rows of a dense phase. Positions map to ``(block, offset)`` through the
+``ragged_page_table`` translation (page ``j`` of batch row ``b`` is
+``paged_kv_indices[paged_kv_indptr[b] + j]``, ``batch_indices`` gives each token's row), K and V
+rows are gathered in one advanced-indexing op, and attention runs in fp32. Query tokens are
+processed per phase, in chunks sized so the gathered tile stays under ``max_gather_bytes``.
+
+Selections are read as sets: rows may have different lengths (``-1`` padded here), and an index
+listed twice in a row (possible only with validation off) is attended once, as in the Vanilla
+golden and the Triton kernels.
 """
 from __future__ import annotations
 
@@ -15,7 +21,8 @@ import torch
 
 from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams
-from .base import AttentionBackend, AttentionGeometry
+from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
+from .vanilla import refuse_skip_softmax
 
 __all__ = ["TorchBackend", "selected_positions"]
 
@@ -43,14 +50,20 @@ def selected_positions(params: SparseRuntimeParams | None, token_kv_lens: torch.
 
 
 def _selection(params: SparseRuntimeParams, num_kv_heads: int, rows: slice, n: int) -> tuple[torch.Tensor, int]:
-    """int64 ``[Hkv, n, k]`` selected units of query tokens ``rows`` and the unit (block) size."""
-    off = params.sparse_attn_offsets.to(torch.int64)
-    start, stop = int(off[rows.start]), int(off[rows.stop])
-    k = (stop - start) // n if n else 0
-    if n and off[rows.start: rows.stop + 1].diff().ne(k).any():
-        raise ValueError("the torch backend needs equal selection lengths for the query tokens of a step "
-                         "(as from SparseRuntimeParams.from_topk)")
-    sel = params.sparse_attn_indices[:, start:stop].to(torch.int64).view(num_kv_heads, n, k)
+    """int64 ``[Hkv, n, k]`` selected units of query tokens ``rows`` (ascending, each unit once,
+    ``-1`` for padding and repeats; ``k`` the longest row) and the unit (block) size."""
+    off = params.sparse_attn_offsets[rows.start: rows.stop + 1].to(torch.int64)
+    lens = off.diff()
+    k = int(lens.max()) if n else 0
+    j = torch.arange(k, device=off.device)
+    at = (off[:-1].unsqueeze(1) + j).clamp(max=max(params.sparse_attn_indices.shape[1] - 1, 0))  # [n, k]
+    sel = params.sparse_attn_indices.to(torch.int64)[:, at] if k else off.new_zeros(num_kv_heads, n, 0)
+    sel = torch.where(j < lens.unsqueeze(1), sel, -1)
+    big = torch.iinfo(torch.int64).max
+    sel = torch.where(sel < 0, big, sel).sort(dim=-1).values
+    repeat = torch.zeros_like(sel, dtype=torch.bool)
+    repeat[..., 1:] = sel[..., 1:] == sel[..., :-1]
+    sel = torch.where((sel == big) | repeat, -1, sel)
     return sel, params.sparse_attn_indices_block_size
 
 
@@ -78,11 +91,12 @@ def _unit_starts(params: SparseRuntimeParams | None, lens: torch.Tensor, num_kv_
     return torch.where(ok, starts, 0), ok, starts
 
 
+@register_backend
 class TorchBackend(AttentionBackend):
     """Batched PyTorch attention over exactly the selected set; the default backend on CPU."""
 
     name = "torch"
-    devices = frozenset({"cpu", "cuda"})
+    required_translations = ("ragged_page_table",)
 
     def __init__(self, max_gather_bytes: int = 256 << 20) -> None:
         self.max_gather_bytes = max_gather_bytes
@@ -108,43 +122,53 @@ class TorchBackend(AttentionBackend):
         return self._buffer(name + "_f32", tuple(out.shape), torch.float32, flat.device).copy_(out)
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
-                params: SparseRuntimeParams | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if params is not None and (params.threshold_scale_factor > 0 or params.decode_threshold > 0):
-            raise ValueError("the torch backend does not implement skip-softmax "
-                             "(threshold_scale_factor > 0); use the 'triton' backend")
-        mgr = metadata.kv_cache_manager
+                params: SparseRuntimeParams | None) -> AttentionResult:
+        refuse_skip_softmax(self.name, params, metadata)
+        metadata.require(f"backend {self.name!r}", self.required_translations)
         n_tok, hq = q.shape[0], q.shape[1]
         out = torch.zeros(n_tok, hq, geometry.value_dim, dtype=torch.float32, device=q.device)
         lse = torch.full((n_tok, hq), torch.inf, dtype=torch.float32, device=q.device)
-        if n_tok == 0:
-            return out.to(q.dtype), lse
+        paths = {}
+        for phase in metadata.phases():
+            rows = metadata.phase_rows(phase)
+            sel = params if params is not None and params.selects_positions(phase) else None
+            paths[phase] = self._attend(q, metadata, layer_idx, geometry, sel, rows, out, lse)
+        return AttentionResult(out.to(q.dtype), lse, self.effective_attended_tokens(params, metadata, geometry), paths)
+
+    def _attend(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
+                params: SparseRuntimeParams | None, phase_rows: slice, out: torch.Tensor, lse: torch.Tensor) -> str:
+        """Attention of query rows ``phase_rows`` (one phase) into ``out``/``lse``; returns the path."""
+        mgr = metadata.kv_cache_manager
+        hq = q.shape[1]
         if geometry.kind == "mla":
             lat = mgr.latent_cache(layer_idx).unsqueeze(1)  # [blocks, 1, P, R+rope]
             k_cache, v_cache = lat, lat[..., : geometry.kv_lora_rank]
         else:
             k_cache, v_cache = mgr.k_cache(layer_idx), mgr.v_cache(layer_idx)
-        table = metadata.block_table.to(torch.int64)
-        tok_req = metadata.token_to_req.to(torch.int64)
+        rpt = metadata.ragged_page_table
+        pages, page_start = rpt.paged_kv_indices.to(torch.int64), rpt.paged_kv_indptr.to(torch.int64)
+        tok_req = rpt.batch_indices.to(torch.int64)
         lens = metadata.token_kv_lens
         hkv, page = geometry.num_kv_heads, mgr.tokens_per_block
-        width = self._width(params, lens)
+        width = self._width(params, lens, phase_rows)
         row_bytes = max(width, 1) * hkv * (k_cache.shape[-1] + v_cache.shape[-1]) * 4 * 3
         chunk = max(1, self.max_gather_bytes // row_bytes)
         heads = torch.arange(hkv, device=q.device).view(hkv, 1, 1)
         pool = mgr.pools[layer_idx]
-        bs = 1 if params is None or params.sparse_attn_indices is None else params.sparse_attn_indices_block_size
+        bs = 1 if params is None else params.sparse_attn_indices_block_size
         rowwise = pool.is_contiguous() and (geometry.kind == "mla" or mgr.spec.layout == "HND")
-        unit = page if bs == 1 and (params is None or params.sparse_attn_indices is None) else math.gcd(bs, page)
-        for t0 in range(0, n_tok, chunk):
-            rows = slice(t0, min(t0 + chunk, n_tok))
+        unit = page if params is None else math.gcd(bs, page)
+        for t0 in range(phase_rows.start, phase_rows.stop, chunk):
+            rows = slice(t0, min(t0 + chunk, phase_rows.stop))
             groups = None
             if rowwise:
-                k, v, valid, groups = self._gather_runs(pool, geometry, params, table, tok_req, lens, rows, unit, page)
+                k, v, valid, groups = self._gather_runs(pool, geometry, params, (pages, page_start), tok_req, lens,
+                                                        rows, unit, page)
             else:
                 pos = selected_positions(params, lens, hkv, rows)  # [Hkv, n, K]
                 valid = pos >= 0
                 p = pos.clamp(min=0)
-                blk = table[tok_req[rows]].view(1, -1, table.shape[1]).expand(hkv, -1, -1).gather(2, p // page)
+                blk = pages[page_start[tok_req[rows]].view(1, -1, 1) + p // page]
                 k = k_cache[blk, heads, p % page].float()  # [Hkv, n, K, D]
                 v = v_cache[blk, heads, p % page].float()
             n = valid.shape[1]
@@ -171,10 +195,10 @@ class TorchBackend(AttentionBackend):
                 o = torch.matmul(pt.view(hkv, n_groups, m * g, -1), v).view(hkv, n_groups, m, g, -1)[:, gid, slot]
             out[rows] = o.permute(1, 0, 2, 3).reshape(n, hq, -1)
             lse[rows] = torch.where(empty, torch.inf, row_lse).permute(1, 0, 2).reshape(n, hq)
-        return out.to(q.dtype), lse
+        return ("dense" if params is None else "sparse") + ("_runs" if rowwise else "_gather")
 
     def _gather_runs(self, pool: torch.Tensor, geometry: AttentionGeometry, params: SparseRuntimeParams | None,
-                     table: torch.Tensor, tok_req: torch.Tensor, lens: torch.Tensor, rows: slice, unit: int,
+                     ragged: tuple[torch.Tensor, torch.Tensor], tok_req: torch.Tensor, lens: torch.Tensor, rows: slice, unit: int,
                      page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """Gather whole runs of ``unit`` positions as contiguous rows of the pool (``index_select``,
         one memcpy per run) instead of one row per token. GQA HND pool ``[blocks, 2, Hkv, P, D]``
@@ -206,7 +230,8 @@ class TorchBackend(AttentionBackend):
                 slot = torch.arange(n, device=req.device) - heads[gid]
                 groups = (gid, slot, n_groups, int((last - heads).max()) + 1)
                 starts, ok, req = starts[:, last], ok[:, last], req[last]
-        blk = table[req].unsqueeze(0).expand(hkv, -1, -1).gather(2, starts // page)  # [Hkv, G, U]
+        pages, page_start = ragged
+        blk = pages[page_start[req].view(1, -1, 1) + starts // page]  # [Hkv, G, U]
         sub = (starts % page) // unit
         per_page = page // unit
         rows_g = blk.shape[1]
@@ -224,8 +249,11 @@ class TorchBackend(AttentionBackend):
         return k, v, valid, groups
 
     @staticmethod
-    def _width(params: SparseRuntimeParams | None, lens: torch.Tensor) -> int:
-        if params is None or params.sparse_attn_indices is None:
-            return int(lens.max())
-        total = params.sparse_attn_indices.shape[1]
-        return total // max(lens.numel(), 1) * params.sparse_attn_indices_block_size
+    def _width(params: SparseRuntimeParams | None, lens: torch.Tensor, rows: slice) -> int:
+        """Positions gathered per query token at most (sizes the chunks)."""
+        if rows.stop == rows.start:
+            return 0
+        if params is None:
+            return int(lens[rows].max())
+        longest = int(params.sparse_attn_offsets[rows.start: rows.stop + 1].diff().max())
+        return longest * params.sparse_attn_indices_block_size

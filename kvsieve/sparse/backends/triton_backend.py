@@ -1,13 +1,15 @@
-"""The portable fast path: routes each step to the Triton paged kernels.
+"""The portable fast path: routes each phase of a step to the Triton paged kernels.
 
-* GQA context tokens -> ``paged_prefill`` (dense query tiles, or per-token sparse gather);
-* GQA generation tokens -> ``sparse_gqa_decode`` (group-packed gather, split-K + LSE merge);
-* MLA (absorbed) tokens -> ``sparse_mla_decode``.
+* GQA context rows -> ``paged_prefill`` (dense query tiles, or per-token sparse gather);
+* GQA generation rows -> ``sparse_gqa_decode`` (group-packed gather, split-K + LSE merge);
+* MLA (absorbed) rows -> ``sparse_mla_decode``.
 
-Skip-softmax: context tokens use ``params.threshold_scale_factor``, generation tokens
-``params.threshold_scale_factor_decode``. The paths taken and the skip counters of the last call
-are queryable (:attr:`last_paths`, :attr:`last_skip_stats`). On CPU the kernels run only under
-the Triton interpreter (``TRITON_INTERPRET=1`` set before kvsieve is imported).
+GQA kernels address the pool through TensorRT-LLM's 4-D block offsets (the ``block_offsets``
+translation: K of block ``b`` at half-block ``2*b``, V at ``2*b + 1``); the MLA latent pool has no
+K/V halves and is addressed through the block table. Each phase reads its own
+:meth:`SparseRuntimeParams.selects_positions` and :meth:`SparseRuntimeParams.threshold_scale_factor`;
+the result carries the paths taken and the skip-softmax tile counters. On CPU the kernels run
+only under the Triton interpreter (``TRITON_INTERPRET=1`` set before kvsieve is imported).
 """
 from __future__ import annotations
 
@@ -16,67 +18,72 @@ import os
 import torch
 
 from ...kernels.triton import paged_prefill, select_prefill_path, sparse_gqa_decode, sparse_mla_decode
-from ...metadata import AttentionMetadata
+from ...metadata import AttentionMetadata, half_block_views
 from ..params import SparseRuntimeParams
-from .base import AttentionBackend, AttentionGeometry
+from ..selection import unique_sorted_segments
+from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
 
-__all__ = ["TritonBackend"]
+__all__ = ["TritonBackend", "phase_selection"]
 
 
-def _token_slice(params: SparseRuntimeParams | None, start: int, stop: int
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Indices and re-based offsets of query tokens ``[start, stop)``."""
-    if params is None or params.sparse_attn_indices is None:
-        return None, None
+def phase_selection(params: SparseRuntimeParams | None, phase: str, rows: slice
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int, float]:
+    """What the kernels take for the rows ``rows`` of ``phase``: indices (each segment as a set,
+    :func:`unique_sorted_segments`), re-based offsets (both ``None`` when the phase is not
+    selected), the block size and the skip-softmax factor."""
+    if params is None:
+        return None, None, 1, 0.0
+    factor = params.threshold_scale_factor(phase)
+    if not params.selects_positions(phase):
+        return None, None, 1, factor
     off = params.sparse_attn_offsets
-    lo, hi = int(off[start]), int(off[stop])
-    return params.sparse_attn_indices[:, lo:hi], (off[start: stop + 1] - lo).to(torch.int32)
+    lo, hi = int(off[rows.start]), int(off[rows.stop])
+    local = (off[rows.start: rows.stop + 1] - lo).to(torch.int32)
+    return (unique_sorted_segments(params.sparse_attn_indices[:, lo:hi], local), local,
+            params.sparse_attn_indices_block_size, factor)
 
 
+def check_triton_device(q: torch.Tensor) -> None:
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before kvsieve "
+                         "is imported to run its kernels on CPU; on CPU use backend 'torch'")
+
+
+@register_backend
 class TritonBackend(AttentionBackend):
     name = "triton"
     kv_page_granular = True
-
-    def __init__(self) -> None:
-        self.last_paths: dict[str, str] = {}
-        self.last_skip_stats: tuple[int, int] = (0, 0)
+    required_translations = ("block_offsets",)
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
-                params: SparseRuntimeParams | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before kvsieve "
-                             "is imported to run its kernels on CPU; on CPU use backend 'torch'")
-        mgr = metadata.kv_cache_manager
-        table, tok_req, lens = metadata.block_table, metadata.token_to_req, metadata.token_kv_lens
+                params: SparseRuntimeParams | None) -> AttentionResult:
+        check_triton_device(q)
+        metadata.require(f"backend {self.name!r}", self.required_translations)
         stats = torch.zeros(2, dtype=torch.int64, device=q.device)
-        n_tok, n_ctx = q.shape[0], metadata.num_ctx_tokens
-        factor_ctx = params.threshold_scale_factor if params is not None else 0.0
-        factor_gen = params.decode_threshold if params is not None else 0.0
-        bs = params.sparse_attn_indices_block_size if params is not None else 1
-        self.last_paths = {}
+        out = torch.empty(q.shape[0], geometry.num_q_heads, geometry.value_dim, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[0], geometry.num_q_heads, dtype=torch.float32, device=q.device)
+        paths = {}
+        for phase in metadata.phases():
+            rows = metadata.phase_rows(phase)
+            out[rows], lse[rows], paths[phase] = self.run_phase(q, metadata, layer_idx, geometry, params, phase, stats)
+        skipped, walked = (int(x) for x in stats.tolist())
+        return AttentionResult(out, lse, self.effective_attended_tokens(params, metadata, geometry), paths,
+                               skipped, walked)
+
+    def run_phase(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
+                  params: SparseRuntimeParams | None, phase: str, stats: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """``(out, lse, path)`` of the rows of ``phase``; adds skip-softmax tile counts to ``stats``."""
+        mgr = metadata.kv_cache_manager
+        rows = metadata.phase_rows(phase)
+        tok_req, lens = metadata.token_to_req[rows], metadata.token_kv_lens[rows]
+        idx, off, bs, factor = phase_selection(params, phase, rows)
         if geometry.kind == "mla":
-            idx, off = _token_slice(params, 0, n_tok)
-            if factor_ctx != factor_gen and n_ctx and n_ctx < n_tok:
-                raise ValueError("MLA skip-softmax with different prefill/decode factors needs separate steps")
-            out, lse = sparse_mla_decode(q, mgr.latent_cache(layer_idx), table, tok_req, lens, idx, off,
-                                         geometry.kv_lora_rank, geometry.sm_scale,
-                                         factor_gen if n_ctx == 0 else factor_ctx, stats)
-            self.last_paths["all"] = "mla_gather"
-            self.last_skip_stats = tuple(int(x) for x in stats.tolist())
-            return out, lse
-        k_cache, v_cache = mgr.k_cache(layer_idx), mgr.v_cache(layer_idx)
-        out = torch.empty(n_tok, geometry.num_q_heads, geometry.value_dim, dtype=q.dtype, device=q.device)
-        lse = torch.empty(n_tok, geometry.num_q_heads, dtype=torch.float32, device=q.device)
-        for name, start, stop, kernel, factor in (
-            ("context", 0, n_ctx, paged_prefill, factor_ctx),
-            ("generation", n_ctx, n_tok, sparse_gqa_decode, factor_gen),
-        ):
-            if stop == start:
-                continue
-            idx, off = _token_slice(params, start, stop)
-            o, l = kernel(q[start:stop], k_cache, v_cache, table, tok_req[start:stop], lens[start:stop], idx, off,
-                          bs, geometry.sm_scale, factor, stats)
-            out[start:stop], lse[start:stop] = o, l
-            self.last_paths[name] = select_prefill_path(idx) if name == "context" else "decode_gather"
-        self.last_skip_stats = tuple(int(x) for x in stats.tolist())
-        return out, lse
+            o, l = sparse_mla_decode(q[rows], mgr.latent_cache(layer_idx), metadata.block_table, tok_req, lens, idx,
+                                     off, geometry.kv_lora_rank, geometry.sm_scale, factor, stats)
+            return o, l, "mla_gather"
+        k_cache, v_cache = half_block_views(mgr.pools[layer_idx], mgr.spec.layout)
+        kernel = paged_prefill if phase == "context" else sparse_gqa_decode
+        o, l = kernel(q[rows], k_cache, v_cache, metadata.block_offset_table.k_offsets, tok_req, lens, idx, off, bs,
+                      geometry.sm_scale, factor, stats)
+        return o, l, select_prefill_path(idx) if phase == "context" else "decode_gather"

@@ -1,5 +1,6 @@
-"""The golden: per request, gather the paged KV into contiguous NHD tensors, mask to the
-selection, and run plain softmax attention in fp32. Written for clarity, not speed."""
+"""The golden: per request, gather the paged KV into contiguous NHD tensors through its block
+list (the ``block_lists`` translation), mask to the selection, and run plain softmax attention in
+fp32. Written for clarity, not speed."""
 from __future__ import annotations
 
 import torch
@@ -7,9 +8,9 @@ import torch
 from ...metadata import AttentionMetadata, KVCacheManager
 from ..params import SparseRuntimeParams
 from ..selection import selection_mask
-from .base import AttentionBackend, AttentionGeometry
+from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
 
-__all__ = ["VanillaBackend", "masked_attention"]
+__all__ = ["VanillaBackend", "masked_attention", "gather_nhd", "refuse_skip_softmax"]
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -34,7 +35,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return out.reshape(n, hq, v.shape[-1]), lse.permute(2, 0, 1).reshape(n, hq)
 
 
-def _gather_nhd(mgr: KVCacheManager, layer_idx: int, block_ids: list[int], kv_len: int,
+def gather_nhd(mgr: KVCacheManager, layer_idx: int, block_ids: list[int], kv_len: int,
                 geometry: AttentionGeometry) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's K and V as contiguous NHD ``[kv_len, Hkv, D]`` read through its block list
     (MLA: the latent as K with one head, its first ``kv_lora_rank`` columns as V)."""
@@ -48,15 +49,23 @@ def _gather_nhd(mgr: KVCacheManager, layer_idx: int, block_ids: list[int], kv_le
     return mgr.k_cache(layer_idx)[blocks, :, offs], mgr.v_cache(layer_idx)[blocks, :, offs]
 
 
+def refuse_skip_softmax(backend: str, params: SparseRuntimeParams | None, metadata: AttentionMetadata) -> None:
+    """Raise ``ValueError`` when a phase present this step asks for skip-softmax."""
+    for phase in metadata.phases():
+        if params is not None and params.threshold_scale_factor(phase) > 0:
+            raise ValueError(f"the {backend} backend does not implement skip-softmax "
+                             f"(threshold_scale_factor_{phase} > 0); use the 'triton' backend")
+
+
+@register_backend
 class VanillaBackend(AttentionBackend):
     name = "vanilla"
     required_translations = ("block_lists",)
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
-                params: SparseRuntimeParams | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if params is not None and (params.threshold_scale_factor > 0 or params.decode_threshold > 0):
-            raise ValueError("the vanilla backend does not implement skip-softmax "
-                             "(threshold_scale_factor > 0); use the 'triton' backend")
+                params: SparseRuntimeParams | None) -> AttentionResult:
+        refuse_skip_softmax(self.name, params, metadata)
+        metadata.require(f"backend {self.name!r}", self.required_translations)
         mgr = metadata.kv_cache_manager
         out = torch.zeros(q.shape[0], q.shape[1], geometry.value_dim, dtype=torch.float32, device=q.device)
         lse = torch.full((q.shape[0], q.shape[1]), torch.inf, dtype=torch.float32, device=q.device)
@@ -66,8 +75,11 @@ class VanillaBackend(AttentionBackend):
             if t1 == t0:
                 continue
             kv_len = int(metadata.kv_lens_host[i])
-            k, v = _gather_nhd(mgr, layer_idx, metadata.block_ids_per_seq[i], kv_len, geometry)
-            mask = selection_mask(params, slice(t0, t1), token_lens, kv_len, geometry.num_kv_heads).to(q.device)
+            k, v = gather_nhd(mgr, layer_idx, metadata.block_ids_per_seq[i], kv_len, geometry)
+            phase = "context" if metadata.is_context(i) else "generation"
+            sel = params if params is not None and params.selects_positions(phase) else None
+            mask = selection_mask(sel, slice(t0, t1), token_lens, kv_len, geometry.num_kv_heads).to(q.device)
             o, l = masked_attention(q[t0:t1], k, v, mask, geometry.sm_scale)
             out[t0:t1], lse[t0:t1] = o, l
-        return out.to(q.dtype), lse
+        return AttentionResult(out.to(q.dtype), lse, self.effective_attended_tokens(params, metadata, geometry),
+                               {p: "masked_fp32" for p in metadata.phases()})

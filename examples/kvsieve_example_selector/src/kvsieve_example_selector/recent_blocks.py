@@ -25,11 +25,11 @@ class RecentBlocksConfig:
 class RecentBlocksSelector(SparseSelector):
     name = "recent_blocks"
     config_class = RecentBlocksConfig
-    capabilities = Capabilities(phases=frozenset({"generation"}), granularity="block")
+    capabilities = Capabilities(phases=frozenset({"generation"}))
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         c = self.config
-        lens = inputs.metadata.token_kv_lens.to(torch.int64)
+        lens = inputs.row_kv_lens.to(torch.int64)  # the rows asked about (generation rows)
         last = (lens - 1) // c.block_size  # block of the newest position
         recent = last.unsqueeze(1) - torch.arange(c.num_blocks - 2, -1, -1, device=lens.device)
         recent = torch.where(recent >= 1, recent, -1)

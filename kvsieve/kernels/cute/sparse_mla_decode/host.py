@@ -10,13 +10,13 @@ selection on the host (one sync); callers with a fixed top-k call ``sparse_mla_d
 """
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 import torch
 
 from ...triton._checks import check_tensor, resolve_scale
 from ...triton.kv_helpers import to_physical_slots
+from ...triton.merge_states.naive import merge_states
 from .._common import detect_arch
 
 LOG2E = 1.4426950408889634
@@ -97,17 +97,11 @@ def _kernel(arch: str, spec: dict):
 
 def merge_splits(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge ``o [S, T, H, Dv]`` fp32 / ``lse [S, T, H]`` (+inf = empty) over splits."""
+    """Merge ``o [S, T, H, Dv]`` fp32 / ``lse [S, T, H]`` (+inf = empty) over splits, through the
+    one merge-states reference (:func:`kvsieve.kernels.triton.merge_states.naive.merge_states`)."""
     if o.shape[0] == 1:
         return o[0].to(out_dtype), lse[0]
-    l = torch.where(torch.isinf(lse), torch.full_like(lse, -math.inf), lse)
-    top = l.amax(0)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    w = torch.exp(l - top)
-    ws = w.sum(0)
-    out = (o * w[..., None]).sum(0) / torch.where(ws > 0, ws, 1.0)[..., None]
-    return out.to(out_dtype), torch.where(ws > 0, top + torch.log(ws),
-                                          torch.full_like(ws, math.inf))
+    return merge_states(o.permute(1, 2, 0, 3), lse.permute(1, 2, 0).contiguous(), out_dtype)
 
 
 def launch(kind: str, q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,

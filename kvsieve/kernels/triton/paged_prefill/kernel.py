@@ -6,14 +6,14 @@ import triton
 import triton.language as tl
 
 from .._checks import next_pow2
-from ..sparse_gqa_decode.gather import LN2, LOG2E, _dot, launch_gather_attention
+from ..common.gather import LN2, LOG2E, _dot, launch_gather_attention
 from ..sparse_gqa_decode.plan import plan_gqa_decode
 from .plan import plan_dense_prefill, query_tiles, select_prefill_path
 
 
 @triton.jit
 def _prefill_fwd(
-    Q, K, V, BT, TOK2REQ, KVLEN, TSTART, TCOUNT, O, LSE, STATS, qk_scale, lam_factor,
+    Q, K, V, BT, TOK2REQ, KVLEN, TSTART, TCOUNT, O, LSE, STATS, qk_scale, threshold_scale_factor,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kp, stride_kd,
     stride_vb, stride_vh, stride_vp, stride_vd,
@@ -46,7 +46,7 @@ def _prefill_fwd(
     if DB > 0:
         qb = tl.load(q_row + (DA + db[None, :]) * stride_qd,
                      mask=row_valid[:, None] & (db[None, :] < DB), other=0.0)
-    lam = lam_factor / tl.maximum(kv_len, 1).to(tl.float32)
+    lam = threshold_scale_factor / tl.maximum(kv_len, 1).to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -124,7 +124,7 @@ def paged_prefill(
     if select_prefill_path(indices) == "sparse_gather":
         return launch_gather_attention(
             q, k_cache, v_cache, block_table, token_to_req, kv_lens, indices, offsets,
-            block_size, base.sm_scale, base.threshold, stats, base.num_splits,
+            block_size, base.sm_scale, base.threshold_scale_factor, stats, base.num_splits,
             group=base.group, block_h=base.block_h, da=base.da, dv=base.dv, v_is_k=False,
             block_n=base.block_n, num_warps=base.num_warps, num_stages=base.num_stages,
             interpret=base.arch == "interpreter")
@@ -142,12 +142,12 @@ def paged_prefill(
     db = head_dim - p.da
     _prefill_fwd[(t_start.numel(), k_cache.shape[1])](
         q, k_cache, v_cache, block_table, token_to_req, kv_lens, t_start, t_count, out, lse,
-        stats if stats is not None else kv_lens, p.sm_scale * LOG2E, p.threshold,
+        stats if stats is not None else kv_lens, p.sm_scale * LOG2E, p.threshold_scale_factor,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
         *out.stride(), *lse.stride(),
         GROUP=p.group, GROUP_PAD=p.group_pad, PAGE_SIZE=k_cache.shape[2], DA=p.da, DB=db,
         DV=p.dv, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_DA=max(16, p.da),
         BLOCK_DB=next_pow2(max(db, 16)), BLOCK_DV=next_pow2(max(p.dv, 16)),
-        SKIP=p.threshold > 0, COUNT=stats is not None, F32DOT=p.arch == "interpreter",
+        SKIP=p.threshold_scale_factor > 0, COUNT=stats is not None, F32DOT=p.arch == "interpreter",
         num_warps=p.num_warps, num_stages=p.num_stages)
     return out, lse

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from ..sparse_gqa_decode.naive import gather_attention_reference, gather_rows, walk_tiles
+from ..common.naive import gather_attention_reference, gather_rows, walk_tiles
 from ..sparse_gqa_decode.plan import plan_gqa_decode
 from .plan import plan_dense_prefill, query_tiles, select_prefill_path
 
@@ -43,7 +43,7 @@ def paged_prefill(
         ok = torch.ones(max_len, dtype=torch.bool)
         bt_row = block_table[int(reqs[t0])]
         row_len = lens[toks].repeat_interleave(p.group)
-        lam = p.threshold / row_len.clamp(min=1).float() if p.threshold > 0 else None
+        lam = p.threshold_scale_factor / row_len.clamp(min=1).float() if p.threshold_scale_factor > 0 else None
         for h in range(k_cache.shape[1]):
             heads = torch.arange(h * p.group, (h + 1) * p.group)
             k = gather_rows(k_cache, bt_row, h, pos, ok)

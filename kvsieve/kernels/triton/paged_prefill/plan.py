@@ -36,7 +36,7 @@ class PrefillPlan:
     num_warps: int
     num_stages: int
     sm_scale: float
-    threshold: float
+    threshold_scale_factor: float
 
 
 def plan_dense_prefill(q: torch.Tensor, num_kv_heads: int, dv: int, sm_scale: float | None,

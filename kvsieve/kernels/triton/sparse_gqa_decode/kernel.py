@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .gather import launch_gather_attention
+from ..common.gather import launch_gather_attention
 from .plan import plan_gqa_decode
 
 
@@ -48,6 +48,6 @@ def sparse_gqa_decode(
                         offsets, block_size, sm_scale, threshold_scale_factor, stats, num_splits)
     return launch_gather_attention(
         q, k_cache, v_cache, block_table, token_to_req, kv_lens, indices, offsets, block_size,
-        p.sm_scale, p.threshold, stats, p.num_splits, group=p.group, block_h=p.block_h,
+        p.sm_scale, p.threshold_scale_factor, stats, p.num_splits, group=p.group, block_h=p.block_h,
         da=p.da, dv=p.dv, v_is_k=False, block_n=p.block_n, num_warps=p.num_warps,
         num_stages=p.num_stages, interpret=p.arch == "interpreter")

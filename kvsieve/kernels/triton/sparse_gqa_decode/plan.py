@@ -25,7 +25,7 @@ class GatherPlan:
     num_stages: int
     num_splits: int
     sm_scale: float
-    threshold: float
+    threshold_scale_factor: float
 
 
 def walk_tiles_estimate(indices: torch.Tensor | None, num_tokens: int, block_size: int,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sparse_gqa_decode.gather import launch_gather_attention
+from ..common.gather import launch_gather_attention
 from .plan import latent_views, plan_mla_decode
 
 
@@ -42,6 +42,6 @@ def sparse_mla_decode(
     k4, v4 = latent_views(latent_cache, kv_lora_rank)
     return launch_gather_attention(
         q, k4, v4, block_table, token_to_req, kv_lens, indices, offsets, 1, p.sm_scale,
-        p.threshold, stats, p.num_splits, group=p.group, block_h=p.block_h, da=p.da, dv=p.dv,
+        p.threshold_scale_factor, stats, p.num_splits, group=p.group, block_h=p.block_h, da=p.da, dv=p.dv,
         v_is_k=True, block_n=p.block_n, num_warps=p.num_warps, num_stages=p.num_stages,
         interpret=p.arch == "interpreter")

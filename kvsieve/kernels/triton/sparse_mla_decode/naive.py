@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sparse_gqa_decode.naive import gather_attention_reference
+from ..common.naive import gather_attention_reference
 from .plan import latent_views, plan_mla_decode
 
 

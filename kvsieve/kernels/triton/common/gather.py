@@ -32,7 +32,7 @@ def _dot(a, b, F32DOT: tl.constexpr):
 @triton.jit
 def _gather_attn_fwd(
     Q, K, V, BT, TOK2REQ, KVLEN, IDX, OFF, O, LSE, STATS,
-    qk_scale, lam_factor, num_splits,
+    qk_scale, threshold_scale_factor, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kp, stride_kd,
     stride_vb, stride_vh, stride_vp, stride_vd,
@@ -75,7 +75,7 @@ def _gather_attn_fwd(
     if DB > 0:
         qb = tl.load(q_row + (DA + db[None, :]) * stride_qd,
                      mask=row_valid[:, None] & (db[None, :] < DB), other=0.0)
-    lam = lam_factor / kv_len.to(tl.float32)
+    lam = threshold_scale_factor / kv_len.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -137,7 +137,7 @@ def _gather_attn_fwd(
 def launch_gather_attention(
     q: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, block_table: torch.Tensor,
     token_to_req: torch.Tensor, kv_lens: torch.Tensor, indices: torch.Tensor | None,
-    offsets: torch.Tensor | None, block_size: int, sm_scale: float, threshold: float,
+    offsets: torch.Tensor | None, block_size: int, sm_scale: float, threshold_scale_factor: float,
     stats: torch.Tensor | None, num_splits: int, *, group: int, block_h: int, da: int,
     dv: int, v_is_k: bool, block_n: int, num_warps: int, num_stages: int, interpret: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,14 +168,14 @@ def launch_gather_attention(
     grid = (num_tokens, num_kv_heads * n_hblocks, num_splits)
     _gather_attn_fwd[grid](
         q, k4, v4, block_table, token_to_req, kv_lens, idx, off, o_buf, l_buf, dummy_stats,
-        sm_scale * LOG2E, threshold, num_splits,
+        sm_scale * LOG2E, threshold_scale_factor, num_splits,
         *q.stride(), *k4.stride(), *v4.stride(), block_table.stride(0), idx.stride(0),
         *o_buf.stride(), *l_buf.stride(),
         GROUP=group, N_HBLOCKS=n_hblocks, PAGE_SIZE=page_size,
         SEL_BLOCK=block_size if sparse else 1, DA=da, DB=db, DV=dv,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DA=next_pow2(max(da, 16)),
         BLOCK_DB=next_pow2(max(db, 16)), BLOCK_DV=next_pow2(max(dv, 16)),
-        SPARSE=sparse, SKIP=threshold > 0, COUNT=stats is not None, V_IS_K=v_is_k,
+        SPARSE=sparse, SKIP=threshold_scale_factor > 0, COUNT=stats is not None, V_IS_K=v_is_k,
         F32DOT=interpret, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         return merge_states(o_buf, l_buf, out_dtype=q.dtype)

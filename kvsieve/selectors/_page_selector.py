@@ -1,0 +1,77 @@
+"""The page-selecting selectors' shared base (``rocketkv`` stage 2, ``quest``): keep page summaries
+in sync with the cache and select pages for generation rows (:mod:`._page_summary`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..sparse import SelectorInputs, SparseRuntimeParams, SparseSelector
+from ._page_summary import SUMMARY_DTYPES, PageSummaries, select_pages, select_pages_golden
+from ._paged import check_power_of_two
+
+__all__ = ["PageKnobs", "PageSelectorBase", "check_page_knobs"]
+
+
+@dataclass(frozen=True)
+class PageKnobs:
+    """A page selector's settings for one head dim: ``page_size`` tokens per page, ``topk`` pages
+    per query, ``topr`` query channels scored, ``summary_dtype`` of the min/max summaries."""
+
+    page_size: int
+    topk: int
+    topr: int
+    summary_dtype: str
+
+
+def check_page_knobs(owner: str, page_size: int, topk: int, summary_dtype: str) -> None:
+    """Validation shared by the page selectors' configs."""
+    check_power_of_two(owner, "page_size", page_size)
+    if topk < 1:
+        raise ValueError(f"{owner}: topk (pages per query) must be >= 1, got {topk}")
+    if summary_dtype not in SUMMARY_DTYPES:
+        raise ValueError(f"{owner}: summary_dtype must be one of {sorted(SUMMARY_DTYPES)}, got {summary_dtype!r}")
+
+
+class PageSelectorBase(SparseSelector):
+    """Page summaries refreshed on every append and compaction; pages chosen for generation rows.
+
+    Subclasses give ``mode`` (``"sign"``/``"bound"``) and :meth:`page_knobs`.
+    """
+
+    mode: str = "sign"
+
+    def __init__(self, config: object = None, **overrides: object) -> None:
+        super().__init__(config, **overrides)
+        self._summaries: PageSummaries | None = None
+
+    def page_knobs(self, head_dim: int) -> PageKnobs:
+        raise NotImplementedError
+
+    def summaries(self, inputs: SelectorInputs) -> PageSummaries:
+        knobs = self.page_knobs(inputs.q.shape[-1])
+        if self._summaries is None or self._summaries.cache is not inputs.cache:
+            self._summaries = PageSummaries(inputs.cache, knobs.page_size, SUMMARY_DTYPES[knobs.summary_dtype])
+        return self._summaries
+
+    def on_append(self, inputs: SelectorInputs) -> None:
+        md = inputs.metadata
+        lens = md.kv_lens_host[: md.num_seqs]
+        starts = lens - np.diff(md.query_start_host[: md.num_seqs + 1])
+        self.summaries(inputs).refresh(inputs.layer_idx, md.slots, starts, lens)
+
+    def on_compacted(self, inputs: SelectorInputs, kept: list[torch.Tensor]) -> None:
+        n_keep = np.array([k.shape[1] for k in kept], dtype=np.int64)
+        slots = inputs.metadata.slots[: len(kept)]
+        self.summaries(inputs).refresh(inputs.layer_idx, slots, np.zeros_like(n_keep), n_keep)
+
+    def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams | None:
+        knobs = self.page_knobs(inputs.q.shape[-1])
+        return select_pages(inputs, self.summaries(inputs), mode=self.mode, topk=knobs.topk, topr=knobs.topr)
+
+    def predict_attn_reference(self, inputs: SelectorInputs) -> SparseRuntimeParams | None:
+        """The plain-PyTorch per-request reference of :meth:`predict_attn`."""
+        knobs = self.page_knobs(inputs.q.shape[-1])
+        return select_pages_golden(inputs, page_size=knobs.page_size, dtype=SUMMARY_DTYPES[knobs.summary_dtype],
+                                   mode=self.mode, topk=knobs.topk, topr=knobs.topr)

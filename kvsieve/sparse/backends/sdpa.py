@@ -1,0 +1,67 @@
+"""``sdpa``: dense phases through torch SDPA, everything else through an inner backend.
+
+A step in which no phase present selects positions or skips softmax
+(:func:`kvsieve.sparse.params.is_dense`; prompt-eviction indices alone do not change the
+attention) runs ``torch.nn.functional.scaled_dot_product_attention`` over each request's K/V
+gathered through its block list; any other step goes whole to the inner backend (``inner``,
+default ``"vanilla"``) and its result — paths, counts, skip statistics — comes back unchanged.
+The dense prefill of a 4K prompt through the Vanilla golden materializes ``[H, S, L]`` fp32
+scores per layer; SDPA is the same math, fused. SDPA computes no LSE: a step it serves returns
+``lse=None``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...metadata import AttentionMetadata
+from ..params import SparseRuntimeParams, is_dense
+from .base import BACKENDS, AttentionBackend, AttentionGeometry, AttentionResult, register_backend
+
+__all__ = ["SdpaBackend"]
+
+
+@register_backend
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+
+    def __init__(self, inner: str | AttentionBackend = "vanilla") -> None:
+        self.inner = BACKENDS.get(inner)() if isinstance(inner, str) else inner
+        if isinstance(self.inner, SdpaBackend):
+            raise ValueError("the sdpa backend's inner backend cannot be sdpa itself")
+        self.required_translations = tuple(sorted({"block_lists", *self.inner.required_translations}))
+        self.kv_page_granular = self.inner.kv_page_granular
+
+    def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
+                params: SparseRuntimeParams | None) -> AttentionResult:
+        metadata.require(f"backend {self.name!r}", self.required_translations)
+        if geometry.kind != "gqa" or not all(is_dense(params, p) for p in metadata.phases()):
+            return self.inner.forward(q, metadata, layer_idx, geometry, params)
+        mgr = metadata.kv_cache_manager
+        out = torch.zeros(q.shape[0], q.shape[1], geometry.value_dim, dtype=q.dtype, device=q.device)
+        for i in range(metadata.num_seqs):
+            t0, t1 = (int(x) for x in metadata.query_start_host[i: i + 2])
+            if t1 == t0:
+                continue
+            kv_len = int(metadata.kv_lens_host[i])
+            k, v = _gather_blocks(mgr.pools[layer_idx], mgr.spec.layout, metadata.block_ids_per_seq[i], kv_len)
+            n = t1 - t0
+            mask = None
+            if 1 < n < kv_len:  # bottom-right aligned causal mask
+                mask = torch.arange(kv_len, device=q.device) <= (kv_len - n + torch.arange(n, device=q.device))[:, None]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[t0:t1].transpose(0, 1).unsqueeze(0), k.to(q.dtype).unsqueeze(0), v.to(q.dtype).unsqueeze(0), attn_mask=mask, is_causal=n == kv_len and n > 1,
+                scale=geometry.sm_scale, enable_gqa=True)
+            out[t0:t1] = o[0].transpose(0, 1)
+        return AttentionResult(out, None, self.effective_attended_tokens(None, metadata, geometry),
+                               {p: "sdpa_dense" for p in metadata.phases()})
+
+
+def _gather_blocks(pool: torch.Tensor, layout: str, block_ids: list[int], kv_len: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's valid K and V, head-major ``[Hkv, kv_len, D]`` each, copied whole block by
+    whole block (one ``index_select`` over its block list, not a per-position gather)."""
+    sel = pool.index_select(0, torch.as_tensor(block_ids, dtype=torch.long, device=pool.device))
+    # HND [n, 2, Hkv, P, D] / NHD [n, 2, P, Hkv, D] -> [2, Hkv, n, P, D]
+    sel = sel.permute(1, 3, 0, 2, 4) if layout == "NHD" else sel.permute(1, 2, 0, 3, 4)
+    kv = sel.reshape(2, sel.shape[1], -1, sel.shape[-1])[:, :, :kv_len]
+    return kv[0], kv[1]

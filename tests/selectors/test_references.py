@@ -1,0 +1,34 @@
+"""Every registered selector that declares ``predict_attn_reference`` agrees with it on a mixed batch
+(a fresh prompt, a chunked-prefill continuation and decodes), at its default configuration."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import Harness, reference_params
+from kvsieve.sparse import available_selectors, get_selector_class
+from kvsieve.sparse.attention import place_rows
+
+WITH_REFERENCE = sorted(n for n in available_selectors()
+                        if get_selector_class(n).predict_attn_reference is not None)
+
+
+def test_the_page_and_block_selectors_declare_a_reference():
+    assert {"block_select", "quest", "rocketkv"} <= set(WITH_REFERENCE)
+
+
+@pytest.mark.parametrize("name", WITH_REFERENCE)
+def test_fast_path_equals_reference(name):
+    h = Harness(name, {}, hkv=2, g=2, d=32)
+    gen = torch.Generator().manual_seed(11)
+    for rids, lens, ctx in (([1, 2], [300, 170], 2), ([3, 1, 2], [90, 1, 1], 1), ([3, 1, 2], [40, 1, 1], 1)):
+        q, k, v = h.qkv(sum(lens), gen)
+        inputs = h.hook_inputs(rids, lens, ctx, q, k, v)
+        fast = place_rows(h.selector.predict_attn(inputs), inputs, name)
+        ref = reference_params(h.selector, inputs)
+        assert (fast is None) == (ref is None)
+        if fast is not None:
+            assert fast.selected_phases == ref.selected_phases
+            assert torch.equal(fast.sparse_attn_offsets, ref.sparse_attn_offsets)
+            assert torch.equal(fast.sparse_attn_indices, ref.sparse_attn_indices)
+        h.engine.end_step()

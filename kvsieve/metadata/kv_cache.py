@@ -81,7 +81,10 @@ class KVCacheSpec:
     def __post_init__(self) -> None:
         positive = ("num_layers", "num_blocks", "tokens_per_block", "max_requests", "max_blocks_per_seq")
         for name in positive:
-            if getattr(self, name) < 1:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"KVCacheSpec.{name} must be an int >= 1, got {type(value).__name__} {value!r}")
+            if value < 1:
                 raise ValueError(f"KVCacheSpec.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks < 2:
             raise ValueError("KVCacheSpec.num_blocks must be >= 2 (block 0 is the reserved sentinel)")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ..sparse.knobs import check_knobs, knob
 from ..sparse.params import SparseMetadataParams
 from .dsa_projections import IndexerInputs, IndexerProjections, load_projections
 
@@ -44,30 +45,24 @@ class DSAConfig:
     on CPU) are decided for ``device``; ``projections``: a file from ``kvsieve distill-indexer``;
     ``max_logits_elems`` bounds one logits chunk (rows x width fp32)."""
 
-    index_topk: int = 2048
-    n_heads: int = 64
-    head_dim: int = 128
-    rope_dim: int = 64
+    index_topk: int = knob(2048, ge=1)
+    n_heads: int = knob(64, ge=1)
+    head_dim: int = knob(128, ge=1)
+    rope_dim: int = knob(64, ge=0)
     rope_interleave: bool = False
-    rope_theta: float = 10000.0
-    index_k_dtype: str = "bfloat16"
+    rope_theta: float = knob(10000.0, gt=0)
+    index_k_dtype: str = knob("bfloat16", choices=_K_DTYPES)
     topk_engine: str = "auto"
-    logits_kernel: str = "auto"
-    compress_ratio: int = 1
+    logits_kernel: str = knob("auto", choices=_LOGITS)
+    compress_ratio: int = knob(1, ge=1)
     device: str = "cpu"
     projections: str | None = None
-    max_logits_elems: int = 1 << 26
+    max_logits_elems: int = knob(1 << 26, ge=1)
 
     def __post_init__(self) -> None:
-        for name in ("index_topk", "n_heads", "head_dim", "max_logits_elems"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"dsa: {name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
+        check_knobs(self, "dsa")
+        if self.rope_dim > self.head_dim or self.rope_dim % 2:
             raise ValueError(f"dsa: rope_dim must be even and in [0, head_dim={self.head_dim}], got {self.rope_dim}")
-        if self.index_k_dtype not in _K_DTYPES:
-            raise ValueError(f"dsa: index_k_dtype must be one of {sorted(_K_DTYPES)}, got {self.index_k_dtype!r}")
-        if self.logits_kernel not in _LOGITS:
-            raise ValueError(f"dsa: logits_kernel must be one of {list(_LOGITS)}, got {self.logits_kernel!r}")
         if self.compress_ratio != 1:
             raise ValueError(f"dsa: compress_ratio must be 1 (compressed index keys, DeepSeek-V4 style, are not "
                              f"implemented), got {self.compress_ratio}")
@@ -209,7 +204,7 @@ class DSASelector(SparseSelector):
         if md.num_tokens == 0 or int(lens_host.max()) <= kk:
             self.stats.short_path_steps += 1
             self.stats.last_short_path[layer] = True
-            pos = torch.arange(kk, device=dev, dtype=torch.int32)
+            pos = torch.arange(min(kk, int(lens_host.max(initial=1))), device=dev, dtype=torch.int32)
             sel = torch.where(pos < lens.unsqueeze(1), pos, -1)
         else:
             self.stats.indexed_steps += 1

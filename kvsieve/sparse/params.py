@@ -13,6 +13,7 @@ Layouts (DESIGN.md 3.3). All index tensors are int32 and live on the KV cache's 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,15 +87,17 @@ class SparseRuntimeParams:
         ``kv_lens [num_query_tokens]`` (valid positions each query may see) enables the range
         check of attention indices; ``prompt_lens [num_contexts]`` that of the kept indices.
         """
-        if self.sparse_attn_indices_block_size < 1:
+        bs = self.sparse_attn_indices_block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise ValueError(
                 "sparse_attn_indices_block_size must be >= 1 (1 = token indices), got "
                 f"{self.sparse_attn_indices_block_size}"
             )
         for name in ("threshold_scale_factor", "threshold_scale_factor_decode"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0 (0 = off), got {value}")
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite float >= 0 (0 = off), got {value!r}")
         if (self.sparse_kv_indices is None) != (self.sparse_kv_offsets is None):
             raise ValueError("sparse_kv_indices and sparse_kv_offsets must be given together")
         if (self.sparse_attn_indices is None) != (self.sparse_attn_offsets is None):

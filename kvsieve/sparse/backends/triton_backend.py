@@ -60,7 +60,7 @@ class TritonBackend(AttentionBackend):
                 raise ValueError("MLA skip-softmax with different prefill/decode factors needs separate steps")
             out, lse = sparse_mla_decode(q, mgr.latent_cache(layer_idx), table, tok_req, lens, idx, off,
                                          geometry.kv_lora_rank, geometry.sm_scale,
-                                         factor_gen if n_ctx == 0 else factor_ctx, stats)
+                                         factor_gen if n_ctx == 0 else factor_ctx, stats, block_size=bs)
             self.last_paths["all"] = "mla_gather"
             self.last_skip_stats = tuple(int(x) for x in stats.tolist())
             return out, lse

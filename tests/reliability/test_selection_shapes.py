@@ -1,0 +1,42 @@
+"""Selection shapes that used to go silently wrong: block-granular MLA on the Triton backend, and
+several query tokens of one request in one decode step (Quest, RocketKV)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, lower_config
+from kvsieve.sparse import SparseAttentionConfig
+from kvsieve.sparse.selection import attended_counts
+
+
+def mla_engine(backend: str, selector: str | None, params: dict, *, rank: int = 32, rope: int = 8, tpb: int = 8,
+               heads: int = 4) -> Engine:
+    spec = KVCacheSpec(num_layers=1, num_blocks=32, tokens_per_block=tpb, kind="mla", kv_lora_rank=rank,
+                       rope_dim=rope, max_requests=4, max_blocks_per_seq=16)
+    cfg = None if selector is None else SparseAttentionConfig(selector, params)
+    plan = lower_config(cfg, num_layers=1, attention_kind="mla")[0]
+    layer = SparseAttention(layer_idx=0, num_q_heads=heads, num_kv_heads=1, head_dim=rank + rope, plan=plan,
+                            backend=backend, kind="mla", kv_lora_rank=rank)
+    return Engine(KVCacheManager(spec), [layer], max_num_requests=4, max_num_tokens=128)
+
+
+def mla_inputs(n: int, seed: int, heads: int = 4, dim: int = 40):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, heads, dim, generator=g), torch.randn(n, dim, generator=g), None)]
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_triton_mla_block_granular_selection_matches_vanilla(block_size):
+    params = {"budget": 3 * block_size, "block_size": block_size}
+    engines = {b: mla_engine(b, "oracle_topk", params) for b in ("vanilla", "triton")}
+    for i, (rids, lens, nctx) in enumerate([([1, 2], [21, 14], 2), ([3, 1, 2], [9, 1, 3], 1)]):
+        inputs = mla_inputs(sum(lens), seed=i)
+        want = engines["vanilla"].step(rids, lens, nctx, inputs)[0]
+        got = engines["triton"].step(rids, lens, nctx, inputs)[0]
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+        layer = engines["triton"].layers[0]
+        md = engines["triton"].metadata
+        pages = attended_counts(layer.last_params, md.token_kv_lens, 1, md.kv_cache_manager.tokens_per_block)
+        assert layer.last_stats.attended == int(pages.sum())

@@ -40,3 +40,36 @@ def test_triton_mla_block_granular_selection_matches_vanilla(block_size):
         md = engines["triton"].metadata
         pages = attended_counts(layer.last_params, md.token_kv_lens, 1, md.kv_cache_manager.tokens_per_block)
         assert layer.last_stats.attended == int(pages.sum())
+
+
+def _selected(params, t: int, hkv: int) -> list[set[int]]:
+    idx, off = params.sparse_attn_indices, params.sparse_attn_offsets
+    return [{int(x) for x in idx[h, off[t]: off[t + 1]] if x >= 0} for h in range(hkv)]
+
+
+@pytest.mark.parametrize("selector, params", [
+    ("quest", {"budget": 8, "page_size": 4, "summary_dtype": "float32"}),
+    ("quest", {"budget": 12, "page_size": 2, "summary_dtype": "bfloat16"}),
+    ("rocketkv", {"window_size": 4, "kernel_size": 3, "prompt_budget": 16, "page_size": 4, "topk": 2,
+                  "summary_dtype": "float32"}),
+])
+def test_k_decode_tokens_in_one_step_select_what_k_single_steps_select(selector, params):
+    """Tokens 2..k of the step sit in the same page as token 1 (and in the next one): with step-wide
+    summaries token 1 would see their keys."""
+    from .rig import make_rig
+
+    k = 5
+    rigs = [make_rig(selector, params, num_layers=1, num_blocks=40, max_blocks_per_seq=16) for _ in range(2)]
+    prompt = rigs[0].inputs(22, seed=0)
+    for rig in rigs:
+        rig.engine.step([1], [22], 1, prompt)
+    q, kk, v = rigs[0].inputs(k, seed=1)[0]
+    scale = torch.linspace(1, 4, k)[:, None, None]  # later keys larger: they would dominate a shared summary
+    kk = kk * scale
+    multi = rigs[0].engine.step([1], [k], 0, [(q, kk, v)])[0]
+    multi_params = rigs[0].engine.layers[0].last_params
+    for j in range(k):
+        single = rigs[1].engine.step([1], [1], 0, [(q[j: j + 1], kk[j: j + 1], v[j: j + 1])])[0]
+        single_params = rigs[1].engine.layers[0].last_params
+        assert _selected(multi_params, j, 2) == _selected(single_params, 0, 2), f"token {j}"
+        torch.testing.assert_close(multi[0][j: j + 1], single[0], rtol=1e-5, atol=1e-5)

@@ -24,7 +24,7 @@ import torch
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ..sparse.knobs import check_knobs, knob
 from ..sparse.params import SparseMetadataParams
-from .dsa_projections import IndexerInputs, IndexerProjections, load_projections
+from .dsa_projections import IndexerInputs, IndexerProjections, load_projections, rope_cos_sin
 
 __all__ = ["DSAConfig", "DSASelector", "IndexerInputs", "INDEX_K_POOL", "INDEX_K_SCALE_POOL"]
 
@@ -121,12 +121,12 @@ class DSASelector(SparseSelector):
         """Install per-layer index projections (checked against the configured geometry)."""
         c = self.config
         for i, p in layers.items():
-            if (p.n_heads, p.head_dim, p.rope_dim, p.rope_interleave) != (c.n_heads, c.head_dim, c.rope_dim,
-                                                                           c.rope_interleave):
+            if (p.n_heads, p.head_dim, p.rope_dim, p.rope_interleave, float(p.rope_theta)) != (
+                    c.n_heads, c.head_dim, c.rope_dim, c.rope_interleave, float(c.rope_theta)):
                 raise ValueError(
                     f"dsa: layer {i} projections have n_heads={p.n_heads}, head_dim={p.head_dim}, "
-                    f"rope_dim={p.rope_dim}, rope_interleave={p.rope_interleave}; the config has "
-                    f"{c.n_heads}, {c.head_dim}, {c.rope_dim}, {c.rope_interleave}")
+                    f"rope_dim={p.rope_dim}, rope_interleave={p.rope_interleave}, rope_theta={p.rope_theta}; "
+                    f"the config has {c.n_heads}, {c.head_dim}, {c.rope_dim}, {c.rope_interleave}, {c.rope_theta}")
         self.projections.update(layers)
 
     def set_indexer_inputs(self, layer_idx: int, inputs: IndexerInputs) -> None:
@@ -152,7 +152,11 @@ class DSASelector(SparseSelector):
                 raise RuntimeError(f"dsa: layer {layer} got hidden states but has no IndexerProjections; load a "
                                    "projections file (config 'projections') or call set_projections")
             positions = md.positions.to(ii.hidden.device)
-            q, k, w = self.projections[layer](ii.hidden, positions, ii.q_input, ii.cos, ii.sin)
+            c = self.config
+            cos, sin = ii.cos, ii.sin
+            if cos is None and c.rope_dim:  # the default RoPE of the configured rope_theta
+                cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
+            q, k, w = self.projections[layer](ii.hidden, positions, ii.q_input, cos, sin)
         c = self.config
         if q.shape[1:] != (c.n_heads, c.head_dim) or k.shape[1:] != (c.head_dim,) or w.shape[1:] != (c.n_heads,):
             raise ValueError(f"dsa: index tensors must be q [T, {c.n_heads}, {c.head_dim}], k [T, {c.head_dim}], "

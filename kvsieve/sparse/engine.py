@@ -18,6 +18,7 @@ import torch
 from ..metadata import AttentionMetadata, KVCacheManager
 from ..metadata.kv_cache import CacheSnapshot
 from .attention import SparseAttention, commit_evictions
+from .knobs import check_value
 
 __all__ = ["Engine"]
 
@@ -27,6 +28,8 @@ class Engine:
 
     def __init__(self, cache: KVCacheManager, layers: Sequence[SparseAttention], *, max_num_requests: int,
                  max_num_tokens: int, translations: Sequence[str] | None = None) -> None:
+        check_value("Engine.max_num_requests", max_num_requests, int, ge=1)
+        check_value("Engine.max_num_tokens", max_num_tokens, int, ge=1)
         needed = sorted({t for layer in layers for t in layer.backend.required_translations})
         self.cache = cache
         self.layers = list(layers)

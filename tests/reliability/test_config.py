@@ -142,3 +142,17 @@ def test_budget_above_the_context_means_everything(name, params):
         torch.testing.assert_close(got[0][0], want[0][0], rtol=1e-5, atol=1e-5)
         stats = sparse.engine.layers[0].last_stats
         assert stats.attended == stats.dense
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("max_num_requests", 0, r"Engine.max_num_requests must be >= 1 \(an int\), got 0"),
+    ("max_num_tokens", 12.0, r"Engine.max_num_tokens must be an int >= 1, got float 12.0"),
+    ("max_num_tokens", True, r"Engine.max_num_tokens must be an int >= 1, got bool True"),
+])
+def test_engine_capacities_are_checked(field, value, match):
+    from kvsieve import Engine, KVCacheManager
+
+    cache = KVCacheManager(KVCacheSpec(num_layers=1, num_blocks=8, tokens_per_block=4))
+    kwargs = {"max_num_requests": 2, "max_num_tokens": 16, field: value}
+    with pytest.raises(KnobError, match=match):
+        Engine(cache, [], **kwargs)

@@ -110,8 +110,6 @@ def _has_type(value: Any, hint: Any) -> bool:
         if len(args) == 2 and args[1] is Ellipsis:
             return all(_has_type(v, args[0]) for v in value)
         return len(args) == len(value) and all(_has_type(v, a) for v, a in zip(value, args))
-    if origin in (frozenset, set):
-        return isinstance(value, (frozenset, set)) and all(_has_type(v, args[0]) for v in value)
     if origin is dict:
         return isinstance(value, dict) and all(_has_type(k, args[0]) and _has_type(v, args[1])
                                                for k, v in value.items())

@@ -12,6 +12,11 @@ a *slot* (one per live request) so translations in ``prepare()`` are vectorized 
 
 Two lengths per request: *valid* (committed history, what kernels attend) and *addressable*
 (pages reserved for appends not yet accepted, e.g. speculative drafts); valid <= addressable.
+
+Every ledger method checks before it changes anything: a call that raises leaves the ledger and
+the allocator as they were. :meth:`KVCacheManager.check_appends` checks a whole step's appends
+at once, and :meth:`KVCacheManager.snapshot` / :meth:`KVCacheManager.restore` put the ledger,
+the allocator and the pool rows of chosen blocks back after a step failed half-way.
 """
 from __future__ import annotations
 
@@ -21,7 +26,38 @@ from typing import Literal
 import numpy as np
 import torch
 
-__all__ = ["KVCacheSpec", "BlockAllocator", "KVCacheManager"]
+__all__ = ["KVCacheSpec", "BlockAllocator", "KVCacheManager", "KVCacheCapacityError", "CacheSnapshot"]
+
+
+class KVCacheCapacityError(RuntimeError):
+    """The cache has no room: out of free blocks or out of request slots (``max_requests``)."""
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """What :meth:`KVCacheManager.restore` needs to undo a step: copies of the ledger arrays, the
+    slot maps and the allocator's free list, and the pool rows (main and auxiliary pools, every
+    layer) of ``blocks`` as they were."""
+
+    block_table: np.ndarray
+    num_blocks_of: np.ndarray
+    valid_lens: np.ndarray
+    addressable_lens: np.ndarray
+    slot_of: dict[int, int]
+    free_slots: list[int]
+    free_blocks: list[int]
+    blocks: torch.Tensor
+    pool_rows: list[torch.Tensor]
+    aux_rows: dict[str, list[torch.Tensor]]
+
+
+def _count(name: str, n: object) -> int:
+    """``n`` as a non-negative int; bool, float and negative values raise naming ``name``."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"{name} must be an int >= 0, got {type(n).__name__} {n!r}")
+    if n < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {n}")
+    return int(n)
 
 
 @dataclass(frozen=True)
@@ -45,7 +81,10 @@ class KVCacheSpec:
     def __post_init__(self) -> None:
         positive = ("num_layers", "num_blocks", "tokens_per_block", "max_requests", "max_blocks_per_seq")
         for name in positive:
-            if getattr(self, name) < 1:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"KVCacheSpec.{name} must be an int >= 1, got {type(value).__name__} {value!r}")
+            if value < 1:
                 raise ValueError(f"KVCacheSpec.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_blocks < 2:
             raise ValueError("KVCacheSpec.num_blocks must be >= 2 (block 0 is the reserved sentinel)")
@@ -86,10 +125,14 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
-            raise RuntimeError(f"KV cache out of blocks: asked for {n}, {len(self._free)} free of {self.num_blocks - 1}")
-        taken = self._free[len(self._free) - n:][::-1]
+            raise KVCacheCapacityError(f"KV cache out of blocks: asked for {n}, {len(self._free)} free of {self.num_blocks - 1}")
+        taken = self.peek(n)
         del self._free[len(self._free) - n:]
         return taken
+
+    def peek(self, n: int) -> list[int]:
+        """The block ids the next ``allocate(n)`` would hand out (nothing is taken)."""
+        return self._free[len(self._free) - n:][::-1] if n else []
 
     def release(self, blocks: list[int] | np.ndarray) -> None:
         ids = [int(b) for b in blocks]
@@ -134,10 +177,11 @@ class KVCacheManager:
 
     def add_request(self, request_id: int, num_tokens: int = 0) -> int:
         """Register a request and allocate pages for ``num_tokens`` committed tokens."""
+        if isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer)):
+            raise TypeError(f"request_id must be an int, got {type(request_id).__name__} {request_id!r}")
         if request_id in self._slot_of:
             raise ValueError(f"request_id {request_id} is already in the cache")
-        if not self._free_slots:
-            raise RuntimeError(f"KV cache holds max_requests={self.spec.max_requests} requests already")
+        self.check_appends([(request_id, num_tokens)])
         s = self._free_slots.pop()
         self._slot_of[request_id] = s
         self.num_blocks_of[s] = 0
@@ -149,6 +193,7 @@ class KVCacheManager:
 
     def append_tokens(self, request_id: int, n: int) -> None:
         """Commit ``n`` new tokens (valid and addressable grow together)."""
+        n = _count("append_tokens: n", n)
         s = self.slot(request_id)
         if self.addressable_lens[s] != self.valid_lens[s]:
             raise RuntimeError(
@@ -159,11 +204,13 @@ class KVCacheManager:
 
     def reserve_tokens(self, request_id: int, n: int) -> None:
         """Make ``n`` more positions addressable (pages allocated) without committing them."""
+        n = _count("reserve_tokens: n", n)
         s = self.slot(request_id)
         self._grow(s, int(self.addressable_lens[s]) + n)
 
     def commit_tokens(self, request_id: int, n: int) -> None:
         """Accept ``n`` of the reserved positions into the valid history."""
+        n = _count("commit_tokens: n", n)
         s = self.slot(request_id)
         if self.valid_lens[s] + n > self.addressable_lens[s]:
             raise ValueError(
@@ -207,18 +254,86 @@ class KVCacheManager:
     def valid_len(self, request_id: int) -> int:
         return int(self.valid_lens[self.slot(request_id)])
 
-    def _grow(self, s: int, new_addressable: int) -> None:
-        need = -(-new_addressable // self.tokens_per_block)
-        have = int(self.num_blocks_of[s])
+    def check_appends(self, appends: list[tuple[int, int]]) -> int:
+        """Raise, changing nothing, unless every ``(request_id, n)`` of one step can be appended
+        together: ids unique, ``n`` ints >= 0, no request with uncommitted reserved tokens, each
+        request within ``max_blocks_per_seq``, slots for the new ids and blocks for all of them.
+        A request id not in the cache counts as new (it would be added with ``n`` tokens).
+        Returns the number of blocks the appends would allocate."""
+        ids = [rid for rid, _ in appends]
+        if len(set(ids)) != len(ids):
+            dup = sorted({r for r in ids if ids.count(r) > 1})
+            raise ValueError(f"request ids must be unique within a step; repeated: {dup}")
+        new_blocks = new_slots = 0
+        for rid, n in appends:
+            n = _count(f"request {rid}: number of new tokens", n)
+            s = self._slot_of.get(rid)
+            if s is not None and self.addressable_lens[s] != self.valid_lens[s]:
+                raise RuntimeError(f"request {rid} has uncommitted reserved tokens; commit_tokens or rewind first")
+            valid = 0 if s is None else int(self.valid_lens[s])
+            have = 0 if s is None else int(self.num_blocks_of[s])
+            new_slots += s is None
+            new_blocks += max(self._blocks_for(valid + n) - have, 0)
+        if new_slots > len(self._free_slots):
+            raise KVCacheCapacityError(
+                f"KV cache out of request slots: {new_slots} new requests, {len(self._free_slots)} free of "
+                f"max_requests={self.spec.max_requests}")
+        if new_blocks > self.allocator.num_free:
+            raise KVCacheCapacityError(
+                f"KV cache out of blocks: the step needs {new_blocks} new blocks, {self.allocator.num_free} free "
+                f"of {self.allocator.num_blocks - 1}")
+        return new_blocks
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        """Blocks holding ``num_tokens`` positions; raises past ``max_blocks_per_seq``."""
+        need = -(-num_tokens // self.tokens_per_block)
         if need > self.spec.max_blocks_per_seq:
             raise ValueError(
-                f"a request of {new_addressable} tokens needs {need} blocks > max_blocks_per_seq="
+                f"a request of {num_tokens} tokens needs {need} blocks > max_blocks_per_seq="
                 f"{self.spec.max_blocks_per_seq}"
             )
+        return need
+
+    def _grow(self, s: int, new_addressable: int) -> None:
+        need = self._blocks_for(new_addressable)
+        have = int(self.num_blocks_of[s])
         if need > have:
             self.block_table[s, have:need] = self.allocator.allocate(need - have)
             self.num_blocks_of[s] = need
         self.addressable_lens[s] = max(int(self.addressable_lens[s]), new_addressable)
+
+    # ---- snapshot / restore -------------------------------------------------------------
+    def snapshot(self, blocks: list[int] | np.ndarray = ()) -> CacheSnapshot:
+        """Copy the ledger, the allocator and, for every layer of the main and auxiliary pools,
+        the rows of ``blocks`` (the blocks a step may write)."""
+        ids = torch.as_tensor(np.unique(np.asarray(blocks, dtype=np.int64)), device=self.spec.device)
+        return CacheSnapshot(
+            block_table=self.block_table.copy(), num_blocks_of=self.num_blocks_of.copy(),
+            valid_lens=self.valid_lens.copy(), addressable_lens=self.addressable_lens.copy(),
+            slot_of=dict(self._slot_of), free_slots=list(self._free_slots), free_blocks=list(self.allocator._free),
+            blocks=ids, pool_rows=[p[ids].clone() for p in self.pools],
+            aux_rows={name: [p[ids].clone() for p in pools] for name, pools in self.aux_pools.items()},
+        )
+
+    def restore(self, snap: CacheSnapshot) -> None:
+        """Put back what :meth:`snapshot` copied. An auxiliary pool registered after the snapshot
+        stays registered and is zero-filled again (as it was created)."""
+        self.block_table[:] = snap.block_table
+        self.num_blocks_of[:] = snap.num_blocks_of
+        self.valid_lens[:] = snap.valid_lens
+        self.addressable_lens[:] = snap.addressable_lens
+        self._slot_of = dict(snap.slot_of)
+        self._free_slots = list(snap.free_slots)
+        self.allocator._free = list(snap.free_blocks)
+        for pool, rows in zip(self.pools, snap.pool_rows):
+            pool[snap.blocks] = rows
+        for name, pools in self.aux_pools.items():
+            saved = snap.aux_rows.get(name)
+            for i, pool in enumerate(pools):
+                if saved is None:
+                    pool.zero_()
+                else:
+                    pool[snap.blocks] = saved[i]
 
     # ---- pools --------------------------------------------------------------------------
     def k_cache(self, layer_idx: int) -> torch.Tensor:

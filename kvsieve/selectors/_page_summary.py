@@ -5,6 +5,9 @@ kept in an auxiliary pool of the KV cache manager that shares the main cache's b
 ``[num_blocks, 2, Hkv, tokens_per_block // page_size, D]`` (index 0 = min, 1 = max) in the summary
 dtype (bf16, fp8 e5m2 or fp32; values are rounded to nearest). A page is recomputed from the
 cache whenever a token is written into it, and every page of a request after compaction.
+A query token reads its own page's summary over the positions up to itself only (recomputed from
+the cache), so with several query tokens of one request in a step an earlier token's choice never
+depends on a later token's key: ``k`` tokens in one step select what ``k`` one-token steps do.
 
 *Scoring* of page ``p`` for query head ``j`` (``sm_scale`` applied, fp32):
 
@@ -56,19 +59,34 @@ class PageSummaries:
             return
         req = np.repeat(np.arange(len(slots)), count)
         page = np.repeat(first, count) + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        kmin, kmax, page_blk = self._summarize(layer_idx, slots[req], page, lens.astype(np.int64)[req])
+        sub = torch.from_numpy((page * ps % tpb) // ps).to(dev)
+        pool = self.pools[layer_idx]
+        pool[page_blk, 0, :, sub] = kmin.to(self.dtype)
+        pool[page_blk, 1, :, sub] = kmax.to(self.dtype)
+
+    def prefix(self, layer_idx: int, slots: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(kmin, kmax)`` each ``[n, Hkv, D]``: for row ``i``, the summary (rounded to the
+        summary dtype, as stored) of the page holding ``positions[i]`` over the positions up to and
+        including it, of the request in ``slots[i]``."""
+        pos = positions.astype(np.int64)
+        kmin, kmax, _ = self._summarize(layer_idx, slots, pos // self.page_size, pos + 1)
+        return kmin.to(self.dtype).float(), kmax.to(self.dtype).float()
+
+    def _summarize(self, layer_idx: int, slots: np.ndarray, page: np.ndarray, lens: np.ndarray
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 min/max ``[n, Hkv, D]`` of page ``page[i]`` of the request in ``slots[i]`` over its
+        positions ``< lens[i]``, and the block holding each page ``[n]``."""
+        ps, tpb, dev = self.page_size, self.cache.tokens_per_block, self.cache.spec.device
         pos = torch.from_numpy(page * ps).unsqueeze(1) + torch.arange(ps)  # [n, ps]
-        valid = (pos < torch.from_numpy(lens.astype(np.int64)[req]).unsqueeze(1)).to(dev)
-        table = torch.from_numpy(self.cache.block_table[slots[req]].astype(np.int64))  # [n, max_blocks]
+        valid = (pos < torch.from_numpy(lens).unsqueeze(1)).to(dev)
+        table = torch.from_numpy(self.cache.block_table[slots].astype(np.int64))  # [n, max_blocks]
         blk = torch.gather(table, 1, pos // tpb).to(dev)
         keys = self.cache.k_cache(layer_idx)[blk, :, (pos % tpb).to(dev)].float()  # [n, ps, Hkv, D]
         mask = valid[:, :, None, None]
         kmin = keys.masked_fill(~mask, float("inf")).amin(dim=1)
         kmax = keys.masked_fill(~mask, float("-inf")).amax(dim=1)
-        page_blk = blk[:, 0]
-        sub = torch.from_numpy((page * ps % tpb) // ps).to(dev)
-        pool = self.pools[layer_idx]
-        pool[page_blk, 0, :, sub] = kmin.to(self.dtype)
-        pool[page_blk, 1, :, sub] = kmax.to(self.dtype)
+        return kmin, kmax, blk[:, 0]
 
     def read(self, layer_idx: int, slots: np.ndarray, lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``(kmin, kmax)`` each ``[B, Np, Hkv, D]`` of the first ``ceil(lens/page)`` pages
@@ -127,7 +145,14 @@ def select_pages(inputs: SelectorInputs, summaries: PageSummaries, *, mode: str,
     n_pages = -(-token_lens // ps)  # [T]
     req = torch.from_numpy(md.token_to_req_host[g0: md.num_tokens].astype(np.int64) - c).to(inputs.q.device)
     kmin, kmax = summaries.read(inputs.layer_idx, md.slots[c:], md.kv_lens_host[c: md.num_seqs])
-    scores = page_scores(inputs.q[g0:], kmin[req], kmax[req], n_pages[g0:], mode=mode, topr=topr,
+    kmin, kmax = kmin[req], kmax[req]  # [T', Np, Hkv, D]
+    # each token's own page summarized up to itself (not up to the step's last token)
+    positions = md.positions_host[g0: md.num_tokens]
+    own_min, own_max = summaries.prefix(inputs.layer_idx, md.slots[md.token_to_req_host[g0: md.num_tokens]], positions)
+    rows = torch.arange(len(positions), device=kmin.device)
+    own = torch.from_numpy(positions.astype(np.int64) // ps).to(kmin.device)
+    kmin[rows, own], kmax[rows, own] = own_min, own_max
+    scores = page_scores(inputs.q[g0:], kmin, kmax, n_pages[g0:], mode=mode, topr=topr,
                          sm_scale=inputs.sm_scale)
     return pack_generation_rows(_finish(scores, n_pages[g0:], topk), inputs, ps)
 
@@ -145,10 +170,11 @@ def select_pages_golden(inputs: SelectorInputs, *, page_size: int, dtype: torch.
     for i in range(md.num_contexts, md.num_seqs):
         t0, t1 = inputs.query_range(i)
         keys = inputs.request_keys(i).float()
-        summ = [(keys[p: p + page_size].amin(0).to(dtype).float(), keys[p: p + page_size].amax(0).to(dtype).float())
-                for p in range(0, keys.shape[0], page_size)]
         for t in range(t0, t1):
             n = -(-(int(md.positions_host[t]) + 1) // page_size)
+            seen = keys[: int(md.positions_host[t]) + 1]  # what this token's own step would have seen
+            summ = [(seen[p: p + page_size].amin(0).to(dtype).float(), seen[p: p + page_size].amax(0).to(dtype).float())
+                    for p in range(0, seen.shape[0], page_size)]
             per_head = []
             for h in range(hkv):
                 qg = inputs.q[t, h * g: (h + 1) * g].float()  # [G, D]

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ..sparse.knobs import check_knobs, knob
 from ._paged import gather_padded_keys, top_units
 
 __all__ = ["BlockSelectConfig", "BlockSelectSelector", "SCORE_TYPES"]
@@ -30,25 +31,17 @@ class BlockSelectConfig:
     """Defaults are MiniMax-M3's (TensorRT-LLM ``minimax_m3``): ``block_size`` 128,
     ``topk_blocks`` 16, ``init_blocks`` 0, ``local_blocks`` 1, ``score_type`` ``"max"``."""
 
-    block_size: int = 128
-    topk_blocks: int = 16
-    init_blocks: int = 0
-    local_blocks: int = 1
-    score_type: str = "max"
+    block_size: int = knob(128, ge=1)
+    topk_blocks: int = knob(16, ge=1)
+    init_blocks: int = knob(0, ge=0)
+    local_blocks: int = knob(1, ge=0)
+    score_type: str = knob("max", choices=SCORE_TYPES)
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_select: block_size must be >= 1, got {self.block_size}")
-        if self.topk_blocks < 1:
-            raise ValueError(f"block_select: topk_blocks must be >= 1, got {self.topk_blocks}")
-        if self.init_blocks < 0 or self.local_blocks < 0:
-            raise ValueError(f"block_select: init_blocks and local_blocks must be >= 0, got "
-                             f"{self.init_blocks} and {self.local_blocks}")
+        check_knobs(self, "block_select")
         if self.init_blocks + self.local_blocks > self.topk_blocks:
             raise ValueError(f"block_select: init_blocks + local_blocks must be <= topk_blocks={self.topk_blocks}, "
                              f"got {self.init_blocks} + {self.local_blocks}")
-        if self.score_type not in SCORE_TYPES:
-            raise ValueError(f"block_select: score_type must be one of {list(SCORE_TYPES)}, got {self.score_type!r}")
 
 
 def _force(scores: torch.Tensor, kv_lens: torch.Tensor, cfg: BlockSelectConfig) -> torch.Tensor:

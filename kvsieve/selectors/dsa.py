@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from .dsa_projections import IndexerInputs, IndexerProjections, load_projections
+from ..sparse.knobs import check_knobs, knob
+from .dsa_projections import IndexerInputs, IndexerProjections, load_projections, rope_cos_sin
 
 __all__ = ["DSAConfig", "DSASelector", "IndexerInputs", "INDEX_K_POOL", "INDEX_K_SCALE_POOL"]
 
@@ -43,30 +44,24 @@ class DSAConfig:
     on CPU) are decided for ``device``; ``projections``: a file from ``kvsieve distill-indexer``;
     ``max_logits_elems`` bounds one logits chunk (rows x width fp32)."""
 
-    index_topk: int = 2048
-    n_heads: int = 64
-    head_dim: int = 128
-    rope_dim: int = 64
+    index_topk: int = knob(2048, ge=1)
+    n_heads: int = knob(64, ge=1)
+    head_dim: int = knob(128, ge=1)
+    rope_dim: int = knob(64, ge=0)
     rope_interleave: bool = False
-    rope_theta: float = 10000.0
-    index_k_dtype: str = "bfloat16"
+    rope_theta: float = knob(10000.0, gt=0)
+    index_k_dtype: str = knob("bfloat16", choices=_K_DTYPES)
     topk_engine: str = "auto"
-    logits_kernel: str = "auto"
-    compress_ratio: int = 1
+    logits_kernel: str = knob("auto", choices=_LOGITS)
+    compress_ratio: int = knob(1, ge=1)
     device: str = "cpu"
     projections: str | None = None
-    max_logits_elems: int = 1 << 26
+    max_logits_elems: int = knob(1 << 26, ge=1)
 
     def __post_init__(self) -> None:
-        for name in ("index_topk", "n_heads", "head_dim", "max_logits_elems"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"dsa: {name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
+        check_knobs(self, "dsa")
+        if self.rope_dim > self.head_dim or self.rope_dim % 2:
             raise ValueError(f"dsa: rope_dim must be even and in [0, head_dim={self.head_dim}], got {self.rope_dim}")
-        if self.index_k_dtype not in _K_DTYPES:
-            raise ValueError(f"dsa: index_k_dtype must be one of {sorted(_K_DTYPES)}, got {self.index_k_dtype!r}")
-        if self.logits_kernel not in _LOGITS:
-            raise ValueError(f"dsa: logits_kernel must be one of {list(_LOGITS)}, got {self.logits_kernel!r}")
         if self.compress_ratio != 1:
             raise ValueError(f"dsa: compress_ratio must be 1 (compressed index keys, DeepSeek-V4 style, are not "
                              f"implemented), got {self.compress_ratio}")
@@ -121,12 +116,12 @@ class DSASelector(SparseSelector):
         """Install per-layer index projections (checked against the configured geometry)."""
         c = self.config
         for i, p in layers.items():
-            if (p.n_heads, p.head_dim, p.rope_dim, p.rope_interleave) != (c.n_heads, c.head_dim, c.rope_dim,
-                                                                           c.rope_interleave):
+            if (p.n_heads, p.head_dim, p.rope_dim, p.rope_interleave, float(p.rope_theta)) != (
+                    c.n_heads, c.head_dim, c.rope_dim, c.rope_interleave, float(c.rope_theta)):
                 raise ValueError(
                     f"dsa: layer {i} projections have n_heads={p.n_heads}, head_dim={p.head_dim}, "
-                    f"rope_dim={p.rope_dim}, rope_interleave={p.rope_interleave}; the config has "
-                    f"{c.n_heads}, {c.head_dim}, {c.rope_dim}, {c.rope_interleave}")
+                    f"rope_dim={p.rope_dim}, rope_interleave={p.rope_interleave}, rope_theta={p.rope_theta}; "
+                    f"the config has {c.n_heads}, {c.head_dim}, {c.rope_dim}, {c.rope_interleave}, {c.rope_theta}")
         self.projections.update(layers)
 
     def set_indexer_inputs(self, layer_idx: int, inputs: IndexerInputs) -> None:
@@ -152,7 +147,11 @@ class DSASelector(SparseSelector):
                 raise RuntimeError(f"dsa: layer {layer} got hidden states but has no IndexerProjections; load a "
                                    "projections file (config 'projections') or call set_projections")
             positions = md.positions.to(ii.hidden.device)
-            q, k, w = self.projections[layer](ii.hidden, positions, ii.q_input, ii.cos, ii.sin)
+            c = self.config
+            cos, sin = ii.cos, ii.sin
+            if cos is None and c.rope_dim:  # the default RoPE of the configured rope_theta
+                cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
+            q, k, w = self.projections[layer](ii.hidden, positions, ii.q_input, cos, sin)
         c = self.config
         if q.shape[1:] != (c.n_heads, c.head_dim) or k.shape[1:] != (c.head_dim,) or w.shape[1:] != (c.n_heads,):
             raise ValueError(f"dsa: index tensors must be q [T, {c.n_heads}, {c.head_dim}], k [T, {c.head_dim}], "
@@ -204,7 +203,7 @@ class DSASelector(SparseSelector):
         if inputs.num_rows == 0 or int(lens_host.max()) <= kk:
             self.stats.short_path_steps += 1
             self.stats.last_short_path[layer] = True
-            pos = torch.arange(kk, device=dev, dtype=torch.int32)
+            pos = torch.arange(min(kk, int(lens_host.max(initial=1))), device=dev, dtype=torch.int32)
             sel = torch.where(pos < lens.unsqueeze(1), pos, -1)
         else:
             self.stats.indexed_steps += 1

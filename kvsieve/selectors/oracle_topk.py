@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ..sparse.knobs import check_knobs, knob
 
 __all__ = ["OracleTopKConfig", "OracleTopKSelector", "attention_mass"]
 
@@ -18,12 +19,11 @@ _ROW_CHUNK = 256
 class OracleTopKConfig:
     """``budget`` tokens per query (``budget // block_size`` blocks at block granularity)."""
 
-    budget: int = 256
-    block_size: int = 1
+    budget: int = knob(256, ge=1)
+    block_size: int = knob(1, ge=1)
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"oracle_topk: block_size must be >= 1, got {self.block_size}")
+        check_knobs(self, "oracle_topk")
         if self.budget < self.block_size:
             raise ValueError(f"oracle_topk: budget must be >= block_size={self.block_size}, got {self.budget}")
 
@@ -49,9 +49,10 @@ class OracleTopKSelector(SparseSelector):
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         bs = self.config.block_size
-        k_sel = self.config.budget // bs
         lens = inputs.metadata.token_kv_lens
         r0 = inputs.rows.start
+        most = -(-int(inputs.token_kv_lens_host().max(initial=1)) // bs)  # a budget past the context = all of it
+        k_sel = min(self.config.budget // bs, max(most, 1))
         out = torch.full((inputs.num_rows, inputs.num_kv_heads, k_sel), -1, dtype=torch.int32, device=inputs.q.device)
         for i in inputs.requests:
             t0, t1 = inputs.query_range(i)

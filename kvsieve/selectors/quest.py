@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..sparse import Capabilities, register_selector
+from ..sparse.knobs import check_knobs, knob
 from ._page_selector import PageKnobs, PageSelectorBase, check_page_knobs
+from ._page_summary import SUMMARY_DTYPES
 
 __all__ = ["QuestConfig", "QuestSelector"]
 
@@ -23,11 +25,12 @@ class QuestConfig:
     ``scripts/bench_textgen.py``; ``summary_dtype`` ``"bfloat16"`` (Quest keeps its metadata in
     the KV dtype), or ``"float8_e5m2"``/``"float32"``."""
 
-    budget: int = 256
-    page_size: int = 16
-    summary_dtype: str = "bfloat16"
+    budget: int = knob(256, ge=1)
+    page_size: int = knob(16, ge=1)
+    summary_dtype: str = knob("bfloat16", choices=SUMMARY_DTYPES)
 
     def __post_init__(self) -> None:
+        check_knobs(self, "quest")
         if self.budget < self.page_size:
             raise ValueError(f"quest: budget must be >= page_size={self.page_size} (at least one page), "
                              f"got {self.budget}")

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from ..sparse import Capabilities, SelectorInputs, register_selector
+from ..sparse.knobs import check_knobs, knob
 from ._page_selector import PageKnobs, PageSelectorBase, check_page_knobs
+from ._page_summary import SUMMARY_DTYPES
 from ._prefill_scoring import PromptBudget, check_prompt_budget, pack_kept, snap_keep, snap_keep_golden
 
 __all__ = ["RocketKVConfig", "RocketKVSelector"]
@@ -31,19 +33,18 @@ class RocketKVConfig:
     (``"float8_e5m2"``, or ``"bfloat16"``/``"float32"``).
     """
 
-    window_size: int = 32
-    kernel_size: int = 63
-    prompt_budget: int = 2048
-    page_size: int = 4
-    topk: int = 64
-    topr: int | None = None
-    summary_dtype: str = "float8_e5m2"
+    window_size: int = knob(32, ge=1)
+    kernel_size: int = knob(63, ge=1)
+    prompt_budget: int = knob(2048, ge=1)
+    page_size: int = knob(4, ge=1)
+    topk: int = knob(64, ge=1, doc="pages per query")
+    topr: int | None = knob(None, ge=1)
+    summary_dtype: str = knob("float8_e5m2", choices=SUMMARY_DTYPES)
 
     def __post_init__(self) -> None:
+        check_knobs(self, "rocketkv")
         check_prompt_budget("rocketkv", self.window_size, self.kernel_size, self.prompt_budget)
         check_page_knobs("rocketkv", self.page_size, self.topk, self.summary_dtype)
-        if self.topr is not None and self.topr < 1:
-            raise ValueError(f"rocketkv: topr must be >= 1 (or None = head_dim), got {self.topr}")
 
 
 @register_selector

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..metadata import PHASES
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ..sparse.knobs import check_knobs, knob
 
 __all__ = ["SkipSoftmaxConfig", "SkipSoftmaxSelector", "measure_skip_fraction", "fit_threshold_formula",
            "ThresholdFit"]
@@ -36,19 +37,14 @@ class SkipSoftmaxConfig:
     A phase with neither an explicit factor nor a calibrated target stays dense (factor 0).
     """
 
-    threshold_scale_factor_context: float | None = None
-    threshold_scale_factor_generation: float | None = None
-    target_sparsity: float | None = None
-    calibration: dict[str, tuple[float, float]] = field(default_factory=dict)
+    threshold_scale_factor_context: float | None = knob(None, ge=0)
+    threshold_scale_factor_generation: float | None = knob(None, ge=0)
+    target_sparsity: float | None = knob(None, ge=0, lt=1)
+    calibration: dict[str, tuple[float, float]] = knob(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("threshold_scale_factor_context", "threshold_scale_factor_generation"):
-            value = getattr(self, name)
-            if value is not None and not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"skip_softmax: {name} must be a finite float >= 0 (0 = off), got {value}")
+        check_knobs(self, "skip_softmax")
         if self.target_sparsity is not None:
-            if not 0.0 <= self.target_sparsity < 1.0:
-                raise ValueError(f"skip_softmax: target_sparsity must be in [0, 1), got {self.target_sparsity}")
             missing = [p for p in PHASE_KEYS if p not in self.calibration
                        and getattr(self, f"threshold_scale_factor_{p}") is None]
             if missing:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sparse import Capabilities, SelectorInputs, SparseSelector, register_selector
+from ..sparse.knobs import check_knobs, knob
 from ._prefill_scoring import PromptBudget, check_prompt_budget, pack_kept, snap_keep, snap_keep_golden
 
 __all__ = ["SnapKVConfig", "SnapKVSelector"]
@@ -22,11 +23,12 @@ class SnapKVConfig:
     """``window_size`` 32 and max-pool ``kernel_size`` 7 are SnapKV's published LongBench setting
     (``ablation_c1024_w32_k7_maxpool``); ``prompt_budget`` (1024) counts the window too."""
 
-    window_size: int = 32
-    kernel_size: int = 7
-    prompt_budget: int = 1024
+    window_size: int = knob(32, ge=1)
+    kernel_size: int = knob(7, ge=1)
+    prompt_budget: int = knob(1024, ge=1)
 
     def __post_init__(self) -> None:
+        check_knobs(self, "snapkv")
         check_prompt_budget("snapkv", self.window_size, self.kernel_size, self.prompt_budget)
 
 

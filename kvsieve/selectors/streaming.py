@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ..sparse.knobs import check_knobs, knob
 
 __all__ = ["StreamingConfig", "StreamingSelector", "streaming_topk"]
 
@@ -15,24 +16,27 @@ __all__ = ["StreamingConfig", "StreamingSelector", "streaming_topk"]
 class StreamingConfig:
     """``budget`` tokens per query: the first ``num_sink`` plus the most recent ``budget - num_sink``."""
 
-    budget: int = 256
-    num_sink: int = 4
+    budget: int = knob(256, ge=1)
+    num_sink: int = knob(4, ge=0)
 
     def __post_init__(self) -> None:
-        if self.budget < 1:
-            raise ValueError(f"streaming: budget must be >= 1, got {self.budget}")
+        check_knobs(self, "streaming")
         if not 0 <= self.num_sink < self.budget:
             raise ValueError(f"streaming: num_sink must be in [0, budget={self.budget}), got {self.num_sink}")
 
 
 def streaming_topk(kv_lens: torch.Tensor, budget: int, num_sink: int) -> torch.Tensor:
-    """int32 ``[num_tokens, budget]``: sinks then window per query, ``-1`` where nothing is selected.
+    """int32 ``[num_tokens, width]``: sinks then window per query, ``-1`` where nothing is selected.
 
     ``kv_lens [num_tokens]``: positions each query may attend. A query with ``kv_len <= budget``
-    gets every position.
+    gets every position; ``width`` is ``budget``, capped past the longest context (a budget above
+    the context means everything, without allocating the budget).
     """
-    window = budget - num_sink
     lens = kv_lens.to(torch.int64).unsqueeze(1)
+    longest = int(lens.max()) if lens.numel() else 0
+    num_sink = min(num_sink, longest)
+    budget = min(budget, longest + num_sink + 1)
+    window = budget - num_sink
     sinks = torch.arange(num_sink, device=kv_lens.device).expand(lens.shape[0], num_sink)
     recent = lens - window + torch.arange(window, device=kv_lens.device)
     sinks = torch.where(sinks < lens, sinks, -1)

@@ -1,17 +1,24 @@
 """A small step driver (the engine role: ledger, metadata, layers, evictions) used by tests, the demo and eval.
 
-``begin_step`` commits the step's tokens to the ledger, fills :class:`AttentionMetadata` and runs
-``prepare()``; the caller then runs its layers; ``end_step`` commits evictions. ``step`` does all
-three for callers whose per-layer inputs are known up front.
+A step is all-or-nothing. ``begin_step`` checks the whole batch before it changes anything
+(:meth:`Engine.check_batch`), snapshots what the step may write (ledger, allocator, the pool
+rows of the batch's blocks), appends the step's tokens to the ledger, fills
+:class:`AttentionMetadata` and runs ``prepare()``; the caller then runs its layers; ``end_step``
+commits evictions and drops the snapshot, or ``abort_step`` puts the snapshot back. ``step``
+does all of it for callers whose per-layer inputs are known up front and aborts on any error, so
+a failed ``step`` leaves the ledger, the allocator and the pools exactly as before the call.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..metadata import AttentionMetadata, KVCacheManager
+from ..metadata.kv_cache import CacheSnapshot
 from .attention import LayerOutput, SparseAttention, commit_evictions
+from .knobs import check_value
 
 __all__ = ["Engine"]
 
@@ -21,41 +28,129 @@ class Engine:
 
     def __init__(self, cache: KVCacheManager, layers: Sequence[SparseAttention], *, max_num_requests: int,
                  max_num_tokens: int, translations: Sequence[str] | None = None) -> None:
+        check_value("Engine.max_num_requests", max_num_requests, int, ge=1)
+        check_value("Engine.max_num_tokens", max_num_tokens, int, ge=1)
         needed = sorted({t for layer in layers for t in layer.backend.required_translations})
         self.cache = cache
         self.layers = list(layers)
         self.metadata = AttentionMetadata(kv_cache_manager=cache, max_num_requests=max_num_requests,
                                           max_num_tokens=max_num_tokens,
                                           translations=translations if translations is not None else needed)
+        self._snapshot: CacheSnapshot | None = None
+
+    def check_batch(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int) -> int:
+        """Raise (changing nothing) unless the batch can run: ``request_ids`` unique ints,
+        ``seq_lens`` ints >= 1 of the same length, ``0 <= num_contexts <= len(request_ids)``,
+        every generation request (index >= ``num_contexts``) already prefilled, at most
+        ``max_num_requests`` requests and ``max_num_tokens`` tokens, and room in the cache
+        (slots, blocks, ``max_blocks_per_seq``) for all appends together. Returns the number of
+        blocks the step will allocate."""
+        if len(request_ids) != len(seq_lens):
+            raise ValueError(f"request_ids ({len(request_ids)}) and seq_lens ({len(seq_lens)}) must have the same length")
+        for name, values in (("request_ids", request_ids), ("seq_lens", seq_lens)):
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise TypeError(f"{name} entries must be ints, got {type(v).__name__} {v!r}")
+        if isinstance(num_contexts, bool) or not isinstance(num_contexts, (int, np.integer)):
+            raise TypeError(f"num_contexts must be an int, got {type(num_contexts).__name__} {num_contexts!r}")
+        if not 0 <= num_contexts <= len(request_ids):
+            raise ValueError(f"num_contexts must be in [0, {len(request_ids)}] (the number of requests), got {num_contexts}")
+        bad = [(r, n) for r, n in zip(request_ids, seq_lens) if n < 1]
+        if bad:
+            raise ValueError(f"seq_lens must be >= 1 (new tokens per request); request {bad[0][0]} has {bad[0][1]}")
+        md = self.metadata
+        if len(request_ids) > md.max_num_requests:
+            raise ValueError(f"{len(request_ids)} requests exceed max_num_requests={md.max_num_requests}")
+        if sum(int(n) for n in seq_lens) > md.max_num_tokens:
+            raise ValueError(f"seq_lens sum to {sum(int(n) for n in seq_lens)} tokens > max_num_tokens={md.max_num_tokens}")
+        for rid in request_ids[num_contexts:]:
+            if rid not in self.cache.request_ids or self.cache.valid_len(rid) == 0:
+                raise ValueError(f"generation request {rid} was never prefilled: put new requests among the first "
+                                 f"num_contexts={num_contexts} (context) entries")
+        return self.cache.check_appends([(int(r), int(n)) for r, n in zip(request_ids, seq_lens)])
 
     def begin_step(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int) -> AttentionMetadata:
-        """Context requests first. A request id not yet in the cache is added."""
-        if len(request_ids) != len(seq_lens):
-            raise ValueError("request_ids and seq_lens must have the same length")
-        for rid, n in zip(request_ids, seq_lens):
-            if rid not in self.cache.request_ids:
-                self.cache.add_request(rid)
-            self.cache.append_tokens(rid, int(n))
-        md = self.metadata
-        md.request_ids = list(request_ids)
-        md.seq_lens = list(seq_lens)
-        md.num_contexts = num_contexts
-        md.prepare()
+        """Context requests first. A request id not yet in the cache is added. Call
+        :meth:`end_step` after the layers ran, or :meth:`abort_step` if one failed."""
+        if self._snapshot is not None:
+            raise RuntimeError("begin_step: the previous step was neither ended nor aborted")
+        new_blocks = self.check_batch(request_ids, seq_lens, num_contexts)
+        written = self._blocks_written(request_ids, num_contexts) + self.cache.allocator.peek(new_blocks)
+        self._snapshot = self.cache.snapshot(written)
+        try:
+            for rid, n in zip(request_ids, seq_lens):
+                if rid not in self.cache.request_ids:
+                    self.cache.add_request(int(rid))
+                self.cache.append_tokens(int(rid), int(n))
+            md = self.metadata
+            md.request_ids = list(request_ids)
+            md.seq_lens = list(seq_lens)
+            md.num_contexts = num_contexts
+            md.prepare()
+        except BaseException:
+            self.abort_step()
+            raise
         return md
 
     def end_step(self) -> dict[int, int]:
         """Commit evictions recorded by the layers; returns request id -> kept length."""
-        return commit_evictions(self.metadata)
+        try:
+            done = commit_evictions(self.metadata)
+        except BaseException:
+            self.abort_step()
+            raise
+        self._snapshot = None
+        return done
+
+    def abort_step(self) -> None:
+        """Undo the step begun by :meth:`begin_step`: ledger, allocator and the pool rows it may
+        have written (main and auxiliary pools) are restored; recorded evictions are dropped."""
+        if self._snapshot is None:
+            raise RuntimeError("abort_step: no step in progress")
+        self.cache.restore(self._snapshot)
+        self._snapshot = None
+        self.metadata.pending_kv_lens.clear()
+        self.metadata.prepared = False
 
     def step(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int,
              layer_inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
              ) -> list[LayerOutput]:
+        """One whole step; on any error the cache is left exactly as before the call."""
         if len(layer_inputs) != len(self.layers):
             raise ValueError(f"expected inputs for {len(self.layers)} layers, got {len(layer_inputs)}")
+        self.check_batch(request_ids, seq_lens, num_contexts)
+        num_tokens = sum(int(n) for n in seq_lens)
+        for i, inputs in enumerate(layer_inputs):
+            for name, t in zip(("q", "k", "v"), inputs):
+                if t is None:
+                    continue
+                if not t.is_floating_point():
+                    raise TypeError(f"layer {i}: {name} must be a floating-point tensor, got {t.dtype}")
+                if t.dim() < 2 or t.shape[0] != num_tokens:
+                    raise ValueError(f"layer {i}: {name} must have num_tokens={num_tokens} rows (sum of seq_lens), "
+                                     f"got shape {tuple(t.shape)}")
         md = self.begin_step(request_ids, seq_lens, num_contexts)
-        outs = [layer.forward(q, k, v, md) for layer, (q, k, v) in zip(self.layers, layer_inputs)]
+        try:
+            outs = [layer.forward(q, k, v, md) for layer, (q, k, v) in zip(self.layers, layer_inputs)]
+        except BaseException:
+            self.abort_step()
+            raise
         self.end_step()
         return outs
 
     def free(self, request_id: int) -> None:
         self.cache.free_request(request_id)
+
+    def _blocks_written(self, request_ids: Sequence[int], num_contexts: int) -> list[int]:
+        """Blocks held before the step that it may write: every block of a context request
+        (eviction compacts the whole prompt) and, for a generation request, the block holding its
+        first new position (later positions land in blocks this step allocates)."""
+        cache, p = self.cache, self.cache.tokens_per_block
+        blocks: list[int] = []
+        for i, rid in enumerate(request_ids):
+            if rid not in cache.request_ids:
+                continue
+            held = cache.block_ids(rid)
+            first = cache.valid_len(rid) // p
+            blocks += held if i < num_contexts else held[first:]
+        return blocks

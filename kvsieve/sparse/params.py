@@ -89,15 +89,17 @@ class SparseRuntimeParams:
         ``kv_lens [num_query_tokens]`` (valid positions each query may see) enables the range
         check of attention indices; ``prompt_lens [num_contexts]`` that of the kept indices.
         """
-        if self.sparse_attn_indices_block_size < 1:
+        bs = self.sparse_attn_indices_block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise ValueError(
                 "sparse_attn_indices_block_size must be >= 1 (1 = token indices), got "
                 f"{self.sparse_attn_indices_block_size}"
             )
         for phase in PHASES:
             value = self.threshold_scale_factor(phase)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"threshold_scale_factor_{phase} must be a finite float >= 0 (0 = off), got {value}")
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and math.isfinite(value) and value >= 0):
+                raise ValueError(f"threshold_scale_factor_{phase} must be a finite float >= 0 (0 = off), got {value!r}")
         if not self.selected_phases or not self.selected_phases <= set(PHASES):
             raise ValueError(f"selected_phases must be a non-empty subset of {list(PHASES)}, "
                              f"got {sorted(self.selected_phases)}")

@@ -76,7 +76,7 @@ def test_selection_equals_exact_topk(cfg):
     rig = Rig(**cfg)
     rig.step([0, 1], [30, 70], 2)  # fresh prompts: ragged prefill path
     rig.step([0, 1], [1, 1], 0)  # decode: paged path
-    p = rig.step([0, 2], [40, 60], 1)  # chunked prefill of request 0 (paged) + a new prompt (ragged)
+    p = rig.step([0, 2], [40, 60], 2)  # chunked prefill of request 0 (paged) + a new prompt (ragged)
     got = _sets(p, range(100))
     want0 = [{int(x) for x in row if x >= 0} for row in rig.expected(0, 40)]
     want2 = [{int(x) for x in row if x >= 0} for row in rig.expected(2, 60)]

@@ -67,7 +67,7 @@ def test_calibration_fit_hits_target_on_its_samples():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({}, "give threshold_scale_factor"),
-    ({"threshold_scale_factor_generation": -1.0}, "must be a finite float >= 0"),
+    ({"threshold_scale_factor_generation": -1.0}, "threshold_scale_factor_generation must be >= 0"),
     ({"target_sparsity": 1.5, "calibration": {"generation": (1.0, 1.0), "context": (1.0, 1.0)}}, r"in \[0, 1\)"),
     ({"target_sparsity": 0.5}, "needs calibration coefficients"),
     ({"target_sparsity": 0.5, "calibration": {"generation": (1, 1), "context": (1, 1), "x": (1, 1)}}, "calibration keys"),

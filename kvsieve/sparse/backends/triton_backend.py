@@ -80,7 +80,8 @@ class TritonBackend(AttentionBackend):
         idx, off, bs, factor = phase_selection(params, phase, rows)
         if geometry.kind == "mla":
             o, l = sparse_mla_decode(q[rows], mgr.latent_cache(layer_idx), metadata.block_table, tok_req, lens, idx,
-                                     off, geometry.kv_lora_rank, geometry.sm_scale, factor, stats)
+                                     off, geometry.kv_lora_rank, geometry.sm_scale, factor, stats,
+                                     block_size=bs)
             return o, l, "mla_gather"
         k_cache, v_cache = half_block_views(mgr.pools[layer_idx], mgr.spec.layout)
         kernel = paged_prefill if phase == "context" else sparse_gqa_decode

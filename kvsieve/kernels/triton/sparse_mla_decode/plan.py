@@ -20,7 +20,7 @@ def plan_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: to
                     token_to_req: torch.Tensor, kv_lens: torch.Tensor,
                     indices: torch.Tensor | None, offsets: torch.Tensor | None,
                     kv_lora_rank: int, sm_scale: float | None, threshold_scale_factor: float,
-                    stats: torch.Tensor | None, num_splits: int | None) -> GatherPlan:
+                    stats: torch.Tensor | None, num_splits: int | None, block_size: int = 1) -> GatherPlan:
     """Validate absorbed-MLA decode arguments (raises ValueError) and choose the launch."""
     check_tensor("q", q, 3, FLOAT_DTYPES)
     dev = q.device
@@ -40,12 +40,12 @@ def plan_mla_decode(q: torch.Tensor, latent_cache: torch.Tensor, block_table: to
     if num_heads < 1:
         raise ValueError("q: expected at least one head")
     check_query_meta(block_table, token_to_req, kv_lens, num_tokens, dev)
-    check_selection(indices, offsets, num_tokens, 1, 1, dev)
+    check_selection(indices, offsets, num_tokens, 1, block_size, dev)
     check_stats(stats, dev)
     arch = launch.detect_arch(dev)
     cfg = launch.mla_decode_config(arch, num_heads)
     n_hblocks = -(-num_heads // cfg.block_h)
-    tiles = walk_tiles_estimate(indices, num_tokens, 1, block_table, latent_cache.shape[1],
+    tiles = walk_tiles_estimate(indices, num_tokens, block_size, block_table, latent_cache.shape[1],
                                 cfg.block_n)
     splits = resolve_splits(num_splits, arch, num_tokens * n_hblocks, tiles, cfg.max_splits)
     return GatherPlan(arch, num_heads, cfg.block_h, kv_lora_rank, kv_lora_rank, True,

@@ -110,13 +110,13 @@ def _emit(ROW, CK, CI, n, thr, need, OUT, K, FROM_ROW: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
-def _radix_topk_kernel(S, LEN, OUT, STATS, rows, stride_s, stride_o, K,
+def _radix_topk_kernel(S, LEN, OUT, STATS, rows, width, stride_s, stride_o, K,
                        BLOCK: tl.constexpr, NUM_BINS: tl.constexpr):
     for r in range(tl.program_id(0), rows, tl.num_programs(0)):
         r64 = tl.zeros([1], tl.int64) + r  # 64-bit row offsets (the loop index is i32)
         row = S + r64 * stride_s
         out = OUT + r64 * stride_o
-        n = tl.load(LEN + r)
+        n = tl.minimum(tl.maximum(tl.load(LEN + r), 0), width)  # a length past the row reads the row
         thr = tl.zeros([1], tl.uint32)
         need = tl.zeros([1], tl.int32) + n
         if n > K:
@@ -125,7 +125,7 @@ def _radix_topk_kernel(S, LEN, OUT, STATS, rows, stride_s, stride_o, K,
 
 
 @triton.jit
-def _gvr_topk_kernel(S, LEN, OUT, STATS, CKEY, CIDX, rows, stride_s, stride_o, K, capacity,
+def _gvr_topk_kernel(S, LEN, OUT, STATS, CKEY, CIDX, rows, width, stride_s, stride_o, K, capacity,
                      BLOCK: tl.constexpr, SAMPLE: tl.constexpr, NUM_BINS: tl.constexpr,
                      HAS_STATS: tl.constexpr):
     pid = tl.program_id(0)
@@ -135,7 +135,7 @@ def _gvr_topk_kernel(S, LEN, OUT, STATS, CKEY, CIDX, rows, stride_s, stride_o, K
         r64 = tl.zeros([1], tl.int64) + r
         row = S + r64 * stride_s
         out = OUT + r64 * stride_o
-        n = tl.load(LEN + r)
+        n = tl.minimum(tl.maximum(tl.load(LEN + r), 0), width)
         fallback = 0
         if n <= K:
             _emit(row, row, LEN, n, tl.zeros([1], tl.uint32), tl.zeros([1], tl.int32) + n, out, K, True, BLOCK)
@@ -201,7 +201,7 @@ def radix_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, block: in
     rows = scores.shape[0]
     if rows:
         grid = (max(1, min(rows, num_programs)),)
-        _radix_topk_kernel[grid](scores, lengths, res, res, rows, scores.stride(0), res.stride(0), k,
+        _radix_topk_kernel[grid](scores, lengths, res, res, rows, scores.shape[1], scores.stride(0), res.stride(0), k,
                                  BLOCK=block, NUM_BINS=GVR_BINS, num_warps=num_warps)
     return res
 
@@ -225,7 +225,7 @@ def gvr_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, capacity: int,
     if rows:
         grid = (max(1, min(rows, workspace.shape[1])),)
         _gvr_topk_kernel[grid](scores, lengths, res, stats if stats is not None else res, workspace[0],
-                               workspace[1], rows, scores.stride(0), res.stride(0), k, capacity,
+                               workspace[1], rows, scores.shape[1], scores.stride(0), res.stride(0), k, capacity,
                                BLOCK=block, SAMPLE=GVR_SAMPLE, NUM_BINS=GVR_BINS,
                                HAS_STATS=stats is not None, num_warps=num_warps)
     return res

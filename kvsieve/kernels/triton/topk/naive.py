@@ -49,14 +49,15 @@ def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
 
 
 def torch_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``torch`` engine: ``torch.topk`` per row over the valid prefix, ``-1`` padded."""
+    """The ``torch`` engine: ``torch.topk`` per row over the valid prefix, ``-1`` padded; a
+    row of ``length <= k`` gives ``0..n-1`` (the contract of every engine)."""
     check_topk_args(scores, lengths, k)
     rows, width = scores.shape
     out = torch.full((rows, k), -1, dtype=torch.int32, device=scores.device)
     if rows == 0 or width == 0:
         return out
     kk = min(k, width)
-    lens = lengths.to(torch.int64)
+    lens = lengths.to(torch.int64).clamp(0, width)
     valid = torch.arange(width, device=scores.device) < lens.unsqueeze(1)
     _, idx = scores.masked_fill(~valid, float("-inf")).topk(kk, dim=1)
     picked_valid = torch.gather(valid, 1, idx)
@@ -69,6 +70,9 @@ def torch_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Ten
         idx[bad] = keys.topk(kk, dim=1).indices
         picked_valid = torch.gather(valid, 1, idx)
     out[:, :kk] = torch.where(picked_valid, idx, -1).to(torch.int32)
+    pos = torch.arange(kk, device=scores.device)
+    short = lens <= k
+    out[short, :kk] = torch.where(pos < lens[short].unsqueeze(1), pos, -1).to(torch.int32)
     return out
 
 
@@ -112,7 +116,7 @@ def radix_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Ten
     rows, width = scores.shape
     if rows == 0 or width == 0:
         return torch.full((rows, k), -1, dtype=torch.int32, device=scores.device)
-    lens = lengths.to(torch.int64)
+    lens = lengths.to(torch.int64).clamp(0, width)  # a length past the row reads the row
     keys = ordered_keys(scores)
     valid = torch.arange(width, device=scores.device) < lens.unsqueeze(1)
     short = lens <= k
@@ -158,7 +162,7 @@ def gvr_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, capacity: int,
     if stats is not None:
         stats.zero_()
     for r in range(rows):
-        n = int(lengths[r])
+        n = min(max(int(lengths[r]), 0), width)
         if n <= k:
             out[r, :n] = torch.arange(n, dtype=torch.int32, device=scores.device)
             continue

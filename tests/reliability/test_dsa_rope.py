@@ -1,0 +1,50 @@
+"""DSAConfig.rope_theta is honoured: the default RoPE tables come from it, and projections made for
+another theta are refused naming it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsieve.selectors.dsa_projections import IndexerInputs, IndexerProjections, apply_rope, rope_cos_sin
+
+from .rig import make_rig
+
+GEOM = dict(n_heads=2, head_dim=8, rope_dim=4, index_topk=3, index_k_dtype="float32", topk_engine="torch")
+
+
+def _projections(theta: float, seed: int = 0) -> IndexerProjections:
+    torch.manual_seed(seed)
+    return IndexerProjections(16, 2, 8, 4, rope_theta=theta)
+
+
+def test_projections_of_another_theta_are_refused():
+    rig = make_rig("dsa", {**GEOM, "rope_theta": 500.0}, num_layers=1)
+    with pytest.raises(ValueError, match=r"rope_theta=10000.0; the config has .* 500.0"):
+        rig.engine.layers[0].plan.selector.set_projections({0: _projections(10000.0)})
+
+
+@pytest.mark.parametrize("theta", [500.0, 10000.0])
+def test_index_keys_use_the_configured_theta(theta):
+    """The selection from hidden states equals the one from index tensors rotated by hand with
+    ``theta``; with theta 500 vs 10000 the positions rotate differently, so a wrong theta shows."""
+    proj = _projections(theta)
+    hidden_rig = make_rig("dsa", {**GEOM, "rope_theta": theta}, num_layers=1)
+    finished_rig = make_rig("dsa", {**GEOM, "rope_theta": theta}, num_layers=1)
+    hidden_rig.engine.layers[0].plan.selector.set_projections({0: proj})
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(24, 16, generator=gen)
+    with torch.no_grad():
+        q = proj.wq(hidden).view(24, 2, 8)
+        k = proj.k_norm(proj.wk(hidden))
+        w = proj.weights_proj(hidden) * (8 ** -0.5 * 2 ** -0.5)
+        cos, sin = rope_cos_sin(torch.arange(24), 4, theta)
+        q = torch.cat([apply_rope(q[..., :4], cos, sin, False), q[..., 4:]], -1)
+        k = torch.cat([apply_rope(k[..., :4], cos, sin, False), k[..., 4:]], -1)
+    inputs = hidden_rig.inputs(24, seed=4)
+    hidden_rig.engine.layers[0].plan.selector.set_indexer_inputs(0, IndexerInputs(hidden=hidden))
+    finished_rig.engine.layers[0].plan.selector.set_indexer_inputs(0, IndexerInputs(q_index=q, k_index=k, weights=w))
+    got = hidden_rig.engine.step([1], [24], 1, inputs)[0].out
+    want = finished_rig.engine.step([1], [24], 1, inputs)[0].out
+    p_got, p_want = (r.engine.layers[0].last.params for r in (hidden_rig, finished_rig))
+    assert torch.equal(p_got.sparse_attn_indices, p_want.sparse_attn_indices)
+    torch.testing.assert_close(got, want)

@@ -40,8 +40,9 @@ import torch
 
 from ..metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
 from ..sparse import Engine, SparseAttention, SparseAttentionConfig, get_backend, lower_config
-from ..sparse.backends import AttentionBackend, AttentionGeometry
-from ..sparse.params import SparseRuntimeParams
+from ..sparse.backends import default_backend
+from .attention_features import LayerFeatures, check_call, read_layer_features
+from .feature_backend import FeatureBackend, gather_request_kv
 
 __all__ = ["KvsieveSession", "ATTN_IMPLEMENTATION", "register_attention", "LayerObserver", "gather_request_kv"]
 
@@ -60,11 +61,19 @@ def _attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if session is None:
         raise RuntimeError(f"attention implementation {ATTN_IMPLEMENTATION!r} needs a KvsieveSession built on "
                            "this model (KvsieveSession(model, config))")
+    if attention_mask is not None:
+        raise ValueError(f"layer {module.layer_idx}: an attention_mask reached kvsieve's attention; kvsieve "
+                         "applies causality and windows itself and cannot apply another mask")
+    check_call(module.layer_idx, session.features[module.layer_idx], {"scaling": scaling, "dropout": dropout, **kwargs})
     return session._attend(module.layer_idx, query, key, value), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """Mask function for ``AttentionMaskInterface``: kvsieve masks causally from its ledger."""
+def _no_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """Mask function for ``AttentionMaskInterface``: kvsieve masks causally (and by window) from its
+    ledger. A padding mask that hides any position is refused: rows are equal-length, unpadded."""
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("attention_mask hides positions (padding); kvsieve runs equal-length rows without "
+                         "padding — pass unpadded rows of equal length")
     return None
 
 
@@ -77,69 +86,13 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 
 
-def gather_request_kv(cache: KVCacheManager, layer_idx: int, request_id: int, *, head_major: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's valid K and V of a GQA layer, copied whole block by whole block (one
-    ``index_select`` over the block ids instead of a per-position gather).
-
-    Returns ``[L, Hkv, D]`` each, or ``[Hkv, L, D]`` with ``head_major``.
-    """
-    if cache.spec.kind != "gqa":
-        raise ValueError(f"gather_request_kv: GQA caches only, this one is {cache.spec.kind!r}")
-    kv_len = cache.valid_len(request_id)
-    blocks = torch.as_tensor(cache.block_ids(request_id), dtype=torch.long, device=cache.pools[layer_idx].device)
-    sel = cache.pools[layer_idx].index_select(0, blocks)
-    if cache.spec.layout == "NHD":  # [n, 2, P, Hkv, D] -> [2, Hkv, n, P, D]
-        sel = sel.permute(1, 3, 0, 2, 4)
-    else:  # [n, 2, Hkv, P, D]
-        sel = sel.permute(1, 2, 0, 3, 4)
-    kv = sel.reshape(2, sel.shape[1], -1, sel.shape[-1])[:, :, :kv_len]
-    if not head_major:
-        kv = kv.transpose(1, 2)
-    return kv[0], kv[1]
-
-
-class _DenseSdpaFastPath(AttentionBackend):
-    """Wraps a backend: a layer step with no selection (no attention indices, no skip-softmax
-    threshold; prompt-eviction indices alone do not change the attention) runs torch SDPA over
-    each request's K/V gathered from the paged cache; any selection goes to the wrapped backend.
-
-    The dense prefill of a 4K prompt through the Vanilla golden materializes ``[H, S, L]`` fp32
-    scores per layer; SDPA is the same math, fused. SDPA returns no LSE, so the fast rows carry
-    ``lse = NaN`` (transformers never reads it).
-    """
-
-    def __init__(self, inner: AttentionBackend) -> None:
-        self.inner = inner
-        self.name = f"{inner.name}+sdpa_dense"
-        self.required_translations = inner.required_translations
-        self.kv_page_granular = inner.kv_page_granular
-
-    def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
-                params: SparseRuntimeParams | None) -> tuple[torch.Tensor, torch.Tensor]:
-        selects = params is not None and (params.sparse_attn_indices is not None or params.threshold_scale_factor > 0)
-        if selects or geometry.kind != "gqa":
-            return self.inner.forward(q, metadata, layer_idx, geometry, params)
-        mgr = metadata.kv_cache_manager
-        out = torch.zeros(q.shape[0], q.shape[1], geometry.value_dim, dtype=q.dtype, device=q.device)
-        for i, rid in enumerate(metadata.request_ids):
-            t0, t1 = (int(x) for x in metadata.query_start_host[i: i + 2])
-            if t1 == t0:
-                continue
-            k, v = gather_request_kv(mgr, layer_idx, rid, head_major=True)  # [Hkv, L, D]
-            n, kv_len = t1 - t0, k.shape[1]
-            mask = None
-            if 1 < n < kv_len:  # bottom-right aligned causal mask
-                mask = torch.arange(kv_len, device=q.device) <= (kv_len - n + torch.arange(n, device=q.device))[:, None]
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q[t0:t1].transpose(0, 1).unsqueeze(0), k.to(q.dtype).unsqueeze(0), v.to(q.dtype).unsqueeze(0),
-                attn_mask=mask, is_causal=n == kv_len and n > 1, scale=geometry.sm_scale, enable_gqa=True)
-            out[t0:t1] = o[0].transpose(0, 1)
-        return out, torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
-
-    def effective_attended_tokens(self, params: SparseRuntimeParams | None, metadata: AttentionMetadata,
-                                  geometry: AttentionGeometry) -> torch.Tensor:
-        return self.inner.effective_attended_tokens(params, metadata, geometry)
+def _head_dims(cfg: Any) -> tuple[int, int]:
+    """(key/query head dim, value head dim) of the tensors transformers hands the attention function."""
+    if hasattr(cfg, "kv_lora_rank"):  # MLA: decompressed nope + rope keys, separate value width
+        key = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        return key, cfg.v_head_dim
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return head_dim, head_dim
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -148,6 +101,10 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
         raise ValueError(f"model: expected a decoder with .layers[i].self_attn, got {type(model).__name__}")
     return [layer.self_attn for layer in layers]
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width)) if width else x
 
 
 class KvsieveSession:
@@ -162,7 +119,7 @@ class KvsieveSession:
     """
 
     def __init__(self, model: torch.nn.Module, config: SparseAttentionConfig | None = None, *,
-                 backend: str = "vanilla", max_tokens: int = 8448, max_batch: int = 1, tokens_per_block: int = 16,
+                 backend: str | None = None, max_tokens: int = 8448, max_batch: int = 1, tokens_per_block: int = 16,
                  dense_fast_path: bool = True, decode_threads: int | None = None, debug: bool = False) -> None:
         if decode_threads is not None and decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1 or None, got {decode_threads}")
@@ -173,9 +130,13 @@ class KvsieveSession:
         self.model = model
         self.modules = _attention_modules(model)
         self.num_layers = len(self.modules)
+        self.features: list[LayerFeatures] = read_layer_features(cfg, self.modules)
         num_q = cfg.num_attention_heads
-        num_kv = getattr(cfg, "num_key_value_heads", None) or num_q
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_q
+        self.key_dim, self.value_dim = _head_dims(cfg)
+        # MLA models (DeepSeek) hand over decompressed per-head K and V: multi-head attention
+        num_kv = num_q if self.key_dim != self.value_dim or hasattr(cfg, "kv_lora_rank") else (
+            getattr(cfg, "num_key_value_heads", None) or num_q)
+        head_dim = max(self.key_dim, self.value_dim)  # the narrower of K/V is zero-padded (exact)
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
         blocks_per_seq = -(-max_tokens // tokens_per_block)
@@ -183,12 +144,12 @@ class KvsieveSession:
             num_layers=self.num_layers, num_blocks=max_batch * blocks_per_seq + 1, tokens_per_block=tokens_per_block,
             num_kv_heads=num_kv, head_dim=head_dim, dtype=dtype, device=device, max_requests=max_batch,
             max_blocks_per_seq=blocks_per_seq))
-        inner = get_backend(backend)
-        self.backend = _DenseSdpaFastPath(inner) if dense_fast_path else inner
+        self.backend = FeatureBackend(get_backend(backend or default_backend(device)), self.features,
+                                      dense_fast_path=dense_fast_path)
         self.layers = [
             SparseAttention(layer_idx=i, num_q_heads=num_q, num_kv_heads=num_kv, head_dim=head_dim,
-                            backend=self.backend, sm_scale=float(getattr(m, "scaling", head_dim ** -0.5)), debug=debug)
-            for i, m in enumerate(self.modules)
+                            backend=self.backend, sm_scale=f.scaling, debug=debug)
+            for i, f in enumerate(self.features)
         ]
         self.engine = Engine(self.cache, self.layers, max_num_requests=max_batch,
                              max_num_tokens=max_batch * max_tokens)
@@ -211,11 +172,25 @@ class KvsieveSession:
 
     # ---- configuration ------------------------------------------------------------------
     def set_config(self, config: SparseAttentionConfig | None) -> None:
-        """Lower ``config`` to per-layer plans and install them; takes effect at the next step."""
-        plans = lower_config(config, num_layers=self.num_layers, device=self.device)
-        for layer, plan in zip(self.layers, plans):
+        """Lower ``config`` to per-layer plans and install them; takes effect at the next step.
+
+        The model's layer types reach :func:`lower_config`, so ``config.layer_types`` can name them
+        (by default a selector runs only on the full-attention layers of an interleaved model).
+        A selector on a windowed layer chooses within the window (its picks outside are dropped);
+        a selector that evicts prompt tokens is refused on a model with windowed layers."""
+        plans = lower_config(config, num_layers=self.num_layers, device=self.device,
+                             layer_types=[f.layer_type for f in self.features])
+        for i, (layer, plan, f) in enumerate(zip(self.layers, plans, self.features)):
             if plan is not None:
                 plan.selector.check_support(attention_kind="gqa")
+                if plan.selector.capabilities.evicts and f.window is not None:
+                    raise ValueError(f"selector {config.selector!r} evicts prompt tokens, which a sliding-window "
+                                     f"layer (layer {i}: {f.describe()}) cannot honour: eviction renumbers the "
+                                     "positions the window is defined on")
+                if f.softcap is not None and plan.selector.name == "skip_softmax":
+                    raise ValueError(f"selector 'skip_softmax' thresholds the raw scores, which layer {i} "
+                                     f"soft-caps ({f.describe()}); not supported")
+        for layer, plan in zip(self.layers, plans):
             layer.plan = plan
         self.config = config
 
@@ -327,21 +302,31 @@ class KvsieveSession:
             if self._driven or layer_idx != 0:
                 raise RuntimeError(f"kvsieve step not open at layer {layer_idx}")
             self._open_step(b, s, new_requests=key.shape[2] == s)
-        k = key[:, :, -s:].transpose(1, 2).reshape(b * s, key.shape[1], d)
-        v = value[:, :, -s:].transpose(1, 2).reshape(b * s, value.shape[1], value.shape[-1])
-        q = query.transpose(1, 2).reshape(b * s, hq, d)
         layer = self.layers[layer_idx]
+        g = layer.geometry
+        if (hq, d, value.shape[-1]) != (g.num_q_heads, self.key_dim, self.value_dim) or key.shape[1] != g.num_kv_heads:
+            raise ValueError(f"layer {layer_idx}: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                             f"{tuple(value.shape)} do not match the session's heads ({g.num_q_heads} q, "
+                             f"{g.num_kv_heads} kv) and head dims (key {self.key_dim}, value {self.value_dim})")
+        pad = g.head_dim - d, g.head_dim - value.shape[-1]  # zero columns change no dot product
+        k = _pad(key[:, :, -s:], pad[0]).transpose(1, 2).reshape(b * s, key.shape[1], g.head_dim)
+        v = _pad(value[:, :, -s:], pad[1]).transpose(1, 2).reshape(b * s, value.shape[1], g.head_dim)
+        q = _pad(query, pad[0]).transpose(1, 2).reshape(b * s, hq, g.head_dim)
         md = self.engine.metadata
         out, _ = layer.forward(q, k, v, md)
+        out = out[..., : self.value_dim]
         # dense = every position each new token has seen, eviction notwithstanding
         first = self._next_pos - s + 1
-        dense = b * layer.geometry.num_kv_heads * (s * first + s * (s - 1) // 2)
-        self._stats[self._phase][layer_idx] += (layer.last_stats.attended, dense)
+        dense = b * g.num_kv_heads * (s * first + s * (s - 1) // 2)
+        attended = layer.last_stats.attended
+        if self.features[layer_idx].window is not None:
+            attended = int(self.backend.attended_tokens(layer.last_params, md, layer_idx, g).sum())
+        self._stats[self._phase][layer_idx] += (attended, dense)
         for observer in self.observers:
             observer(layer_idx, q, out, md, layer)
         if not self._driven and layer_idx == self.num_layers - 1:
             self._close_step()
-        return out.view(b, s, hq, -1)
+        return out.reshape(b, s, hq, -1)
 
     # ---- reporting ----------------------------------------------------------------------
     def attended_fraction(self, phase: str = "generation") -> list[float | None]:

@@ -44,7 +44,7 @@ from ..sparse.backends import default_backend
 from .attention_features import LayerFeatures, check_call, read_layer_features
 from .feature_backend import FeatureBackend, gather_request_kv
 
-__all__ = ["KvsieveSession", "ATTN_IMPLEMENTATION", "register_attention", "LayerObserver", "gather_request_kv"]
+__all__ = ["apply", "KvsieveSession", "ATTN_IMPLEMENTATION", "register_attention", "LayerObserver", "gather_request_kv"]
 
 ATTN_IMPLEMENTATION = "kvsieve"
 _SESSION_ATTR = "kvsieve_session"
@@ -166,9 +166,28 @@ class KvsieveSession:
         self._phase = "context"
         self.set_config(config)
         register_attention()
+        self._previous_implementation = model.config._attn_implementation
         for m in self.modules:
             setattr(m, _SESSION_ATTR, self)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    def close(self) -> None:
+        """Detach from the model: its attention implementation returns to what it was before the
+        session, the modules lose their session reference and the paged cache is freed."""
+        for rid in list(self.cache.request_ids):
+            self.engine.free(rid)
+        self._request_ids = []
+        self._step_open = False
+        for m in self.modules:
+            if getattr(m, _SESSION_ATTR, None) is self:
+                delattr(m, _SESSION_ATTR)
+        self.model.set_attn_implementation(self._previous_implementation)
+
+    def __enter__(self) -> KvsieveSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ---- configuration ------------------------------------------------------------------
     def set_config(self, config: SparseAttentionConfig | None) -> None:
@@ -341,3 +360,29 @@ class KvsieveSession:
     def reset_stats(self) -> None:
         for acc in self._stats.values():
             acc[:] = 0
+
+
+def apply(model: torch.nn.Module, selector: str | None = None, *, backend: str | None = None,
+          layers: tuple[int, ...] | None = None, layer_types: tuple[str, ...] | None = None,
+          dense_layers: tuple[int, ...] = (), phases: tuple[str, ...] | None = None, max_tokens: int = 8448,
+          **params: Any) -> KvsieveSession:
+    """Route ``model``'s attention through kvsieve with ``selector`` (its config fields as keyword
+    arguments; ``None`` = dense); a context manager that restores the model on exit::
+
+        with kvsieve.apply(model, "quest", budget=256):
+            model.generate(input_ids, max_new_tokens=32)
+
+    ``layers`` / ``layer_types`` / ``dense_layers`` / ``phases``: see :class:`SparseAttentionConfig`.
+    ``model.generate`` keeps transformers' own cache (see the module docstring); the returned
+    session also offers kvsieve's own paged-cache stepping (:meth:`KvsieveSession.generate`)."""
+    config = None
+    if selector is not None:
+        config = SparseAttentionConfig(selector, params, dense_layers=tuple(dense_layers), phases=phases,
+                                       layers=layers, layer_types=layer_types)
+    else:
+        given = {**params, "layers": layers, "layer_types": layer_types, "dense_layers": dense_layers or None,
+                 "phases": phases}
+        if any(v is not None for v in given.values()):
+            raise ValueError(f"selector=None (dense) takes no selector settings, got "
+                             f"{sorted(k for k, v in given.items() if v is not None)}")
+    return KvsieveSession(model, config, backend=backend, max_tokens=max_tokens)

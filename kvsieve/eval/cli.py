@@ -15,9 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help="YAML sweep config (default: the built-in 'default' preset)")
     src.add_argument("--quick", action="store_true", help="the built-in quick preset (< 10 min on 2 CPU cores)")
-    p.add_argument("--model", help="'smollm2' (default), 'tiny-random', or a local transformers checkpoint dir")
+    p.add_argument("--model", help="a built-in ('smollm2' default, 'gemma3-270m', 'tiny-random'), a .gguf file, "
+                                   "or a transformers checkpoint folder")
     p.add_argument("--output-dir", help="where run folders, summary.csv and plots go")
-    p.add_argument("--backend", help="kvsieve attention backend (default: vanilla)")
+    p.add_argument("--backend", help="kvsieve attention backend (default: torch; 'vanilla' is the golden)")
+    p.add_argument("--check", type=int, metavar="N",
+                   help="compare N random generation steps with the vanilla golden during the run (raises on a mismatch)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, dotted, value in YAML (repeatable), e.g. "
                         "--set tasks.passkey.lengths=[1024] --set selectors.quest=null")
@@ -28,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(available_tasks()))
         return 0
     overrides = list(args.overrides)
-    for key in ("model", "output_dir", "backend"):
+    for key in ("model", "output_dir", "backend", "check"):
         value = getattr(args, key)
         if value is not None:
             overrides.append(f"{key}={value}")

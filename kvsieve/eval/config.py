@@ -134,7 +134,8 @@ class EvalConfig:
 
     model: str = "smollm2"
     output_dir: str = "eval_results"
-    backend: str = "vanilla"
+    backend: str = "torch"
+    check: int = 0
     seed: int = 0
     threads: int = 0
     tasks: list[TaskSpec] = field(default_factory=list)

@@ -119,7 +119,7 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
         max_len = max(r.length for cell in cells for r in cell)
         cpu = next(lm.model.parameters()).device.type == "cpu"
         session = KvsieveSession(lm.model, None, backend=cfg.backend, max_tokens=max_len + 256,
-                                 decode_threads=1 if cpu else None)
+                                 decode_threads=1 if cpu else None, check_steps=cfg.check)
         bar = _progress(total, progress)
         for cell, todo in zip(cells, pending):
             if todo:
@@ -128,6 +128,9 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
     rows = [_summary_row(out / r.folder) for cell in cells for r in cell if is_done(out / r.folder)]
     _write_csv(out / "summary.csv", rows, SUMMARY_FIELDS)
     write_plots(out, rows)
+    if total and session.golden_check is not None:
+        gc = session.golden_check
+        log(f"kvsieve eval: golden check: {gc.steps_checked} steps vs vanilla, max |diff| {gc.max_diff:.3g}")
     log(f"kvsieve eval: done in {time.perf_counter() - t_start:.0f} s; {out / 'summary.csv'}")
     return out
 
@@ -156,7 +159,8 @@ def _run_cell(session: KvsieveSession, lm: LoadedModel, cfg: EvalConfig, cell: l
     fractions: dict[str, list[list[float | None]]] = {r.folder: [] for r in execute}
     seconds = dict.fromkeys(rows, 0.0)
     for sample in samples:
-        ids = torch.tensor([lm.tokenizer.encode(sample.prompt, add_special_tokens=False)], dtype=torch.long)
+        # the tokenizer's own special tokens (Gemma needs its <bos>)
+        ids = torch.tensor([lm.tokenizer.encode(sample.prompt, add_special_tokens=True)], dtype=torch.long)
         prefix = task.prefix_len(ids.shape[1])
         shared_logits, reference = None, None
         for run in execute:

@@ -43,6 +43,7 @@ from ..sparse import Engine, SparseAttention, SparseAttentionConfig, get_backend
 from ..sparse.backends import default_backend
 from .attention_features import LayerFeatures, check_call, read_layer_features
 from .feature_backend import FeatureBackend, gather_request_kv
+from .golden_check import GOLDEN_TRANSLATIONS, GoldenCheck
 
 __all__ = ["apply", "KvsieveSession", "ATTN_IMPLEMENTATION", "register_attention", "LayerObserver", "gather_request_kv"]
 
@@ -115,12 +116,15 @@ class KvsieveSession:
     ``dense_fast_path``: run steps without a selection through torch SDPA over the paged KV
     (see :class:`_DenseSdpaFastPath`); ``max_tokens``: per-request capacity of the paged cache;
     ``decode_threads``: torch intra-op threads during :meth:`decode` (on a CPU, one thread is
-    faster for one-token steps: their ops are too small to repay thread hand-offs).
+    faster for one-token steps: their ops are too small to repay thread hand-offs);
+    ``check_steps``: compare that many random generation steps with the Vanilla golden
+    (:class:`~kvsieve.integrations.golden_check.GoldenCheck`, kept as :attr:`golden_check`).
     """
 
     def __init__(self, model: torch.nn.Module, config: SparseAttentionConfig | None = None, *,
                  backend: str | None = None, max_tokens: int = 8448, max_batch: int = 1, tokens_per_block: int = 16,
-                 dense_fast_path: bool = True, decode_threads: int | None = None, debug: bool = False) -> None:
+                 dense_fast_path: bool = True, decode_threads: int | None = None, debug: bool = False,
+                 check_steps: int = 0) -> None:
         if decode_threads is not None and decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1 or None, got {decode_threads}")
         if max_tokens < 1 or max_batch < 1 or tokens_per_block < 1:
@@ -151,12 +155,16 @@ class KvsieveSession:
                             backend=self.backend, sm_scale=f.scaling, debug=debug)
             for i, f in enumerate(self.features)
         ]
-        self.engine = Engine(self.cache, self.layers, max_num_requests=max_batch,
-                             max_num_tokens=max_batch * max_tokens)
+        needed = set(self.backend.required_translations)
+        self.engine = Engine(self.cache, self.layers, max_num_requests=max_batch, max_num_tokens=max_batch * max_tokens,
+                             translations=sorted(needed | set(GOLDEN_TRANSLATIONS)) if check_steps else None)
         self.max_batch = max_batch
         self.decode_threads = decode_threads
         self.device = device
         self.observers: list[LayerObserver] = []
+        self.golden_check = GoldenCheck(self.features, check_steps) if check_steps else None
+        if self.golden_check is not None:
+            self.observers.append(self.golden_check)
         self.config: SparseAttentionConfig | None = None
         self._request_ids: list[int] = []
         self._next_pos = 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,14 +105,20 @@ def _converted(gguf: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True,
                                                  dtype=torch.float32)
-    # a model read from a GGUF remembers its file and save_pretrained refuses it; the folder is plain
-    for obj in (model.config, getattr(model, "generation_config", None)):
-        if obj is not None and getattr(obj, "_gguf_file", None) is not None:
-            obj._gguf_file = None
+    # the weights are dequantized (fp32) but the model keeps its GGUF quantizer marker, with which
+    # save_pretrained refuses to write; cleared, the folder is a plain fp32 checkpoint
+    model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(target)  # atomic: a folder with config.json is always complete
+    try:
+        tmp.rename(target)  # atomic: a folder with config.json is always complete
+    except OSError:  # another process converted it meanwhile
+        if not (target / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp)
     return target
 
 

@@ -2,11 +2,14 @@
 
 ::
 
+    with kvsieve.apply(model, "quest", budget=256):      # one line; restores the model on exit
+        model.generate(input_ids, max_new_tokens=32)
+
     from kvsieve import SparseAttentionConfig
     from kvsieve.integrations.transformers import KvsieveSession
 
     cfg = SparseAttentionConfig("oracle_topk", {"budget": 64}, phases=("generation",))
-    session = KvsieveSession(model, cfg, backend="vanilla")
+    session = KvsieveSession(model, cfg)                 # backend: torch on CPU, triton on CUDA
     new_tokens = session.generate(input_ids, max_new_tokens=8)        # [B, n]
     session.attended_fraction("generation")                          # per layer
 
@@ -17,6 +20,11 @@ an ``[S, L]`` mask), then calls ``model.set_attn_implementation("kvsieve")``. Ev
 module gets a reference to the session; the attention function maps transformers' ``query
 [B, Hq, S, D]`` / ``key, value [B, Hkv, S_kv, D]`` (after RoPE, before GQA repetition) onto
 kvsieve's token-major ``[B*S, H, D]`` and runs that layer's :class:`SparseAttention`.
+
+Every layer's attention features (sliding window, softcap, sinks, scaling) are read when the
+session is built (:mod:`.attention_features`) and applied around the backend
+(:mod:`.feature_backend`); every call's keyword arguments are checked against them, and anything
+kvsieve does not implement raises, naming it.
 
 Two ways to drive it:
 
@@ -114,7 +122,7 @@ class KvsieveSession:
 
     ``config``: the selector (``None`` = dense everywhere); ``backend``: a kvsieve backend name;
     ``dense_fast_path``: run steps without a selection through torch SDPA over the paged KV
-    (see :class:`_DenseSdpaFastPath`); ``max_tokens``: per-request capacity of the paged cache;
+    (see :class:`~kvsieve.integrations.feature_backend.FeatureBackend`); ``max_tokens``: per-request capacity of the paged cache;
     ``decode_threads``: torch intra-op threads during :meth:`decode` (on a CPU, one thread is
     faster for one-token steps: their ops are too small to repay thread hand-offs);
     ``check_steps``: compare that many random generation steps with the Vanilla golden

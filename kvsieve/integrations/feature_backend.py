@@ -198,19 +198,35 @@ class FeatureBackend(AttentionBackend):
             if t1 == t0:
                 continue
             k, v = gather_request_kv(metadata.kv_cache_manager, layer_idx, rid, head_major=True)  # [Hkv, L, D]
+            k, v = k.to(q.dtype), v.to(q.dtype)
             n, kv_len = t1 - t0, k.shape[1]
-            mask = None
-            if window is not None and kv_len > window:
-                first = max(0, kv_len - n + 1 - window)  # the earliest key any of the n queries sees
-                k, v = k[:, first:], v[:, first:]
-                qpos = kv_len - n + torch.arange(n, device=q.device)
-                kpos = first + torch.arange(k.shape[1], device=q.device)
+            if window is None or kv_len <= window:
+                mask = None
+                if 1 < n < kv_len:  # bottom-right aligned causal mask
+                    mask = torch.arange(kv_len, device=q.device) <= (kv_len - n + torch.arange(n, device=q.device))[:, None]
+                out[t0:t1] = _sdpa(q[t0:t1], k, v, mask, mask is None and n == kv_len and n > 1, geometry.sm_scale)
+                continue
+            # windowed: query chunks, each against the keys its window spans (a band, not the square)
+            step = max(window, _WINDOW_CHUNK)
+            for c0 in range(0, n, step):
+                c1 = min(n, c0 + step)
+                qpos = kv_len - n + torch.arange(c0, c1, device=q.device)  # each query's position
+                first = max(0, int(qpos[0]) - window + 1)
+                kpos = torch.arange(first, int(qpos[-1]) + 1, device=q.device)
                 mask = (kpos <= qpos[:, None]) & (kpos > qpos[:, None] - window)
-            elif 1 < n < kv_len:  # bottom-right aligned causal mask
-                mask = torch.arange(kv_len, device=q.device) <= (kv_len - n + torch.arange(n, device=q.device))[:, None]
-            causal = mask is None and n == kv_len and n > 1
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q[t0:t1].transpose(0, 1).unsqueeze(0), k.to(q.dtype).unsqueeze(0), v.to(q.dtype).unsqueeze(0),
-                attn_mask=mask, is_causal=causal, scale=geometry.sm_scale, enable_gqa=True)
-            out[t0:t1] = o[0].transpose(0, 1)
+                out[t0 + c0:t0 + c1] = _sdpa(q[t0 + c0:t0 + c1], k[:, first:int(qpos[-1]) + 1],
+                                             v[:, first:int(qpos[-1]) + 1], mask, False, geometry.sm_scale)
         return out, torch.full(q.shape[:2], math.nan, dtype=torch.float32, device=q.device)
+
+
+#: query rows per SDPA call on a windowed layer (each call reads its rows' keys plus one window)
+_WINDOW_CHUNK = 1024
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+          scale: float) -> torch.Tensor:
+    """q ``[n, Hq, D]``, k/v ``[Hkv, L, D]`` -> ``[n, Hq, D]`` (torch SDPA, GQA)."""
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
+                                                         v.unsqueeze(0), attn_mask=mask, is_causal=causal,
+                                                         scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)

@@ -90,3 +90,14 @@ def test_transformers_driven_generate_matches() -> None:
     got = model.generate(ids, max_new_tokens=4, do_sample=False)
     want = ref.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_windowed_prefill_in_query_chunks(family: str, monkeypatch) -> None:
+    """The SDPA fast path runs a windowed prefill in chunks of query rows (each against its band of
+    keys); forced to chunks of one window (8 rows), parity holds across chunk borders."""
+    from kvsieve.integrations import feature_backend
+
+    monkeypatch.setattr(feature_backend, "_WINDOW_CHUNK", 1)
+    model, ref = build(family)
+    assert max_logit_diff(KvsieveSession(model, None, max_tokens=64), ref, _ids(), steps=1) < TOL

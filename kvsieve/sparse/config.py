@@ -8,6 +8,7 @@ import torch
 
 from .algorithm import ATTENTION_KINDS, PHASES, SparseSelector
 from .knobs import KnobError, check_knobs, check_value
+from .layer_plan import sparse_layers
 from .registry import create_selector
 
 __all__ = ["SparseAttentionConfig", "LayerPlan", "lower_config"]
@@ -26,17 +27,22 @@ class SparseAttentionConfig:
     """``selector`` name, its config fields, and which layers stay dense.
 
     ``dense_layers`` lists layer indices that run dense attention (negative indices count from
-    the end); ``phases`` restricts where the selector runs (default: all it supports). A list is
-    taken for either tuple; a bare string is refused (it is not a tuple of phases).
+    the end); ``phases`` restricts where the selector runs (default: all it supports).
+    ``layers`` (explicit indices) and ``layer_types`` (e.g. ``("full_attention",)``) choose the
+    layers the selector runs on; by default only the full-attention layers of a model that
+    interleaves layer types, else all (see :mod:`kvsieve.sparse.layer_plan`). A list is taken for
+    any of these tuples; a bare string is refused (it is not a tuple).
     """
 
     selector: str
     params: dict[str, Any] = field(default_factory=dict)
     dense_layers: tuple[int, ...] = ()
     phases: tuple[str, ...] | None = None
+    layers: tuple[int, ...] | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dense_layers", "phases"):
+        for name in ("dense_layers", "phases", "layers", "layer_types"):
             if isinstance(getattr(self, name), list):
                 setattr(self, name, tuple(getattr(self, name)))
         check_knobs(self, "SparseAttentionConfig")
@@ -49,8 +55,9 @@ class SparseAttentionConfig:
 
 
 def lower_config(config: SparseAttentionConfig | None, *, num_layers: int, attention_kind: str = "gqa",
-                 device: str | torch.device = "cpu") -> list[LayerPlan | None]:
-    """Resolve ``config`` into one plan per layer; raises at configuration time on anything unsupported."""
+                 device: str | torch.device = "cpu", layer_types: list[str] | None = None) -> list[LayerPlan | None]:
+    """Resolve ``config`` into one plan per layer; raises at configuration time on anything unsupported.
+    ``layer_types``: the model's type of each layer (``None``: every layer ``"full_attention"``)."""
     check_value("lower_config.num_layers", num_layers, int, ge=1)
     check_value("lower_config.attention_kind", attention_kind, str, choices=ATTENTION_KINDS)
     if config is None:
@@ -61,16 +68,15 @@ def lower_config(config: SparseAttentionConfig | None, *, num_layers: int, atten
     selector.check_support(attention_kind=attention_kind, device=device)
     for phase in config.phases or ():
         selector.check_support(phase=phase)
-    dense = set()
-    for i in config.dense_layers:
-        if not -num_layers <= i < num_layers:
-            raise ValueError(f"dense_layers entry {i} is outside [-{num_layers}, {num_layers})")
-        dense.add(i % num_layers)
+    chosen = sparse_layers(num_layers=num_layers, model_layer_types=layer_types, layers=config.layers,
+                           layer_types=config.layer_types, dense_layers=config.dense_layers)
+    dense = set(range(num_layers)) - chosen
     if dense and selector.capabilities.evicts:
         raise ValueError(
             f"selector {config.selector!r} evicts prompt tokens, which every layer must do alike "
-            f"(the ledger length is shared); dense_layers must be empty, got {sorted(dense)}"
+            f"(the ledger length is shared); it must run on every layer, but layers {sorted(dense)} are dense "
+            f"(dense_layers / layers / layer_types; the model's layer types: {sorted(set(layer_types or ['full_attention']))})"
         )
     phases = frozenset(config.phases) if config.phases else selector.capabilities.phases
     plan = LayerPlan(selector, phases)
-    return [None if i in dense else plan for i in range(num_layers)]
+    return [plan if i in chosen else None for i in range(num_layers)]

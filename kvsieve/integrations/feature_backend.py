@@ -1,0 +1,234 @@
+"""A backend wrapper that applies each layer's :class:`LayerFeatures` around any kvsieve backend.
+
+* **Sliding window = a selection.** A windowed layer's step gets token-granular
+  ``sparse_attn_indices`` covering each query's window (:func:`window_params`); when a selector
+  also chose, its selection is intersected with the window (so no backend ever reads outside
+  it, and the reported attended fraction counts only what was read). Every backend consumes
+  token selections, so every backend honours windows.
+* **Attention sinks** are applied exactly from the backend's ``(out, lse)``: a sink logit ``s_h``
+  joins the softmax with a zero value, so ``out' = out / (1 + exp(s_h - lse))`` per query head
+  (:func:`apply_sinks`). This needs a real LSE, so sink layers never take the SDPA fast path.
+* **Logit soft-capping** changes the scores inside the softmax; no kvsieve kernel implements it.
+  Softcap layers run :func:`softcapped_attention` (plain PyTorch over the selection mask, the
+  Vanilla golden's math with the cap) for the plain-PyTorch backends ``vanilla`` and ``torch``;
+  the kernel backends refuse softcap models by name (:func:`check_backend`).
+* **Dense fast path.** A step with no selection (only the window, if any) runs torch SDPA over
+  each request's K/V gathered from the paged cache, with a banded causal mask for windows. SDPA
+  returns no LSE, so such a step's result has ``lse=None`` (transformers never reads it).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..metadata import AttentionMetadata, KVCacheManager
+from ..metadata import PHASES
+from ..sparse.backends import AttentionBackend, AttentionGeometry, AttentionResult
+from ..sparse.backends.torch_backend import selected_positions
+from ..sparse.params import SparseRuntimeParams, is_dense
+from ..sparse.selection import selection_mask
+from .attention_features import LayerFeatures
+
+__all__ = ["FeatureBackend", "window_params", "apply_sinks", "softcapped_attention", "check_backend",
+           "gather_request_kv", "SOFTCAP_BACKENDS"]
+
+#: backends whose math is plain PyTorch, for which :func:`softcapped_attention` stands in
+SOFTCAP_BACKENDS = ("vanilla", "torch")
+
+
+def check_backend(backend: str, features: list[LayerFeatures]) -> None:
+    """Refuse a backend that cannot honour a feature some layer uses, naming both."""
+    caps = sorted({f.softcap for f in features if f.softcap is not None})
+    if caps and backend not in SOFTCAP_BACKENDS:
+        raise ValueError(f"backend {backend!r} cannot apply attention logit soft-capping "
+                         f"(attn_logit_softcapping={caps[0]}); use one of {list(SOFTCAP_BACKENDS)}")
+
+
+def gather_request_kv(cache: KVCacheManager, layer_idx: int, request_id: int, *, head_major: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's valid K and V of a GQA layer, copied whole block by whole block (one
+    ``index_select`` over the block ids instead of a per-position gather).
+
+    Returns ``[L, Hkv, D]`` each, or ``[Hkv, L, D]`` with ``head_major``.
+    """
+    if cache.spec.kind != "gqa":
+        raise ValueError(f"gather_request_kv: GQA caches only, this one is {cache.spec.kind!r}")
+    kv_len = cache.valid_len(request_id)
+    blocks = torch.as_tensor(cache.block_ids(request_id), dtype=torch.long, device=cache.pools[layer_idx].device)
+    sel = cache.pools[layer_idx].index_select(0, blocks)
+    if cache.spec.layout == "NHD":  # [n, 2, P, Hkv, D] -> [2, Hkv, n, P, D]
+        sel = sel.permute(1, 3, 0, 2, 4)
+    else:  # [n, 2, Hkv, P, D]
+        sel = sel.permute(1, 2, 0, 3, 4)
+    kv = sel.reshape(2, sel.shape[1], -1, sel.shape[-1])[:, :, :kv_len]
+    if not head_major:
+        kv = kv.transpose(1, 2)
+    return kv[0], kv[1]
+
+
+def window_params(params: SparseRuntimeParams | None, metadata: AttentionMetadata, num_kv_heads: int,
+                  window: int) -> SparseRuntimeParams:
+    """``params`` restricted to each query's last ``window`` positions ``[kv_len - window, kv_len)``
+    as a token selection of every phase (block size 1, ``[T, Hkv, <= window]`` packed by
+    :meth:`SparseRuntimeParams.from_topk`); every other field of ``params`` is kept.
+
+    Rows of a phase ``params`` does not select (or ``params=None``) get the window alone; rows it
+    selects keep their selected positions (blocks expanded to tokens) inside the window.
+    """
+    token_kv_lens = metadata.token_kv_lens
+    lens = token_kv_lens.to(torch.int64)
+    t = lens.numel()
+    lo = (lens - window).clamp_min(0)  # [T]
+    pos = lo.view(t, 1) + torch.arange(window, device=lens.device)  # [T, W]
+    pos = torch.where(pos < lens.view(t, 1), pos, -1).unsqueeze(1).expand(t, num_kv_heads, window).clone()
+    for phase in metadata.phases():
+        if params is None or not params.selects_positions(phase):
+            continue
+        rows = metadata.phase_rows(phase)
+        sel = selected_positions(params, token_kv_lens, num_kv_heads, rows).transpose(0, 1)  # [n, Hkv, K]
+        sel = torch.where(sel >= lo[rows].view(-1, 1, 1), sel, -1)
+        big = torch.iinfo(torch.int64).max
+        sel = torch.where(sel < 0, big, sel).sort(dim=-1).values[..., :window]
+        sel = torch.where(sel == big, -1, sel)
+        pos[rows] = torch.nn.functional.pad(sel, (0, window - sel.shape[-1]), value=-1)
+    fields = {} if params is None else {k: getattr(params, k) for k in (
+        "sparse_kv_indices", "sparse_kv_offsets", "threshold_scale_factor_context",
+        "threshold_scale_factor_generation")}
+    return SparseRuntimeParams.from_topk(pos.to(torch.int32).contiguous(), block_size=1,
+                                         selected_phases=frozenset(PHASES), **fields)
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Fold learned sink logits into a finished attention: ``out [T, Hq, Dv]``, natural-log
+    ``lse [T, Hq]`` (``+inf`` on empty rows, whose out is 0), ``sinks [Hq]``. A sink joins the
+    softmax denominator with a zero value: ``out / (1 + exp(sink - lse))``."""
+    if lse is None or torch.isnan(lse).any():
+        raise ValueError("apply_sinks needs a real LSE for every row; this backend path returned none")
+    scale = torch.sigmoid(lse.float() - sinks.float().view(1, -1))  # 1 / (1 + exp(sink - lse))
+    return (out.float() * scale.unsqueeze(-1)).to(out.dtype)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sm_scale: float,
+                         softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention in fp32 with scores ``softcap * tanh(q.k * sm_scale / softcap)``.
+
+    q ``[n, Hq, D]``, k ``[L, Hkv, D]``, v ``[L, Hkv, Dv]``, mask bool ``[Hkv, n, L]``.
+    Returns out ``[n, Hq, Dv]`` fp32 and lse ``[n, Hq]`` fp32 (out 0 / lse +inf on empty rows).
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    n = q.shape[0]
+    s = torch.einsum("nhgd,lhd->hgnl", q.float().view(n, hkv, hq // hkv, q.shape[2]), k.float()) * sm_scale
+    s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [Hkv, g, n]
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("hgnl,lhd->nhgd", p, v.float()).reshape(n, hq, v.shape[-1])
+    lse = torch.where(torch.isneginf(lse), torch.inf, lse)
+    return out, lse.permute(2, 0, 1).reshape(n, hq)
+
+
+class FeatureBackend(AttentionBackend):
+    """Wraps a backend for a model whose layers have :class:`LayerFeatures` (indexed by layer).
+
+    ``dense_fast_path``: steps without a selection run torch SDPA (see the module docstring).
+    """
+
+    def __init__(self, inner: AttentionBackend, features: list[LayerFeatures], *, dense_fast_path: bool) -> None:
+        check_backend(inner.name, features)
+        self.inner = inner
+        self.features = features
+        self.dense_fast_path = dense_fast_path
+        self.name = f"{inner.name}+sdpa_dense" if dense_fast_path else inner.name
+        self.required_translations = inner.required_translations
+        self.kv_page_granular = inner.kv_page_granular
+
+    def _params(self, params: SparseRuntimeParams | None, metadata: AttentionMetadata, layer_idx: int,
+                geometry: AttentionGeometry) -> SparseRuntimeParams | None:
+        window = self.features[layer_idx].window
+        if window is None:
+            return params
+        return window_params(params, metadata, geometry.num_kv_heads, window)
+
+    def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
+                params: SparseRuntimeParams | None) -> AttentionResult:
+        """The inner backend's result for the layer's features; ``attended`` counts the window in."""
+        f = self.features[layer_idx]
+        if geometry.kind != "gqa":
+            raise ValueError(f"FeatureBackend: GQA layers only, layer {layer_idx} is {geometry.kind!r}")
+        phases = metadata.phases()
+        wparams = self._params(params, metadata, layer_idx, geometry)
+        if f.softcap is not None:
+            if params is not None and any(params.threshold_scale_factor(p) > 0 for p in phases):
+                raise ValueError(f"layer {layer_idx}: skip-softmax thresholds cannot be combined with logit "
+                                 f"soft-capping (softcap={f.softcap})")
+            out, lse = self._softcapped(q, metadata, layer_idx, geometry, wparams, f.softcap)
+            res = AttentionResult(out, lse, self.inner.effective_attended_tokens(wparams, metadata, geometry),
+                                  {p: "softcap_torch" for p in phases})
+        elif self.dense_fast_path and all(is_dense(params, p) for p in phases) and f.sinks is None:
+            out = self._sdpa(q, metadata, layer_idx, geometry, f.window)
+            res = AttentionResult(out, None, self.inner.effective_attended_tokens(wparams, metadata, geometry),
+                                  {p: "sdpa_dense" if f.window is None else "sdpa_window" for p in phases})
+        else:
+            res = self.inner.forward(q, metadata, layer_idx, geometry, wparams)
+        if f.sinks is not None:
+            res = dataclasses.replace(res, out=apply_sinks(res.out, res.lse, f.sinks.detach().to(res.out.device)))
+        return res
+
+    def effective_attended_tokens(self, params: SparseRuntimeParams | None, metadata: AttentionMetadata,
+                                  geometry: AttentionGeometry) -> torch.Tensor:
+        """Without a layer's window (this interface has no layer); :meth:`forward`'s result counts it."""
+        return self.inner.effective_attended_tokens(params, metadata, geometry)
+
+    def _softcapped(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
+                    params: SparseRuntimeParams | None, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.zeros(q.shape[0], q.shape[1], geometry.value_dim, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:2], torch.inf, dtype=torch.float32, device=q.device)
+        for i, rid in enumerate(metadata.request_ids):
+            t0, t1 = (int(x) for x in metadata.query_start_host[i: i + 2])
+            if t1 == t0:
+                continue
+            k, v = gather_request_kv(metadata.kv_cache_manager, layer_idx, rid)  # [L, Hkv, D]
+            mask = selection_mask(params, slice(t0, t1), metadata.token_kv_lens, k.shape[0], geometry.num_kv_heads)
+            out[t0:t1], lse[t0:t1] = softcapped_attention(q[t0:t1], k, v, mask.to(q.device), geometry.sm_scale, softcap)
+        return out.to(q.dtype), lse
+
+    def _sdpa(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
+              window: int | None) -> torch.Tensor:
+        out = torch.zeros(q.shape[0], q.shape[1], geometry.value_dim, dtype=q.dtype, device=q.device)
+        for i, rid in enumerate(metadata.request_ids):
+            t0, t1 = (int(x) for x in metadata.query_start_host[i: i + 2])
+            if t1 == t0:
+                continue
+            k, v = gather_request_kv(metadata.kv_cache_manager, layer_idx, rid, head_major=True)  # [Hkv, L, D]
+            k, v = k.to(q.dtype), v.to(q.dtype)
+            n, kv_len = t1 - t0, k.shape[1]
+            if window is None or kv_len <= window:
+                mask = None
+                if 1 < n < kv_len:  # bottom-right aligned causal mask
+                    mask = torch.arange(kv_len, device=q.device) <= (kv_len - n + torch.arange(n, device=q.device))[:, None]
+                out[t0:t1] = _sdpa(q[t0:t1], k, v, mask, mask is None and n == kv_len and n > 1, geometry.sm_scale)
+                continue
+            # windowed: query chunks, each against the keys its window spans (a band, not the square)
+            step = max(window, _WINDOW_CHUNK)
+            for c0 in range(0, n, step):
+                c1 = min(n, c0 + step)
+                qpos = kv_len - n + torch.arange(c0, c1, device=q.device)  # each query's position
+                first = max(0, int(qpos[0]) - window + 1)
+                kpos = torch.arange(first, int(qpos[-1]) + 1, device=q.device)
+                mask = (kpos <= qpos[:, None]) & (kpos > qpos[:, None] - window)
+                out[t0 + c0:t0 + c1] = _sdpa(q[t0 + c0:t0 + c1], k[:, first:int(qpos[-1]) + 1],
+                                             v[:, first:int(qpos[-1]) + 1], mask, False, geometry.sm_scale)
+        return out
+
+
+#: query rows per SDPA call on a windowed layer (each call reads its rows' keys plus one window)
+_WINDOW_CHUNK = 1024
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+          scale: float) -> torch.Tensor:
+    """q ``[n, Hq, D]``, k/v ``[Hkv, L, D]`` -> ``[n, Hq, D]`` (torch SDPA, GQA)."""
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
+                                                         v.unsqueeze(0), attn_mask=mask, is_causal=causal,
+                                                         scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)

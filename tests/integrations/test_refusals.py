@@ -71,7 +71,7 @@ def test_softcap_refused_by_kernel_backends() -> None:
 def test_skip_softmax_refused_on_softcap_layers() -> None:
     model, _ = build("gemma2")
     _refused(model, "soft-caps", backend="torch",
-             config=SparseAttentionConfig("skip_softmax", {"threshold_scale_factor_prefill": 1.0}, layer_types=("full_attention",)))
+             config=SparseAttentionConfig("skip_softmax", {"threshold_scale_factor_context": 1.0}, layer_types=("full_attention",)))
 
 
 def test_evicting_selector_refused_on_windowed_layers() -> None:

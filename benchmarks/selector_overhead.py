@@ -11,6 +11,7 @@ of the context). Prefill-only selectors (eviction) are listed as skipped.
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import gc
 import json
 import sys
@@ -22,7 +23,7 @@ from kvsieve.sparse import SelectorInputs
 from kvsieve.sparse.backends import AttentionGeometry, get_backend
 from kvsieve.sparse.selection import attended_counts
 
-from ._timing import load_average, measure
+from ._timing import load_average, load_averages, measure
 
 __all__ = ["run", "main", "selector_configs"]
 
@@ -130,8 +131,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.selector_overhead", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as python -m benchmarks)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    argv = sys.argv[1:] if argv is None else argv
+    meta = {"command": " ".join(["python -m benchmarks.selector_overhead", *argv]),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "torch_threads": torch.get_num_threads(), "loadavg_start": load_averages()}
     res = run(args.quick)
+    meta["loadavg_end"] = load_averages()
+    res["meta"] = meta
+    print(f"{meta['command']} on {meta['date']}, torch threads {meta['torch_threads']}, load (1/5/15 min) "
+          f"{meta['loadavg_start']} at start, {meta['loadavg_end']} at end")
     print(f"dense torch attention {res['dense_attention']['median_s'] * 1e3:.2f} ms")
     for r in res["selectors"]:
         f = r["overhead_fraction_of_saved"]
@@ -146,4 +157,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

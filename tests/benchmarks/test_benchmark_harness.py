@@ -83,6 +83,9 @@ def test_selector_section(quick_run):
     for r in s["selectors"]:
         assert _is_timing(r["selector_step"]) and _is_timing(r["sparse_attention"])
         assert 0 < r["attended_fraction"] < 1  # the configured budget really sparsifies
+    modes = {r["config"]["scoring"]: r for r in s["selectors"] if r["selector"] == "block_select"}
+    assert set(modes) == {"exact", "summary"}  # both block scorings side by side, same budget
+    assert modes["exact"]["attended_fraction"] == modes["summary"]["attended_fraction"]
 
 
 def test_markdown(quick_run):

@@ -23,6 +23,7 @@ KV head) are emitted ascending, ``-1`` padded, at block granularity ``block_size
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -165,12 +166,13 @@ def _padded_rows(inputs: SelectorInputs) -> tuple[np.ndarray, torch.Tensor, torc
     return rows, rows_t, live_t, torch.where(live_t, md.token_kv_lens.to(torch.int64)[rows_t], 0)
 
 
-def _select(inputs: SelectorInputs, cfg: BlockSelectConfig, nb: int, score_rows, row_cost: int
-            ) -> SparseRuntimeParams:
-    """Score the query rows in chunks of ``~_CHUNK_ELEMENTS / row_cost`` padded rows with
-    ``score_rows(c0, c1) -> [B, c1 - c0, Hkv, nb]``, force and pick, and pack the asked rows."""
+def _select(inputs: SelectorInputs, cfg: BlockSelectConfig, nb: int, padded: tuple[torch.Tensor, ...],
+            score_rows: Callable[[int, int], torch.Tensor], row_cost: int) -> SparseRuntimeParams:
+    """Score the padded query rows (``padded`` = ``(rows, live, row_lens)`` of :func:`_padded_rows`)
+    in chunks of ``~_CHUNK_ELEMENTS / row_cost`` with ``score_rows(c0, c1) -> [B, c1 - c0, Hkv, nb]``,
+    force and pick, and pack the asked rows."""
     dev, hkv = inputs.q.device, inputs.num_kv_heads
-    _, rows, live, row_lens = _padded_rows(inputs)
+    rows, live, row_lens = padded
     b, t_max = rows.shape
     width = min(cfg.topk_blocks, nb)
     picked = torch.empty(b, t_max, hkv, width, dtype=torch.int64, device=dev)
@@ -196,12 +198,12 @@ def block_select(inputs: SelectorInputs, cfg: BlockSelectConfig) -> SparseRuntim
     nb = -(-int(lens.max()) // bs)
     keys, valid = gather_padded_keys(inputs.cache, inputs.layer_idx, md.slots[reqs.start: reqs.stop], lens)
     keys = F.pad(keys.float().masked_fill(~valid[..., None, None], 0.0), (0, 0, 0, 0, 0, nb * bs - keys.shape[1]))
-    _, rows, _, row_lens = _padded_rows(inputs)
+    _, rows, live, row_lens = _padded_rows(inputs)
 
     def score_rows(c0: int, c1: int) -> torch.Tensor:
         return _block_scores(_row_queries(inputs, rows[:, c0:c1]), keys, row_lens[:, c0:c1], cfg, inputs.sm_scale)
 
-    return _select(inputs, cfg, nb, score_rows, inputs.q.shape[1] * nb * bs)
+    return _select(inputs, cfg, nb, (rows, live, row_lens), score_rows, inputs.q.shape[1] * nb * bs)
 
 
 def block_select_summary(inputs: SelectorInputs, cfg: BlockSelectConfig, summaries: PageSummaries
@@ -233,7 +235,7 @@ def block_select_summary(inputs: SelectorInputs, cfg: BlockSelectConfig, summari
         return _bound_scores(_row_queries(inputs, rows[:, c0:c1]), kmin, kmax, own_min[:, c0:c1],
                              own_max[:, c0:c1], own_blk[:, c0:c1], inputs.sm_scale)
 
-    return _select(inputs, cfg, nb, score_rows, 2 * inputs.q.shape[1] * nb)
+    return _select(inputs, cfg, nb, (rows, live, row_lens), score_rows, 2 * inputs.q.shape[1] * nb)
 
 
 @register_selector

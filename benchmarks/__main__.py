@@ -35,6 +35,8 @@ SECTIONS = ("prepare", "cpu_attention", "selector_overhead")
 GPU_MODULES = ("triton_kernels", "cute_kernels", "topk")
 SCHEMA_VERSION = 2
 DEFAULT_OUT = "bench_out"
+SELECTOR_OVERHEAD_MAX = 0.25  # issue #17 target 3: a selector costs at most a quarter of what it saves
+SELECTOR_OVERHEAD_EXEMPT = ("oracle_topk",)
 DOCS_DIR = Path(__file__).resolve().parents[1] / "docs"
 
 
@@ -130,6 +132,16 @@ def _targets(res: dict) -> list[dict]:
         out.append({"target": f"torch sparse decode >= {t['min_speedup']:.0f}x dense SDPA at "
                               f"{t['context'] // 1024}K context, density 1/{t['density']}",
                     "value": t.get("speedup"), "met": t.get("met") if t.get("measured") else None})
+    if "selector_overhead" in res:
+        cfg = res["selector_overhead"]["config"]
+        for r in res["selector_overhead"]["selectors"]:
+            label = r["selector"] + (f" ({r['config']['scoring']})" if "scoring" in r["config"] else "")
+            f = r["overhead_fraction_of_saved"]
+            exempt = r["selector"] in SELECTOR_OVERHEAD_EXEMPT
+            out.append({"target": f"{label} selector step <= {SELECTOR_OVERHEAD_MAX} of the attention time it saves "
+                                  f"(batch {cfg['batch']}, {cfg['context']} tokens, budget 1/{cfg['budget_inv']})"
+                                  + (" [exempt: the upper bound by construction]" if exempt else ""),
+                        "value": f, "met": None if f is None or exempt else f <= SELECTOR_OVERHEAD_MAX})
     return out
 
 

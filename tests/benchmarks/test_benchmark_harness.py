@@ -86,6 +86,10 @@ def test_selector_section(quick_run):
     modes = {r["config"]["scoring"]: r for r in s["selectors"] if r["selector"] == "block_select"}
     assert set(modes) == {"exact", "summary"}  # both block scorings side by side, same budget
     assert modes["exact"]["attended_fraction"] == modes["summary"]["attended_fraction"]
+    overhead = [t for t in quick_run[0]["targets"] if "of the attention time it saves" in t["target"]]
+    assert len(overhead) == len(s["selectors"])  # one target row per timed selector (mode)
+    assert sum("block_select (summary)" in t["target"] for t in overhead) == 1
+    assert all(t["met"] is None for t in overhead if "oracle_topk" in t["target"])  # exempt, reported
 
 
 def test_markdown(quick_run):

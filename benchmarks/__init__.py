@@ -1,9 +1,12 @@
 """kvsieve performance benchmarks (``python -m benchmarks``; not part of the installed package).
 
-``docs/performance.json`` (schema_version 1):
+``performance.json`` (in ``--out``, default ``bench_out/``; ``docs/`` only with ``--update-docs``;
+schema_version 2):
 
-* ``meta``: date, torch/python versions, ``cpu_count``, ``cpu_capability``, ``torch_threads``,
-  ``load_1m_start``/``load_1m_end`` (1-minute load average), ``wall_s``, ``quick``, ``cuda``.
+* ``meta``: ``command`` (the command line that ran), ``date`` (UTC), torch/python versions,
+  ``cpu_count``, ``cpu_capability``, ``torch_threads``, ``load_1m_start``/``load_1m_end`` (1-minute
+  load average) and ``loadavg_start``/``loadavg_end`` (``os.getloadavg``: 1, 5, 15 minutes),
+  ``wall_s``, ``quick``, ``cuda``.
 * ``targets``: list of ``{target, value, met}`` (``met`` is ``None`` when not measured).
 * ``prepare``: ``grid`` rows ``{translation, batch, context, page, blocks, library, baseline, speedup,
   baseline_matches, us_per_request, ns_per_block}``; ``target``; ``offsets_scaling`` rows

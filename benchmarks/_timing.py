@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-__all__ = ["Timing", "measure", "load_average", "fmt_ms"]
+__all__ = ["Timing", "measure", "load_average", "load_averages", "fmt_ms"]
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,17 @@ class Timing:
         return f"[{self.min_s * 1e3:.3g}, {self.max_s * 1e3:.3g}]"
 
 
-def load_average() -> float:
+def load_averages() -> list[float]:
+    """The 1-, 5- and 15-minute load averages (``os.getloadavg``), rounded to 0.01."""
     try:
-        return round(os.getloadavg()[0], 2)
+        return [round(x, 2) for x in os.getloadavg()]
     except OSError:  # pragma: no cover - not on Linux/macOS
-        return float("nan")
+        return [float("nan")] * 3
+
+
+def load_average() -> float:
+    """The 1-minute load average."""
+    return load_averages()[0]
 
 
 def measure(fn: Callable[[], object], *, warmup: int = 1, min_reps: int = 3, max_reps: int = 50,

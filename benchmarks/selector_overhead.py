@@ -6,11 +6,14 @@ block scoring, oracle top-k, ...) is timed on a decode batch; the ``torch`` back
 (``params=None``) and with the selector's selection. Reported: ``overhead / (dense - sparse)``, the
 fraction of the saved attention time the selector spends (< 1: selection pays for itself at this
 size; one layer, same process). Selectors are configured to a comparable budget (``1/budget_inv``
-of the context). Prefill-only selectors (eviction) are listed as skipped.
+of the context). ``block_select`` is timed in both scoring modes, ``exact`` (reads every key)
+and ``summary`` (cached min/max keys per block), side by side. Prefill-only selectors (eviction)
+are listed as skipped.
 """
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import gc
 import json
 import sys
@@ -22,7 +25,7 @@ from kvsieve.sparse import SelectorInputs
 from kvsieve.sparse.backends import AttentionGeometry, get_backend
 from kvsieve.sparse.selection import attended_counts
 
-from ._timing import load_average, measure
+from ._timing import load_average, load_averages, measure
 
 __all__ = ["run", "main", "selector_configs"]
 
@@ -38,16 +41,17 @@ SKIP_REASONS = {
 }
 
 
-def selector_configs(context: int, page: int, budget_inv: int) -> dict[str, dict]:
-    """Per-selector settings giving ~``context / budget_inv`` attended tokens per query."""
+def selector_configs(context: int, page: int, budget_inv: int) -> dict[str, list[dict]]:
+    """Per-selector settings (one or more variants) giving ~``context / budget_inv`` attended tokens per query."""
     budget = context // budget_inv
     sub = min(16, page)
+    blocks = {"block_size": page, "topk_blocks": max(1, budget // page)}
     return {
-        "rocketkv": {"page_size": sub, "topk": max(1, budget // sub)},
-        "quest": {"page_size": sub, "budget": budget},
-        "block_select": {"block_size": page, "topk_blocks": max(1, budget // page)},
-        "oracle_topk": {"budget": budget},
-        "streaming": {"budget": budget},
+        "rocketkv": [{"page_size": sub, "topk": max(1, budget // sub)}],
+        "quest": [{"page_size": sub, "budget": budget}],
+        "block_select": [{**blocks, "scoring": "exact"}, {**blocks, "scoring": "summary"}],
+        "oracle_topk": [{"budget": budget}],
+        "streaming": [{"budget": budget}],
     }
 
 
@@ -90,37 +94,39 @@ def run(quick: bool = False) -> dict:
         if name not in configs:
             skipped[name] = SKIP_REASONS.get(name, "not configured in this benchmark")
             continue
-        try:
-            sel = create_selector(name, **configs[name])
-            inputs = SelectorInputs(q=q, k=k_new, v=v_new, metadata=md, layer_idx=0, num_kv_heads=hkv,
-                                    sm_scale=geo.sm_scale, rows=md.generation_rows,
-                                    phases=frozenset({"generation"}))
-            if hasattr(sel, "summaries"):  # page summaries of the whole history (the prefill's work)
-                lens = md.kv_lens_host.copy()
-                sel.summaries(inputs).refresh(0, md.slots, lens * 0, lens)
+        for knobs in configs[name]:
+            try:
+                sel = create_selector(name, **knobs)
+                inputs = SelectorInputs(q=q, k=k_new, v=v_new, metadata=md, layer_idx=0, num_kv_heads=hkv,
+                                        sm_scale=geo.sm_scale, rows=md.generation_rows,
+                                        phases=frozenset({"generation"}))
+                if hasattr(sel, "summaries") and knobs.get("scoring", "summary") == "summary":
+                    # page summaries of the whole history (the prefill's work)
+                    lens = md.kv_lens_host.copy()
+                    sel.summaries(inputs).refresh(0, md.slots, lens * 0, lens)
 
-            def step():
-                inputs._keys.clear()
-                sel.on_append(inputs)
-                return sel.predict_attn(inputs)
+                def step():
+                    inputs._keys.clear()
+                    sel.on_append(inputs)
+                    return sel.predict_attn(inputs)
 
-            params = step()
-            if params is None:
-                skipped[name] = "predict_attn returned None at decode"
-                continue
-            t_sel = measure(step, budget_s=budget)
-            t_sparse = measure(lambda: backend.forward(q, md, 0, geo, params), budget_s=budget)
-            attended = int(attended_counts(params, md.token_kv_lens, hkv).sum())
-            dense_count = int(md.token_kv_lens.to(torch.int64).sum()) * hkv
-            saved = dense.median_s - t_sparse.median_s
-            rows.append({
-                "selector": name, "config": configs[name], "selector_step": t_sel.as_dict(),
-                "sparse_attention": t_sparse.as_dict(), "dense_attention": dense.as_dict(),
-                "attended_fraction": attended / dense_count, "saved_s": saved,
-                "overhead_fraction_of_saved": t_sel.median_s / saved if saved > 0 else None,
-            })
-        except Exception as err:  # noqa: BLE001 - one selector failing must not sink the suite
-            skipped[name] = f"{type(err).__name__}: {err}"[:300]
+                params = step()
+                if params is None:
+                    skipped[name] = "predict_attn returned None at decode"
+                    continue
+                t_sel = measure(step, budget_s=budget)
+                t_sparse = measure(lambda: backend.forward(q, md, 0, geo, params), budget_s=budget)
+                attended = int(attended_counts(params, md.token_kv_lens, hkv).sum())
+                dense_count = int(md.token_kv_lens.to(torch.int64).sum()) * hkv
+                saved = dense.median_s - t_sparse.median_s
+                rows.append({
+                    "selector": name, "config": knobs, "selector_step": t_sel.as_dict(),
+                    "sparse_attention": t_sparse.as_dict(), "dense_attention": dense.as_dict(),
+                    "attended_fraction": attended / dense_count, "saved_s": saved,
+                    "overhead_fraction_of_saved": t_sel.median_s / saved if saved > 0 else None,
+                })
+            except Exception as err:  # noqa: BLE001 - one selector failing must not sink the suite
+                skipped[name] = f"{type(err).__name__}: {err}"[:300]
         gc.collect()
     return {"config": cfg, "dense_attention": dense.as_dict(), "selectors": rows, "skipped": skipped,
             "load_1m_end": load_average()}
@@ -130,12 +136,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.selector_overhead", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as python -m benchmarks)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    argv = sys.argv[1:] if argv is None else argv
+    meta = {"command": " ".join(["python -m benchmarks.selector_overhead", *argv]),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "torch_threads": torch.get_num_threads(), "loadavg_start": load_averages()}
     res = run(args.quick)
+    meta["loadavg_end"] = load_averages()
+    res["meta"] = meta
+    print(f"{meta['command']} on {meta['date']}, torch threads {meta['torch_threads']}, load (1/5/15 min) "
+          f"{meta['loadavg_start']} at start, {meta['loadavg_end']} at end")
     print(f"dense torch attention {res['dense_attention']['median_s'] * 1e3:.2f} ms")
     for r in res["selectors"]:
         f = r["overhead_fraction_of_saved"]
-        print(f"{r['selector']:13s} step={r['selector_step']['median_s'] * 1e3:8.2f} ms sparse="
+        label = r["selector"] + (f"[{r['config']['scoring']}]" if "scoring" in r["config"] else "")
+        print(f"{label:22s} step={r['selector_step']['median_s'] * 1e3:8.2f} ms sparse="
               f"{r['sparse_attention']['median_s'] * 1e3:8.2f} ms attended={r['attended_fraction']:.3f} "
               f"overhead/saved={'n/a' if f is None else format(f, '.2f')}")
     print("skipped:", res["skipped"])
@@ -146,4 +163,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -7,38 +7,63 @@ before the query's position, score the block per query head: ``max`` = the large
 The query heads of a KV group are reduced by max; the first ``init_blocks`` and the last
 ``local_blocks`` visible blocks are forced in; the top ``topk_blocks`` blocks per (query token,
 KV head) are emitted ascending, ``-1`` padded, at block granularity ``block_size``.
+
+``scoring`` chooses where the block scores come from:
+
+* ``exact`` (default): from every visible key, as above (reads ``O(context)`` keys per query row).
+* ``summary``: from cached per-block key summaries, the element-wise min and max of K over the
+  block (the page-summary aux pool of :mod:`._page_summary`, fp32, at page size
+  ``gcd(block_size, tokens_per_block)``, refreshed on every append like Quest's). A block scores
+  ``sum_d max(q_d * min_d, q_d * max_d) * sm_scale``, an upper bound of its ``max`` score (Quest's
+  bound), so it needs ``score_type="max"``. The query's own block is summarized over its positions
+  up to the query only (complete pages from the pool, its own page from the cache), so several
+  query tokens of one request in a step choose what one-token steps would. Reads ``O(context /
+  page)`` summaries per query row instead of every key.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, register_selector
 from ..sparse.knobs import check_knobs, knob
+from ._page_selector import PageSelectorBase
+from ._page_summary import PageSummaries
 from ._paged import gather_padded_keys, top_units
 
-__all__ = ["BlockSelectConfig", "BlockSelectSelector", "SCORE_TYPES"]
+__all__ = ["BlockSelectConfig", "BlockSelectSelector", "SCORE_TYPES", "SCORINGS"]
 
 SCORE_TYPES = ("max", "mean")
+SCORINGS = ("exact", "summary")
 _CHUNK_ELEMENTS = 1 << 25  # logits per chunk of query rows (fp32, 128 MiB)
 
 
 @dataclass(frozen=True)
 class BlockSelectConfig:
     """Defaults are MiniMax-M3's (TensorRT-LLM ``minimax_m3``): ``block_size`` 128,
-    ``topk_blocks`` 16, ``init_blocks`` 0, ``local_blocks`` 1, ``score_type`` ``"max"``."""
+    ``topk_blocks`` 16, ``init_blocks`` 0, ``local_blocks`` 1, ``score_type`` ``"max"``.
+
+    ``scoring`` defaults to ``"exact"``: MiniMax-M3's and NSA's definition of the block score, the
+    one the recall figures were measured with; ``"summary"`` (min/max key summaries, Quest's
+    bound) is the cheaper opt-in approximation, for ``score_type="max"`` only."""
 
     block_size: int = knob(128, ge=1)
     topk_blocks: int = knob(16, ge=1)
     init_blocks: int = knob(0, ge=0)
     local_blocks: int = knob(1, ge=0)
     score_type: str = knob("max", choices=SCORE_TYPES)
+    scoring: str = knob("exact", choices=SCORINGS, doc="where block scores come from")
 
     def __post_init__(self) -> None:
         check_knobs(self, "block_select")
+        if self.scoring == "summary" and self.score_type != "max":
+            raise ValueError(f"block_select: scoring='summary' bounds each block's max logit from its min/max keys; "
+                             f"score_type={self.score_type!r} needs scoring='exact'")
         if self.init_blocks + self.local_blocks > self.topk_blocks:
             raise ValueError(f"block_select: init_blocks + local_blocks must be <= topk_blocks={self.topk_blocks}, "
                              f"got {self.init_blocks} + {self.local_blocks}")
@@ -70,7 +95,10 @@ def block_select_golden(inputs: SelectorInputs, cfg: BlockSelectConfig) -> Spars
                 logits = qg @ keys[:n, h].T * inputs.sm_scale  # [G, n]
                 score = torch.empty(n_blocks)
                 for j in range(n_blocks):
-                    if cfg.score_type == "max":
+                    if cfg.scoring == "summary":
+                        blk = keys[j * bs: min((j + 1) * bs, n), h]
+                        per_head = torch.maximum(qg * blk.amin(0), qg * blk.amax(0)).sum(-1) * inputs.sm_scale
+                    elif cfg.score_type == "max":
                         per_head = logits[:, j * bs: (j + 1) * bs].amax(dim=1)
                     else:
                         per_head = qg @ keys[j * bs: min((j + 1) * bs, n), h].mean(dim=0) * inputs.sm_scale
@@ -106,47 +134,137 @@ def _block_scores(qp: torch.Tensor, keys: torch.Tensor, row_lens: torch.Tensor, 
     bidx = torch.arange(b, device=keys.device).unsqueeze(1)
     own_mean = cum[bidx, own_blk, own_off] / (own_off + 1)[..., None, None].to(cum.dtype)  # [B, Tc, Hkv, D]
     own = torch.einsum("bthgd,bthd->bthg", qp, own_mean)
-    scores = scores.scatter(-1, own_blk[:, :, None, None, None].expand(*own.shape, 1), own.unsqueeze(-1))
-    return (scores * sm_scale).amax(dim=3)
+    return (_with_own_block(scores, own, own_blk) * sm_scale).amax(dim=3)
+
+
+def _with_own_block(scores: torch.Tensor, own: torch.Tensor, own_blk: torch.Tensor) -> torch.Tensor:
+    """``scores [B, Tc, Hkv, G, nb]`` with block ``own_blk [B, Tc]`` replaced by ``own [B, Tc, Hkv, G]``."""
+    return scores.scatter(-1, own_blk[:, :, None, None, None].expand(*own.shape, 1), own.unsqueeze(-1))
+
+
+def _bound_scores(qp: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, own_min: torch.Tensor,
+                  own_max: torch.Tensor, own_blk: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """``[B, Tc, Hkv, nb]`` group-max Quest bounds: ``qp [B, Tc, Hkv, G, D]``; block summaries
+    ``kmin``/``kmax [B, nb, Hkv, D]``; each row's own block summarized up to itself ``own_min``/
+    ``own_max [B, Tc, Hkv, D]``, at block ``own_blk [B, Tc]``. All fp32."""
+    pos, neg = qp.clamp(min=0), qp.clamp(max=0)
+    scores = torch.einsum("bthgd,bnhd->bthgn", pos, kmax) + torch.einsum("bthgd,bnhd->bthgn", neg, kmin)
+    own = torch.einsum("bthgd,bthd->bthg", pos, own_max) + torch.einsum("bthgd,bthd->bthg", neg, own_min)
+    return (_with_own_block(scores, own, own_blk) * sm_scale).amax(dim=3)
+
+
+def _padded_rows(inputs: SelectorInputs) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The asked requests' query rows as a padded batch: token indices ``[B, Tmax]`` (numpy, 0 on
+    padding; and as a tensor on the device), ``live [B, Tmax]`` bool and ``row_lens [B, Tmax]``
+    visible keys per row (0 on padding)."""
+    md, reqs, dev = inputs.metadata, inputs.requests, inputs.q.device
+    starts = md.query_start_host[reqs.start: reqs.stop + 1].astype(np.int64)
+    rows = starts[:-1, None] + np.arange(int(np.diff(starts).max()))  # [B, Tmax]
+    live = rows < starts[1:, None]
+    rows = np.where(live, rows, 0)
+    rows_t, live_t = torch.from_numpy(rows).to(dev), torch.from_numpy(live).to(dev)
+    return rows, rows_t, live_t, torch.where(live_t, md.token_kv_lens.to(torch.int64)[rows_t], 0)
+
+
+def _select(inputs: SelectorInputs, cfg: BlockSelectConfig, nb: int, padded: tuple[torch.Tensor, ...],
+            score_rows: Callable[[int, int], torch.Tensor], row_cost: int) -> SparseRuntimeParams:
+    """Score the padded query rows (``padded`` = ``(rows, live, row_lens)`` of :func:`_padded_rows`)
+    in chunks of ``~_CHUNK_ELEMENTS / row_cost`` with ``score_rows(c0, c1) -> [B, c1 - c0, Hkv, nb]``,
+    force and pick, and pack the asked rows."""
+    dev, hkv = inputs.q.device, inputs.num_kv_heads
+    rows, live, row_lens = padded
+    b, t_max = rows.shape
+    width = min(cfg.topk_blocks, nb)
+    picked = torch.empty(b, t_max, hkv, width, dtype=torch.int64, device=dev)
+    chunk = max(1, _CHUNK_ELEMENTS // max(1, b * row_cost))
+    for c0 in range(0, t_max, chunk):
+        c1 = min(c0 + chunk, t_max)
+        scores = _force(score_rows(c0, c1), row_lens[:, c0:c1, None].expand(-1, -1, hkv), cfg)
+        picked[:, c0:c1] = top_units(scores, width)
+    sel = torch.empty(inputs.num_rows, hkv, width, dtype=torch.int64, device=dev)
+    sel[rows[live] - inputs.rows.start] = picked[live]
+    return SparseRuntimeParams.from_topk(sel, block_size=cfg.block_size)
+
+
+def _row_queries(inputs: SelectorInputs, rows: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[B, Tc, Hkv, G, D]`` queries of the padded rows ``rows [B, Tc]``."""
+    return inputs.q[rows].float().view(*rows.shape, inputs.num_kv_heads, inputs.group_size, -1)
 
 
 def block_select(inputs: SelectorInputs, cfg: BlockSelectConfig) -> SparseRuntimeParams:
-    """Fast path: the asked requests at once as a padded batch, query rows in chunks."""
-    md, bs, dev = inputs.metadata, cfg.block_size, inputs.q.device
-    reqs = inputs.requests
-    b, hkv, g = len(reqs), inputs.num_kv_heads, inputs.group_size
+    """Fast path of ``scoring="exact"``: the asked requests at once as a padded batch, query rows in chunks."""
+    md, bs, reqs = inputs.metadata, cfg.block_size, inputs.requests
     lens = md.kv_lens_host[reqs.start: reqs.stop].astype(np.int64)
     nb = -(-int(lens.max()) // bs)
     keys, valid = gather_padded_keys(inputs.cache, inputs.layer_idx, md.slots[reqs.start: reqs.stop], lens)
     keys = F.pad(keys.float().masked_fill(~valid[..., None, None], 0.0), (0, 0, 0, 0, 0, nb * bs - keys.shape[1]))
-    starts = md.query_start_host[reqs.start: reqs.stop + 1].astype(np.int64)
-    t_max = int(np.diff(starts).max())
-    rows = torch.from_numpy(starts[:-1]).unsqueeze(1) + torch.arange(t_max)  # [B, Tmax]
-    live = rows < torch.from_numpy(starts[1:]).unsqueeze(1)
-    rows = torch.where(live, rows, 0).to(dev)
-    live = live.to(dev)
-    row_lens = torch.where(live, md.token_kv_lens.to(torch.int64)[rows], 0)  # [B, Tmax]
-    width = min(cfg.topk_blocks, nb)
-    picked = torch.empty(b, t_max, hkv, width, dtype=torch.int64, device=dev)
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, b * hkv * g * nb * bs))
-    for c0 in range(0, t_max, chunk):
-        c1 = min(c0 + chunk, t_max)
-        qp = inputs.q[rows[:, c0:c1]].float().view(b, c1 - c0, hkv, g, -1)
-        scores = _block_scores(qp, keys, row_lens[:, c0:c1], cfg, inputs.sm_scale)
-        scores = _force(scores, row_lens[:, c0:c1, None].expand(-1, -1, hkv), cfg)
-        picked[:, c0:c1] = top_units(scores, width)
-    sel = torch.empty(inputs.num_rows, hkv, width, dtype=torch.int64, device=dev)
-    sel[rows[live] - inputs.rows.start] = picked[live]
-    return SparseRuntimeParams.from_topk(sel, block_size=bs)
+    _, rows, live, row_lens = _padded_rows(inputs)
+
+    def score_rows(c0: int, c1: int) -> torch.Tensor:
+        return _block_scores(_row_queries(inputs, rows[:, c0:c1]), keys, row_lens[:, c0:c1], cfg, inputs.sm_scale)
+
+    return _select(inputs, cfg, nb, (rows, live, row_lens), score_rows, inputs.q.shape[1] * nb * bs)
+
+
+def block_select_summary(inputs: SelectorInputs, cfg: BlockSelectConfig, summaries: PageSummaries
+                         ) -> SparseRuntimeParams:
+    """Fast path of ``scoring="summary"``: block bounds from the page-summary pool (pages of
+    ``summaries.page_size`` dividing ``block_size``), each row's own block up to itself."""
+    md, bs, reqs = inputs.metadata, cfg.block_size, inputs.requests
+    slots = md.slots[reqs.start: reqs.stop]
+    lens = md.kv_lens_host[reqs.start: reqs.stop].astype(np.int64)
+    nb, r = -(-int(lens.max()) // bs), bs // summaries.page_size
+    pmin, pmax = (F.pad(x, (0, 0, 0, 0, 0, nb * r - x.shape[1]))  # [B, nb * r, Hkv, D]; past a length: unread
+                  for x in summaries.read(inputs.layer_idx, slots, lens))
+    b, _, hkv, d = pmin.shape
+    kmin, kmax = pmin.view(b, nb, r, hkv, d).amin(2), pmax.view(b, nb, r, hkv, d).amax(2)
+    rows_host, rows, live, row_lens = _padded_rows(inputs)
+    last = (row_lens - 1).clamp(min=0)
+    own_blk, own_page = last // bs, last // summaries.page_size
+    pages = own_blk.unsqueeze(-1) * r + torch.arange(r, device=rows.device)  # [B, Tmax, r] the own block's pages
+    before = (pages < own_page.unsqueeze(-1))[..., None, None]  # its complete pages before the row's own page
+    bidx = torch.arange(b, device=rows.device)[:, None, None]
+    own_min = pmin[bidx, pages].masked_fill(~before, float("inf")).amin(2)  # [B, Tmax, Hkv, D]
+    own_max = pmax[bidx, pages].masked_fill(~before, float("-inf")).amax(2)
+    live_rows = rows_host[live.cpu().numpy()]
+    tmin, tmax = summaries.prefix(inputs.layer_idx, md.slots[md.token_to_req_host[live_rows]], md.positions_host[live_rows])
+    own_min[live], own_max[live] = torch.minimum(own_min[live], tmin), torch.maximum(own_max[live], tmax)
+    own_min, own_max = (torch.where(live[..., None, None], x, 0.0) for x in (own_min, own_max))  # padding: finite
+
+    def score_rows(c0: int, c1: int) -> torch.Tensor:
+        return _bound_scores(_row_queries(inputs, rows[:, c0:c1]), kmin, kmax, own_min[:, c0:c1],
+                             own_max[:, c0:c1], own_blk[:, c0:c1], inputs.sm_scale)
+
+    return _select(inputs, cfg, nb, (rows, live, row_lens), score_rows, 2 * inputs.q.shape[1] * nb)
 
 
 @register_selector
-class BlockSelectSelector(SparseSelector):
+class BlockSelectSelector(PageSelectorBase):
+    """With ``scoring="summary"`` the page-summary pool of :class:`PageSelectorBase` (its
+    ``on_append``/``on_compacted`` refresh) holds fp32 min/max keys per page of
+    ``gcd(block_size, tokens_per_block)`` tokens; with ``"exact"`` no pool is kept."""
+
     name = "block_select"
     config_class = BlockSelectConfig
     capabilities = Capabilities()
 
+    def summaries(self, inputs: SelectorInputs) -> PageSummaries:
+        if self._summaries is None or self._summaries.cache is not inputs.cache:
+            page = math.gcd(self.config.block_size, inputs.cache.tokens_per_block)
+            self._summaries = PageSummaries(inputs.cache, page, torch.float32)
+        return self._summaries
+
+    def on_append(self, inputs: SelectorInputs) -> None:
+        if self.config.scoring == "summary":
+            super().on_append(inputs)
+
+    def on_compacted(self, inputs: SelectorInputs, kept: list[torch.Tensor]) -> None:
+        if self.config.scoring == "summary":
+            super().on_compacted(inputs, kept)
+
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
+        if self.config.scoring == "summary":
+            return block_select_summary(inputs, self.config, self.summaries(inputs))
         return block_select(inputs, self.config)
 
     def predict_attn_reference(self, inputs: SelectorInputs) -> SparseRuntimeParams:

@@ -19,9 +19,11 @@ TIMING_FIELDS = {"median_s", "min_s", "max_s", "q1_s", "q3_s", "reps", "warmup",
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("perf")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--no-gpu", "--out-dir", str(out)],
+    docs = {p: p.read_bytes() for p in (ROOT / "docs").glob("performance.*")}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--no-gpu", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p: p.read_bytes() for p in (ROOT / "docs").glob("performance.*")} == docs  # tracked docs untouched
     return json.loads((out / "performance.json").read_text()), (out / "performance.md").read_text()
 
 
@@ -32,9 +34,13 @@ def _is_timing(d):
 def test_meta_and_targets(quick_run):
     res, _ = quick_run
     meta = res["meta"]
-    for key in ("date", "torch", "torch_threads", "load_1m_start", "load_1m_end", "wall_s", "quick", "cpu_count"):
+    for key in ("command", "date", "torch", "torch_threads", "load_1m_start", "load_1m_end", "wall_s", "quick",
+                "cpu_count", "loadavg_start", "loadavg_end"):
         assert key in meta
     assert meta["quick"] is True and meta["torch_threads"] == 1
+    assert meta["command"].startswith("python -m benchmarks --quick --no-gpu --out ")
+    assert len(meta["loadavg_start"]) == len(meta["loadavg_end"]) == 3
+    assert meta["loadavg_start"][0] == meta["load_1m_start"]
     assert isinstance(res["targets"], list) and all({"target", "value", "met"} <= set(t) for t in res["targets"])
 
 
@@ -77,10 +83,20 @@ def test_selector_section(quick_run):
     for r in s["selectors"]:
         assert _is_timing(r["selector_step"]) and _is_timing(r["sparse_attention"])
         assert 0 < r["attended_fraction"] < 1  # the configured budget really sparsifies
+    modes = {r["config"]["scoring"]: r for r in s["selectors"] if r["selector"] == "block_select"}
+    assert set(modes) == {"exact", "summary"}  # both block scorings side by side, same budget
+    assert modes["exact"]["attended_fraction"] == modes["summary"]["attended_fraction"]
+    overhead = [t for t in quick_run[0]["targets"] if "of the attention time it saves" in t["target"]]
+    assert len(overhead) == len(s["selectors"])  # one target row per timed selector (mode)
+    assert sum("block_select (summary)" in t["target"] for t in overhead) == 1
+    assert all(t["met"] is None for t in overhead if "oracle_topk" in t["target"])  # exempt, reported
 
 
 def test_markdown(quick_run):
-    md = quick_run[1]
+    res, md = quick_run
+    m = res["meta"]
+    assert f"`{m['command']}` on {m['date']}" in md and f"torch threads {m['torch_threads']}" in md
+    assert "/".join(f"{x:.2f}" for x in m["loadavg_end"]) + " at the end" in md
     for heading in ("## Targets", "## `AttentionMetadata.prepare()`", "## CPU sparse decode",
                     "## CPU block-sparse prefill", "## Selector host overhead", "| load |"):
         assert heading in md
@@ -100,11 +116,14 @@ def test_gpu_scripts_skipped_without_cuda():
     assert _gpu_suites(True) == {"skipped": "CUDA not available"}
 
 
+_META = {"command": "python -m benchmarks", "quick": True, "date": "d", "torch": "t", "python": "p",
+         "cpu_count": 1, "cpu_capability": "c", "torch_threads": 1, "loadavg_start": [0.0] * 3,
+         "loadavg_end": [0.0] * 3, "wall_s": 0.0}
+
+
 def test_render_partial():
     from benchmarks.__main__ import render_markdown
-    meta = {"quick": True, "date": "d", "torch": "t", "python": "p", "cpu_count": 1, "cpu_capability": "c",
-            "torch_threads": 1, "load_1m_start": 0.0, "load_1m_end": 0.0, "wall_s": 0.0}
-    assert "## Targets" in render_markdown({"meta": meta, "targets": []})
+    assert "## Targets" in render_markdown({"meta": _META, "targets": []})
 
 
 def test_gpu_script_dispatch(monkeypatch):
@@ -123,3 +142,23 @@ def test_gpu_script_dispatch(monkeypatch):
     assert entry._call_main(types.SimpleNamespace(main=strict_main), True) == ("ok", 0)
     assert entry._call_main(types.SimpleNamespace(main=lambda argv=None: {"x": 1}), False) == ("ok", {"x": 1})
     assert entry._call_main(types.SimpleNamespace(main=lambda argv=None: 3), False) == ("exit 3", 3)
+
+
+@pytest.mark.parametrize("update_docs", [False, True])
+def test_docs_rewritten_only_when_asked(tmp_path, monkeypatch, update_docs):
+    import benchmarks.__main__ as entry
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    monkeypatch.setattr(entry, "DOCS_DIR", docs)
+    monkeypatch.setattr(entry, "run", lambda *a, **k: {"meta": {**_META, "command": a[-1]}, "targets": []})
+    argv = ["--quick", "--no-gpu", "--out", str(out)] + (["--update-docs"] if update_docs else [])
+    entry.main(argv)
+    assert sorted(p.name for p in out.iterdir()) == ["performance.json", "performance.md"]
+    assert docs.exists() is update_docs
+    if update_docs:
+        assert (docs / "performance.md").read_text() == (out / "performance.md").read_text()
+    assert json.loads((out / "performance.json").read_text())["meta"]["command"] == "python -m benchmarks " + " ".join(argv)
+
+
+def test_default_out_is_gitignored():
+    from benchmarks.__main__ import DEFAULT_OUT
+    assert f"/{DEFAULT_OUT}/" in (ROOT / ".gitignore").read_text().splitlines()

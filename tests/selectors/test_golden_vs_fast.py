@@ -59,6 +59,8 @@ def test_prompt_eviction(name, params, ties):
     ("quest", {"budget": 32, "page_size": 8, "summary_dtype": "float8_e5m2"}),
     ("block_select", {"block_size": 16, "topk_blocks": 5, "init_blocks": 1}),
     ("block_select", {"block_size": 32, "topk_blocks": 3, "score_type": "mean"}),
+    ("block_select", {"block_size": 32, "topk_blocks": 3, "local_blocks": 0, "scoring": "summary"}),  # 2 pages/block
+    ("block_select", {"block_size": 8, "topk_blocks": 6, "init_blocks": 1, "scoring": "summary"}),  # a block < a cache block
 ])
 def test_attention_selection(name, params, ties):
     """Prefill step (no answer from page selectors), decode step, then a mixed context+decode step

@@ -33,11 +33,12 @@ def test_a_generation_only_skip_factor_is_not_served_dense():
     """The observed bug: a decode-only skip-softmax factor went through SDPA (lse NaN, nothing skipped)."""
     md, q, geo = build(page=16, hq=4, hkv=1, d=16, ctx_lens=[], gen_hist=[300], seed=5)
     params = SparseRuntimeParams(threshold_scale_factor_generation=1e4)
-    with pytest.raises(ValueError, match="threshold_scale_factor_generation > 0"):
-        get_backend("sdpa").forward(q, md, 0, geo, params)  # inner vanilla refuses, as it would alone
     res = get_backend("sdpa", inner="triton").forward(q, md, 0, geo, params)
     assert res.paths == {"generation": "decode_gather"} and res.lse is not None
     assert 0 < res.skipped_tiles <= res.walked_tiles  # the Triton counters pass through
+    own = get_backend("sdpa").forward(q, md, 0, geo, params)  # inner vanilla: the same tile walk
+    assert own.paths == {"generation": "skip_gather"} and own.lse is not None
+    assert (own.skipped_tiles, own.walked_tiles) == (res.skipped_tiles, res.walked_tiles)
 
 
 def test_sdpa_cannot_wrap_itself():

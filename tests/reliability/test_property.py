@@ -42,7 +42,7 @@ def selector_params(name: str, page: int) -> dict:
     }[name]
 
 
-# skip_softmax is left out: the golden refuses it (the skipped tiles are an approximation by design)
+# skip_softmax is left out here: its backends agree tile for tile in tests/skip_softmax/test_cpu_backends.py
 GQA_SELECTORS = [None, "streaming", "oracle_topk", "oracle_topk_blocks", "quest", "rocketkv", "snapkv",
                  "block_select", "dsa"]
 MLA_SELECTORS = [None, "streaming", "oracle_topk", "oracle_topk_blocks", "dsa"]

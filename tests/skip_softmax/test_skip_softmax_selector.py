@@ -77,7 +77,14 @@ def test_bad_config_raises(kwargs, match):
         kvsieve.create_selector("skip_softmax", **kwargs)
 
 
-def test_golden_backends_refuse_rather_than_ignore():
-    k, v = peaked_context(length=64)
-    with pytest.raises(ValueError, match="skip-softmax"):
-        decode_once(engine({"threshold_scale_factor_generation": 10.0}, backend="vanilla"), k, v, torch.randn(1, 4, 32))
+def test_every_cpu_backend_skips_the_tiles_the_kernel_skips():
+    """Through the engine: vanilla and torch skip exactly the tiles the Triton kernel skips."""
+    k, v = peaked_context()
+    q = k[:8].mean(0).repeat(4, 1).unsqueeze(0) * 0.3 + 0.1 * torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(1))
+    params = {"threshold_scale_factor_generation": 1e4}
+    ref, ref_st = decode_once(engine(params), k, v, q)
+    assert ref_st.skipped_tiles > 0
+    for backend in ("vanilla", "torch"):
+        out, st = decode_once(engine(params, backend=backend), k, v, q)
+        assert (st.skipped_tiles, st.walked_tiles) == (ref_st.skipped_tiles, ref_st.walked_tiles), backend
+        torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)

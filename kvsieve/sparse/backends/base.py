@@ -60,7 +60,8 @@ class AttentionResult:
       that gathers whole pages counting every touched page whole;
     * ``paths``: phase (``"context"``/``"generation"``) -> kernel path taken (a composite that
       hands a phase to another backend names it, e.g. ``"triton:sparse_gather"``);
-    * ``skipped_tiles`` / ``walked_tiles``: skip-softmax counters (0 / 0 when it did not run).
+    * ``skipped_tiles`` / ``walked_tiles``: skip-softmax counters over the phases with a factor
+      (0 / 0 when it did not run); every backend that implements it counts the Triton kernels' tiles.
     """
 
     out: torch.Tensor

@@ -22,7 +22,7 @@ import torch
 from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams
 from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
-from .vanilla import refuse_skip_softmax
+from .skip_softmax import RequestRows, WalkedRows, skip_softmax_phase
 
 __all__ = ["TorchBackend", "selected_positions"]
 
@@ -123,17 +123,56 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                 params: SparseRuntimeParams | None) -> AttentionResult:
-        refuse_skip_softmax(self.name, params, metadata)
         metadata.require(f"backend {self.name!r}", self.required_translations)
         n_tok, hq = q.shape[0], q.shape[1]
         out = torch.zeros(n_tok, hq, geometry.value_dim, dtype=torch.float32, device=q.device)
         lse = torch.full((n_tok, hq), torch.inf, dtype=torch.float32, device=q.device)
         paths = {}
+        skipped = walked = 0
         for phase in metadata.phases():
             rows = metadata.phase_rows(phase)
+            if params is not None and params.threshold_scale_factor(phase) > 0:
+                o, l, sk, wk, paths[phase] = self._skip_softmax(q, metadata, layer_idx, geometry, params, phase, rows)
+                out[rows], lse[rows] = o.to(q.device), l.to(q.device)
+                skipped, walked = skipped + sk, walked + wk
+                continue
             sel = params if params is not None and params.selects_positions(phase) else None
             paths[phase] = self._attend(q, metadata, layer_idx, geometry, sel, rows, out, lse)
-        return AttentionResult(out.to(q.dtype), lse, self.effective_attended_tokens(params, metadata, geometry), paths)
+        return AttentionResult(out.to(q.dtype), lse, self.effective_attended_tokens(params, metadata, geometry), paths,
+                               skipped, walked)
+
+    def _skip_softmax(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
+                      params: SparseRuntimeParams, phase: str, rows: slice
+                      ) -> tuple[torch.Tensor, torch.Tensor, int, int, str]:
+        """Skip-softmax rows of ``phase``: the Triton kernels' tile walk (:mod:`.skip_softmax`) over K/V
+        gathered through the ragged page table."""
+        mgr = metadata.kv_cache_manager
+        if geometry.kind == "mla":
+            lat = mgr.latent_cache(layer_idx).unsqueeze(1)
+            k_cache, v_cache = lat, lat[..., : geometry.kv_lora_rank]
+        else:
+            k_cache, v_cache = mgr.k_cache(layer_idx), mgr.v_cache(layer_idx)
+        rpt = metadata.ragged_page_table
+        pages, page_start = rpt.paged_kv_indices.to(torch.int64), rpt.paged_kv_indptr.to(torch.int64)
+        page = mgr.tokens_per_block
+        heads = torch.arange(geometry.num_kv_heads, device=q.device).view(-1, 1, 1)
+
+        def walked_rows(cache: torch.Tensor) -> WalkedRows:
+            def read(tok_req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+                tok_req, pos = tok_req.to(device=q.device, dtype=torch.int64), pos.to(q.device)
+                blk = pages[page_start[tok_req].view(1, -1, 1) + pos // page]
+                return cache[blk, heads, pos % page].float().cpu()
+            return read
+
+        def request_rows(cache: torch.Tensor) -> RequestRows:
+            def read(req: int, pos: torch.Tensor) -> torch.Tensor:
+                pos = pos.to(q.device)
+                return cache[pages[page_start[req] + pos // page], :, pos % page].float().cpu()
+            return read
+
+        return skip_softmax_phase(self.name, q, metadata, geometry, params, phase, rows, walked_rows(k_cache),
+                                  walked_rows(v_cache), request_rows(k_cache), request_rows(v_cache),
+                                  self.max_gather_bytes)
 
     def _attend(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                 params: SparseRuntimeParams | None, phase_rows: slice, out: torch.Tensor, lse: torch.Tensor) -> str:

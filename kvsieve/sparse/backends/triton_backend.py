@@ -73,11 +73,13 @@ class TritonBackend(AttentionBackend):
     def run_phase(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                   params: SparseRuntimeParams | None, phase: str, stats: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, str]:
-        """``(out, lse, path)`` of the rows of ``phase``; adds skip-softmax tile counts to ``stats``."""
+        """``(out, lse, path)`` of the rows of ``phase``; adds skip-softmax tile counts to ``stats`` when the
+        phase has a skip-softmax factor."""
         mgr = metadata.kv_cache_manager
         rows = metadata.phase_rows(phase)
         tok_req, lens = metadata.token_to_req[rows], metadata.token_kv_lens[rows]
         idx, off, bs, factor = phase_selection(params, phase, rows)
+        stats = stats if factor > 0 else None  # the counters cover skip-softmax phases only (0 / 0 when off)
         if geometry.kind == "mla":
             o, l = sparse_mla_decode(q[rows], mgr.latent_cache(layer_idx), metadata.block_table, tok_req, lens, idx,
                                      off, geometry.kv_lora_rank, geometry.sm_scale, factor, stats,

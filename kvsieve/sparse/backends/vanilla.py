@@ -1,6 +1,7 @@
 """The golden: per request, gather the paged KV into contiguous NHD tensors through its block
 list (the ``block_lists`` translation), mask to the selection, and run plain softmax attention in
-fp32. Written for clarity, not speed."""
+fp32. Written for clarity, not speed. A phase with a skip-softmax factor runs the Triton kernels'
+tile walk instead (:mod:`.skip_softmax`), per request, over the same contiguous K/V."""
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,9 @@ from ...metadata import AttentionMetadata, KVCacheManager
 from ..params import SparseRuntimeParams
 from ..selection import selection_mask
 from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
+from .skip_softmax import skip_softmax_phase
 
-__all__ = ["VanillaBackend", "masked_attention", "gather_nhd", "refuse_skip_softmax"]
+__all__ = ["VanillaBackend", "masked_attention", "gather_nhd"]
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -49,14 +51,6 @@ def gather_nhd(mgr: KVCacheManager, layer_idx: int, block_ids: list[int], kv_len
     return mgr.k_cache(layer_idx)[blocks, :, offs], mgr.v_cache(layer_idx)[blocks, :, offs]
 
 
-def refuse_skip_softmax(backend: str, params: SparseRuntimeParams | None, metadata: AttentionMetadata) -> None:
-    """Raise ``ValueError`` when a phase present this step asks for skip-softmax."""
-    for phase in metadata.phases():
-        if params is not None and params.threshold_scale_factor(phase) > 0:
-            raise ValueError(f"the {backend} backend does not implement skip-softmax "
-                             f"(threshold_scale_factor_{phase} > 0); use the 'triton' backend")
-
-
 @register_backend
 class VanillaBackend(AttentionBackend):
     name = "vanilla"
@@ -64,12 +58,13 @@ class VanillaBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                 params: SparseRuntimeParams | None) -> AttentionResult:
-        refuse_skip_softmax(self.name, params, metadata)
         metadata.require(f"backend {self.name!r}", self.required_translations)
         mgr = metadata.kv_cache_manager
         out = torch.zeros(q.shape[0], q.shape[1], geometry.value_dim, dtype=torch.float32, device=q.device)
         lse = torch.full((q.shape[0], q.shape[1]), torch.inf, dtype=torch.float32, device=q.device)
         token_lens = metadata.token_kv_lens
+        paths = {p: "masked_fp32" for p in metadata.phases()}
+        skipped = walked = 0
         for i in range(metadata.num_seqs):
             t0, t1 = (int(x) for x in metadata.query_start_host[i: i + 2])
             if t1 == t0:
@@ -77,9 +72,18 @@ class VanillaBackend(AttentionBackend):
             kv_len = int(metadata.kv_lens_host[i])
             k, v = gather_nhd(mgr, layer_idx, metadata.block_ids_per_seq[i], kv_len, geometry)
             phase = "context" if metadata.is_context(i) else "generation"
+            if params is not None and params.threshold_scale_factor(phase) > 0:
+                kf, vf = k.float().cpu(), v.float().cpu()
+                heads = torch.arange(geometry.num_kv_heads).view(-1, 1, 1)
+                o, l, sk, wk, paths[phase] = skip_softmax_phase(
+                    self.name, q, metadata, geometry, params, phase, slice(t0, t1),
+                    lambda _, p: kf[p, heads], lambda _, p: vf[p, heads], lambda _, p: kf[p], lambda _, p: vf[p])
+                out[t0:t1], lse[t0:t1] = o.to(q.device), l.to(q.device)
+                skipped, walked = skipped + sk, walked + wk
+                continue
             sel = params if params is not None and params.selects_positions(phase) else None
             mask = selection_mask(sel, slice(t0, t1), token_lens, kv_len, geometry.num_kv_heads).to(q.device)
             o, l = masked_attention(q[t0:t1], k, v, mask, geometry.sm_scale)
             out[t0:t1], lse[t0:t1] = o, l
         return AttentionResult(out.to(q.dtype), lse, self.effective_attended_tokens(params, metadata, geometry),
-                               {p: "masked_fp32" for p in metadata.phases()})
+                               paths, skipped, walked)

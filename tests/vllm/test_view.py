@@ -18,20 +18,33 @@ HKV, G, D, P, LAYERS, BLOCKS = 2, 2, 32, 32, 2, 64
 # (request ids, query tokens) per step: prompts, a chunked prompt and decodes mixed, then decodes
 STEPS = [((0, 1), (150, 90)), ((2, 0, 1), (70, 1, 1)), ((2, 0, 1), (40, 1, 1)), ((2, 0, 1), (1, 1, 1)),
          ((2, 0, 1), (1, 1, 1))]
+TRITON_STEPS = [((0, 1), (100, 40)), ((2, 0, 1), (20, 1, 1)), ((2, 0, 1), (1, 1, 1))]
 SELECTORS = [None, ("streaming", {"budget": 48, "num_sink": 4}), ("oracle_topk", {"budget": 40}),
              ("quest", {"budget": 64, "page_size": 16, "summary_dtype": "float32"}),
              ("block_select", {"block_size": 32, "topk_blocks": 2})]
 
 
-def _foreign(raw: list[torch.Tensor]) -> ForeignPagedKV:
+def _foreign(layout: str = "vllm-cpu") -> ForeignPagedKV:
     spec = ForeignKVSpec(num_layers=LAYERS, num_blocks=BLOCKS, tokens_per_block=P, num_kv_heads=HKV, head_dim=D,
-                         dtype=torch.float32, device=torch.device("cpu"), layout="vllm-cpu", max_requests=8,
+                         dtype=torch.float32, device=torch.device("cpu"), layout=layout, max_requests=8,
                          max_blocks_per_seq=32)
     return ForeignPagedKV(spec)
 
 
-@pytest.mark.parametrize("selector", SELECTORS, ids=lambda s: "dense" if s is None else s[0])
-def test_view_matches_kvsieve_engine(selector):
+def _owner_cache(layout: str) -> torch.Tensor:
+    """A NaN-filled cache as vLLM allocates it: CPU contiguous; Triton logical HND over NHD memory."""
+    if layout == "vllm-cpu":
+        return torch.full((BLOCKS, HKV, P, 2 * D), float("nan"))
+    return torch.full((BLOCKS, P, HKV, 2 * D), float("nan")).transpose(1, 2)
+
+
+# the Triton cases (the CUDA side's kernels on the CUDA side's layout) run in the interpreter: shorter steps
+CASES = [("vllm-cpu", "torch", s) for s in SELECTORS] + [("vllm-triton", "triton", s) for s in SELECTORS[::3]]
+
+
+@pytest.mark.parametrize("layout,backend,selector", CASES,
+                         ids=lambda c: c if isinstance(c, str) else ("dense" if c is None else c[0]))
+def test_view_matches_kvsieve_engine(layout, backend, selector):
     gen = torch.Generator().manual_seed(0)
     cfg = None if selector is None else SparseAttentionConfig(selector[0], selector[1])
     spec = KVCacheSpec(num_layers=LAYERS, num_blocks=BLOCKS, tokens_per_block=P, num_kv_heads=HKV, head_dim=D,
@@ -41,15 +54,15 @@ def test_view_matches_kvsieve_engine(selector):
               for i, p in enumerate(lower_config(cfg, num_layers=LAYERS))]
     engine = Engine(cache, layers, max_num_requests=8, max_num_tokens=512)
 
-    raw = [torch.full((BLOCKS, HKV, P, 2 * D), float("nan")) for _ in range(LAYERS)]
-    view = _foreign(raw)
+    raw = [_owner_cache(layout) for _ in range(LAYERS)]
+    view = _foreign(layout)
     translator = StepTranslator(view, max_num_tokens=512, translations=("block_lists",))
     plans = lower_plans(PluginConfig(sparse=cfg), num_layers=LAYERS, backend_name="torch")
     geometry = AttentionGeometry(kind="gqa", num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D, sm_scale=D ** -0.5)
-    runners = [LayerRunner(layer_idx=i, geometry=geometry, plan=p, backend=get_backend("torch"))
+    runners = [LayerRunner(layer_idx=i, geometry=geometry, plan=p, backend=get_backend(backend))
                for i, p in enumerate(plans)]
     sparse_seen = False
-    for rids, lens in STEPS:
+    for rids, lens in STEPS if backend == "torch" else TRITON_STEPS:
         n_ctx = sum(n > 1 for n in lens)
         md = engine.begin_step(list(rids), list(lens), n_ctx)
         t = md.num_tokens
@@ -60,7 +73,7 @@ def test_view_matches_kvsieve_engine(selector):
         # the owner's cache: the same K/V at the same physical blocks, written through the views
         blk, off = cache.physical(md.slots[md.token_to_req_host], md.positions_host)
         for i, (_, k, v) in enumerate(qkv):
-            view.bind_layer(i, raw[i], *kv_views("vllm-cpu", raw[i]))
+            view.bind_layer(i, raw[i], *kv_views(layout, raw[i]))
             view.k_cache(i)[blk, :, off] = k
             view.v_cache(i)[blk, :, off] = v
         # vLLM's order: decode rows first, then the prompt rows
@@ -85,7 +98,7 @@ def test_view_matches_kvsieve_engine(selector):
 
 def test_view_refuses_copies_writes_and_overflow():
     raw = torch.zeros(BLOCKS, HKV, P, 2 * D)
-    view = _foreign([raw])
+    view = _foreign()
     k, v = kv_views("vllm-cpu", raw)
     with pytest.raises(ValueError, match="not a view"):
         view.bind_layer(0, raw, k.clone(), v)

@@ -25,6 +25,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from .layer_checks import refuse_features, refusing_backend
 from .layouts import kv_views
 from .state import PluginState, plugin_state
 
@@ -32,31 +33,6 @@ __all__ = ["KvsieveCPUAttentionBackend", "KvsieveCPUAttentionImpl", "KvsieveCPUM
 
 LAYOUT = "vllm-cpu"
 VIEWABLE_ISAS = ("vec", "vec16")
-
-
-def refuse_features(*, alibi_slopes: object, sliding_window: int | None, logits_soft_cap: float | None,
-                    attn_type: str, kv_sharing_target_layer_name: str | None, sinks: object,
-                    kv_cache_dtype: str) -> None:
-    """Raise ``NotImplementedError`` naming every layer feature the plug-in does not compute."""
-    refused = []
-    if alibi_slopes is not None:
-        refused.append("ALiBi position biases (alibi_slopes)")
-    if sliding_window is not None:
-        refused.append(f"sliding-window attention (window {sliding_window})")
-    if logits_soft_cap:
-        refused.append(f"logit soft-capping (logits_soft_cap={logits_soft_cap})")
-    if sinks is not None:
-        refused.append("attention sinks (learned per-head sink logits)")
-    if kv_sharing_target_layer_name is not None:
-        refused.append(f"KV sharing with layer {kv_sharing_target_layer_name!r}")
-    if attn_type != AttentionType.DECODER:
-        refused.append(f"attention type {str(attn_type)!r} (only decoder self-attention)")
-    if kv_cache_dtype != "auto":
-        refused.append(f"KV cache dtype {kv_cache_dtype!r} (only the model dtype, 'auto')")
-    if refused:
-        raise NotImplementedError("kvsieve vLLM plug-in: this layer uses " + "; ".join(refused) +
-                                  ", which the plug-in does not compute; unset KVSIEVE_SELECTOR/KVSIEVE_CONFIG "
-                                  "to run vLLM's own attention")
 
 
 class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -115,11 +91,15 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("kvsieve vLLM plug-in: non-causal attention steps are not supported")
         n = attn_metadata.num_actual_tokens
         layer_idx = extract_layer_index(layer.layer_name)
+        host = None
+        if self.state.config.capture_dir is not None:  # tests: vLLM's own kernel on the same step
+            host = super().forward(layer, query, key, value, kv_cache, attn_metadata, torch.empty_like(output))
+            host = host[:n].view(n, self.num_heads, self.head_size)
         self.state.run_layer(
             layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n],
             query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
             block_table=attn_metadata.block_table, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size, scale=self.scale)
+            head_size=self.head_size, scale=self.scale, host_output=host)
         return output
 
 
@@ -137,12 +117,6 @@ class KvsieveCPUAttentionBackend(CPUAttentionBackend):
         return KvsieveCPUMetadataBuilder
 
 
-class _Refused(type):
-    def __getattr__(cls, name: str) -> object:
-        raise NotImplementedError("kvsieve vLLM plug-in: MLA attention (DeepSeek-style latent KV) is not supported "
-                                  "by the plug-in on CPU; unset KVSIEVE_SELECTOR/KVSIEVE_CONFIG")
-
-
-class RefuseMLABackend(metaclass=_Refused):
-    """Registered over vLLM's CPU MLA backends: any use of the class raises, so an MLA model stops
-    at start-up instead of running vLLM's own attention while the plug-in is enabled."""
+RefuseMLABackend = refusing_backend(
+    "RefuseMLABackend", "kvsieve vLLM plug-in: MLA attention (DeepSeek-style latent KV) is not supported by the "
+    "plug-in on CPU; unset KVSIEVE_SELECTOR/KVSIEVE_CONFIG")

@@ -6,8 +6,8 @@
   (``[D, block_size]``: element ``(p, d)`` at ``d*block_size + p``), the next ``block_size*D`` hold
   V as ``[block_size, D]``. The ``amx`` ISA packs K for AMX tiles instead; the plug-in makes vLLM
   use ``vec`` so the cache stays viewable (:func:`probe_cpu_layout` checks it at start-up).
-* ``vllm-flash`` (CUDA ``FLASH_ATTN`` and the Triton backend): ``[2, num_blocks, block_size, Hkv, D]``.
-* ``vllm-flashinfer`` (CUDA ``FLASHINFER``, NHD): ``[num_blocks, 2, block_size, Hkv, D]``.
+* ``vllm-triton`` (CUDA ``TRITON_ATTN``, vLLM 0.32): the logical ``[num_blocks, Hkv, block_size,
+  2*D]`` (physical strides HND or NHD), K in the first ``D`` channels, V in the last ``D``.
 """
 from __future__ import annotations
 
@@ -28,19 +28,14 @@ def _cpu(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
-def _flash(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if cache.dim() != 5 or cache.shape[0] != 2:
-        raise ValueError(f"vllm-flash cache must be [2, num_blocks, block_size, Hkv, D], got {list(cache.shape)}")
-    return cache[0].transpose(1, 2), cache[1].transpose(1, 2)
+def _triton(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if cache.dim() != 4 or cache.shape[-1] % 2:
+        raise ValueError(f"vllm-triton cache must be [num_blocks, Hkv, block_size, 2*D], got {list(cache.shape)}")
+    d = cache.shape[-1] // 2
+    return cache[..., :d], cache[..., d:]
 
 
-def _flashinfer(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if cache.dim() != 5 or cache.shape[1] != 2:
-        raise ValueError(f"vllm-flashinfer cache must be [num_blocks, 2, block_size, Hkv, D], got {list(cache.shape)}")
-    return cache[:, 0].transpose(1, 2), cache[:, 1].transpose(1, 2)
-
-
-LAYOUTS = {"vllm-cpu": _cpu, "vllm-flash": _flash, "vllm-flashinfer": _flashinfer}
+LAYOUTS = {"vllm-cpu": _cpu, "vllm-triton": _triton}
 
 
 def kv_views(layout: str, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

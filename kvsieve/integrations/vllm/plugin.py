@@ -8,6 +8,8 @@ __all__ = ["register", "CPU_BACKEND", "CUDA_BACKEND"]
 
 CPU_BACKEND = "kvsieve.integrations.vllm.cpu.KvsieveCPUAttentionBackend"
 CUDA_BACKEND = "kvsieve.integrations.vllm.cuda.KvsieveTritonAttentionBackend"
+# on CUDA every other attention backend is replaced by one that refuses at start-up
+_CUDA_KEPT = ("TRITON_ATTN", "NO_ATTENTION", "CUSTOM", "CPU_ATTN", "CPU_MLA", "AMX_MLA")
 
 
 def register() -> None:
@@ -25,8 +27,11 @@ def register() -> None:
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
         for mla in ("CPU_MLA", "AMX_MLA"):  # MLA models: refused when their layers are built
             register_backend(AttentionBackendEnum[mla], "kvsieve.integrations.vllm.cpu.RefuseMLABackend")
-    elif current_platform.is_cuda():
+    elif current_platform.is_cuda():  # never run on a GPU (docs/vllm.md)
         check_plugin_config(config, device="cuda")
+        for backend in AttentionBackendEnum:
+            if backend.name not in _CUDA_KEPT:
+                register_backend(backend, "kvsieve.integrations.vllm.cuda.RefuseOtherCudaBackend")
         register_backend(AttentionBackendEnum.TRITON_ATTN, CUDA_BACKEND)
     else:
         raise ValueError(f"kvsieve vLLM plug-in ({config.source}): platform {current_platform.device_name!r} is not "

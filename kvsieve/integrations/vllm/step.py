@@ -111,7 +111,8 @@ class LayerRunner:
     """One attention layer: the selector (if the layer has a plan) then the kvsieve backend.
 
     ``capture_dir``: also run the Vanilla golden on the same selection and append one JSON line
-    per call (layer, tokens, contexts, attended and dense positions, largest difference)."""
+    per call (layer, tokens, contexts, attended and dense positions, largest difference to the
+    golden, and to the host engine's own attention output when the caller passes it)."""
 
     def __init__(self, *, layer_idx: int, geometry: AttentionGeometry, plan: LayerPlan | None,
                  backend: AttentionBackend, capture_dir: Path | None = None) -> None:
@@ -119,8 +120,10 @@ class LayerRunner:
         self.capture_dir = capture_dir
         self.golden = VanillaBackend() if capture_dir is not None else None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (kvsieve order, already in the cache) -> ``[T, Hq, D]``."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
+                host_output: torch.Tensor | None = None) -> torch.Tensor:
+        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (kvsieve order, already in the cache) -> ``[T, Hq, D]``.
+        ``host_output [T, Hq, D]``: the host engine's own (dense) attention, read only by the capture."""
         g = self.geometry
         params: SparseRuntimeParams | None = None
         if self.plan is not None:
@@ -135,11 +138,11 @@ class LayerRunner:
                                 num_contexts=md.num_contexts, kv_lens=md.token_kv_lens)
         out, _ = self.backend.forward(q, md, self.layer_idx, g, params)
         if self.golden is not None:
-            self._capture(q, md, params, out)
+            self._capture(q, md, params, out, host_output)
         return out
 
     def _capture(self, q: torch.Tensor, md: AttentionMetadata, params: SparseRuntimeParams | None,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, host_output: torch.Tensor | None) -> None:
         ref, _ = self.golden.forward(q, md, self.layer_idx, self.geometry, params)
         attended = self.golden.effective_attended_tokens(params, md, self.geometry)
         record = {
@@ -149,6 +152,8 @@ class LayerRunner:
             "attended": int(attended.sum()), "dense": int(md.token_kv_lens.to(torch.int64).sum()) * self.geometry.num_kv_heads,
             "max_abs_diff": float((out.float() - ref.float()).abs().max()) if out.numel() else 0.0,
             "ref_max_abs": float(ref.float().abs().max()) if ref.numel() else 0.0, "dtype": str(q.dtype),
+            "host_max_abs_diff": None if host_output is None or params is not None or not out.numel()
+            else float((out.float() - host_output.float()).abs().max()),
         }
         self.capture_dir.mkdir(parents=True, exist_ok=True)
         with open(self.capture_dir / f"capture-{os.getpid()}.jsonl", "a", encoding="utf-8") as f:

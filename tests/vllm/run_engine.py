@@ -23,13 +23,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--attention-backend", default=None, help="e.g. TRITON_ATTN (CUDA; the CPU platform ignores it)")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams, TokensPrompt
 
     # one process (no engine-core or worker process): each would import vLLM again
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
-              max_num_seqs=4, seed=0, distributed_executor_backend="uni")
+              max_num_seqs=4, seed=0, distributed_executor_backend="uni",
+              attention_config={"backend": args.attention_backend} if args.attention_backend else None)
     tok = llm.get_tokenizer()
     prompts = [TokensPrompt(prompt_token_ids=tok.encode(p)) for p in PROMPTS]
     if args.prompt_tokens:

@@ -104,3 +104,44 @@ def test_vllm_kv_write_is_the_layout_kvsieve_views(isa, block_size, dtype):
 def test_refuse_mla_backend_class():
     with pytest.raises(NotImplementedError, match="MLA attention"):
         RefuseMLABackend.get_supported_kernel_block_sizes()
+
+
+def test_cuda_side_imports_and_declares_its_classes():
+    """The CUDA side imports on CPU and is wired to vLLM's Triton backend (it has never run on a
+    GPU: its kernels' data plumbing is covered by test_view.py's Triton cases in the interpreter)."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+
+    from kvsieve.integrations.vllm import cuda
+
+    assert issubclass(cuda.KvsieveTritonAttentionBackend, TritonAttentionBackend)
+    assert cuda.KvsieveTritonAttentionBackend.get_name() == "TRITON_ATTN"
+    assert issubclass(cuda.KvsieveTritonAttentionBackend.get_impl_cls(), TritonAttentionImpl)
+    assert plugin.CUDA_BACKEND == f"{cuda.__name__}.{cuda.KvsieveTritonAttentionBackend.__name__}"
+    with pytest.raises(NotImplementedError, match="only the TRITON_ATTN backend"):
+        cuda.RefuseOtherCudaBackend.get_name()
+    with pytest.raises(NotImplementedError, match="enforce-eager"):
+        cuda.refuse_cuda_graphs(type("C", (), {"compilation_config": type("CC", (), {"cudagraph_mode": "FULL"})()})())
+
+
+@pytest.mark.sm90
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (the CUDA side never ran on one)")
+def test_cuda_plugin_dense_matches_vllm_triton_on_gpu(tmp_path):
+    """On a GPU: the plug-in (dense) through kvsieve's Triton kernels gives vLLM's own greedy tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvsieve.integrations.vllm.convert import smollm2_checkpoint
+
+    script = Path(__file__).with_name("run_engine.py")
+    model = smollm2_checkpoint()
+    tokens = []
+    for extra in ({}, {"KVSIEVE_SELECTOR": "dense"}):
+        out = tmp_path / f"out{len(tokens)}.json"
+        subprocess.run([sys.executable, str(script), str(model), str(out), "--dtype", "float32", "--prompt-tokens",
+                        "300", "--attention-backend", "TRITON_ATTN"], env={**os.environ, **extra}, check=True,
+                       timeout=900)
+        tokens.append(json.loads(out.read_text())["tokens"])
+    assert tokens[0] == tokens[1]

@@ -129,3 +129,16 @@ def test_cpu_layout_view_reads_transposed_k():
 def test_refused_selectors(spec, message):
     with pytest.raises(ValueError, match=message):
         lower_plans(PluginConfig(sparse=parse_selector_spec(spec)), num_layers=2, backend_name="torch")
+
+
+def test_per_layer_plans_from_a_config_file(tmp_path, monkeypatch):
+    from kvsieve.integrations.vllm.config import read_plugin_config
+
+    path = tmp_path / "plan.json"
+    path.write_text('{"selector": "quest", "params": {"budget": 64}, "dense_layers": [0, -1], "backend": "torch"}')
+    config = read_plugin_config({"KVSIEVE_CONFIG": str(path)})
+    plans = lower_plans(config, num_layers=4, backend_name=config.backend)
+    assert [p is None for p in plans] == [True, False, False, True]
+    assert plans[1].selector.config.budget == 64 and plans[1] is plans[2]  # one selector, as in kvsieve
+    with pytest.raises(ValueError, match="contradicts"):
+        read_plugin_config({"KVSIEVE_CONFIG": str(path), "KVSIEVE_BACKEND": "vanilla"})

@@ -24,7 +24,7 @@ import torch
 from ...metadata import AttentionMetadata
 from ...metadata.foreign_paged import ForeignPagedKV
 from ...sparse import AttentionBackend, AttentionGeometry, LayerPlan, SelectorInputs, SparseRuntimeParams, get_backend
-from ...sparse.backends import VanillaBackend
+from ...sparse.backends import VanillaBackend, default_backend
 
 __all__ = ["VllmStep", "StepTranslator", "LayerRunner"]
 
@@ -162,8 +162,6 @@ class LayerRunner:
 
 def make_backend(name: str | None, device: torch.device) -> AttentionBackend:
     """The kvsieve backend by name (``None``: ``torch`` on CPU, ``triton`` on CUDA)."""
-    from ...sparse.backends import default_backend
-
     backend = get_backend(name or default_backend(device))
     if device.type not in backend.devices:
         raise ValueError(f"kvsieve backend {backend.name!r} does not run on {device.type}; "

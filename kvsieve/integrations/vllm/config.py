@@ -148,7 +148,9 @@ def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, dev
             f"kvsieve vLLM plug-in: selector {sel.name!r} evicts prompt tokens (predict_kv), which vLLM's block "
             "manager cannot be told about (it owns the blocks and the sequence lengths); use a selection-only "
             "selector (streaming, oracle_topk, quest, block_select or a third-party one without evicts=True)")
-    if sel.capabilities.granularity == "none" and backend_name != "triton":
+    # the one built-in that only gives kernel hints; a third-party selector's thresholds are refused
+    # by the backend's forward (every backend without skip-softmax raises on a factor > 0)
+    if sel.name == "skip_softmax" and backend_name != "triton":
         raise ValueError(
             f"kvsieve vLLM plug-in: selector {sel.name!r} gives kernel hints (skip-softmax thresholds) that only "
             f"the 'triton' backend implements; the plug-in runs backend {backend_name!r}")

@@ -44,7 +44,9 @@ class PluginState:
             spec = ForeignKVSpec(num_layers=self.num_layers, num_blocks=n, tokens_per_block=p, num_kv_heads=h,
                                  head_dim=d, dtype=k.dtype, device=k.device, layout=layout,
                                  max_requests=self.max_num_seqs, max_blocks_per_seq=-(-self.max_model_len // p))
-            needed = tuple(sorted({"block_lists", *self.backend.required_translations}))
+            # block_lists: read by the Vanilla golden of the capture only
+            golden = ("block_lists",) if self.config.capture_dir is not None else ()
+            needed = tuple(sorted({*golden, *self.backend.required_translations}))
             self.translators[key] = StepTranslator(ForeignPagedKV(spec), max_num_tokens=self.max_num_tokens,
                                                    translations=needed)
         return self.translators[key]
@@ -73,7 +75,7 @@ class PluginState:
         md = tr.prepare(VllmStep.from_tensors(query_start_loc, seq_lens, block_table, query.shape[0]))
         out = self.runner(layer_idx, num_heads, num_kv_heads, head_size, scale).forward(
             tr.to_kvsieve(query), tr.to_kvsieve(key), tr.to_kvsieve(value), md,
-            None if host_output is None else tr.to_kvsieve(host_output))
+            None if host_output is None else tr.to_kvsieve(host_output)).out
         tr.to_vllm(out.to(output.dtype), output.view(query.shape[0], num_heads, head_size))
         return output
 

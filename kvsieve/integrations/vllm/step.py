@@ -23,8 +23,10 @@ import torch
 
 from ...metadata import AttentionMetadata
 from ...metadata.foreign_paged import ForeignPagedKV
-from ...sparse import AttentionBackend, AttentionGeometry, LayerPlan, SelectorInputs, SparseRuntimeParams, get_backend
-from ...sparse.backends import VanillaBackend, default_backend
+from ...sparse import (AttentionBackend, AttentionGeometry, LayerPlan, SparseAttention, SparseRuntimeParams,
+                       get_backend)
+from ...sparse.attention import _checked_params, place_rows
+from ...sparse.backends import AttentionResult, VanillaBackend, default_backend
 
 __all__ = ["VllmStep", "StepTranslator", "LayerRunner"]
 
@@ -119,31 +121,37 @@ class LayerRunner:
         self.layer_idx, self.geometry, self.plan, self.backend = layer_idx, geometry, plan, backend
         self.capture_dir = capture_dir
         self.golden = VanillaBackend() if capture_dir is not None else None
+        # the selector inputs and row placement of kvsieve's own layer (which also writes K/V; vLLM did that)
+        self._inputs = SparseAttention(layer_idx=layer_idx, num_q_heads=geometry.num_q_heads,
+                                       num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim, plan=plan,
+                                       backend=backend, kind=geometry.kind, sm_scale=geometry.sm_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
-                host_output: torch.Tensor | None = None) -> torch.Tensor:
-        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (kvsieve order, already in the cache) -> ``[T, Hq, D]``.
+                host_output: torch.Tensor | None = None) -> AttentionResult:
+        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (kvsieve order, already in the cache) -> the backend's
+        :class:`~kvsieve.sparse.backends.AttentionResult` (``out [T, Hq, D]``, ``attended [T, Hkv]``, ...).
+        The selector is asked only about the rows of its plan's phases present this step, exactly as
+        :meth:`SparseAttention.forward` asks it (same inputs, same placement of its answer).
         ``host_output [T, Hq, D]``: the host engine's own (dense) attention, read only by the capture."""
         g = self.geometry
         params: SparseRuntimeParams | None = None
         if self.plan is not None:
-            inputs = SelectorInputs(q=q, k=k, v=v, metadata=md, layer_idx=self.layer_idx,
-                                    num_kv_heads=g.num_kv_heads, sm_scale=g.sm_scale, attention_kind=g.kind)
-            sel, phases = self.plan.selector, self.plan.phases
+            inputs = self._inputs.selector_inputs(q, k, v, md)
+            sel = self.plan.selector
             sel.on_append(inputs)
-            if (md.num_generations and "generation" in phases) or (md.num_contexts and "context" in phases):
-                params = sel.predict_attn(inputs)
+            if inputs.phases:
+                params = place_rows(_checked_params(sel.name, sel.predict_attn(inputs)), inputs, sel.name)
             if params is not None:
                 params.validate(num_kv_heads=g.num_kv_heads, num_query_tokens=md.num_tokens,
                                 num_contexts=md.num_contexts, kv_lens=md.token_kv_lens)
-        out, _ = self.backend.forward(q, md, self.layer_idx, g, params)
+        res = self.backend.forward(q, md, self.layer_idx, g, params)
         if self.golden is not None:
-            self._capture(q, md, params, out, host_output)
-        return out
+            self._capture(q, md, params, res.out, host_output)
+        return res
 
     def _capture(self, q: torch.Tensor, md: AttentionMetadata, params: SparseRuntimeParams | None,
                  out: torch.Tensor, host_output: torch.Tensor | None) -> None:
-        ref, _ = self.golden.forward(q, md, self.layer_idx, self.geometry, params)
+        ref = self.golden.forward(q, md, self.layer_idx, self.geometry, params).out
         attended = self.golden.effective_attended_tokens(params, md, self.geometry)
         record = {
             "layer": self.layer_idx, "num_tokens": md.num_tokens, "num_contexts": md.num_contexts,

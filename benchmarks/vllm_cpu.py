@@ -53,9 +53,10 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(args.model, args.prompt_tokens, args.max_tokens)), flush=True)
         return
     if args.model is None:
-        from kvsieve.integrations.vllm.convert import smollm2_checkpoint
+        from kvsieve.eval.model import smollm2_gguf_path
+        from kvsieve.integrations.vllm.convert import converted_checkpoint
 
-        args.model = str(smollm2_checkpoint())
+        args.model = str(converted_checkpoint(smollm2_gguf_path()))
     rows = []
     for mode in args.modes.split(","):
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSIEVE_SELECTOR")}

@@ -37,9 +37,10 @@ BF16_ULPS = 2 * 2.0 ** -8  # two bf16 roundings of the same value, relative
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from kvsieve.integrations.vllm.convert import smollm2_checkpoint
+    from kvsieve.eval.model import smollm2_gguf_path
+    from kvsieve.integrations.vllm.convert import converted_checkpoint
 
-    return smollm2_checkpoint()
+    return converted_checkpoint(smollm2_gguf_path())
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -133,10 +133,11 @@ def test_cuda_plugin_dense_matches_vllm_triton_on_gpu(tmp_path):
     import sys
     from pathlib import Path
 
-    from kvsieve.integrations.vllm.convert import smollm2_checkpoint
+    from kvsieve.eval.model import smollm2_gguf_path
+    from kvsieve.integrations.vllm.convert import converted_checkpoint
 
     script = Path(__file__).with_name("run_engine.py")
-    model = smollm2_checkpoint()
+    model = converted_checkpoint(smollm2_gguf_path())
     tokens = []
     for extra in ({}, {"KVSIEVE_SELECTOR": "dense"}):
         out = tmp_path / f"out{len(tokens)}.json"

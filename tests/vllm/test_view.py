@@ -172,3 +172,12 @@ def test_undeclared_eviction_is_refused():
     q, k = torch.randn(40, HKV * G, D), torch.randn(40, HKV, D)
     with pytest.raises(ValueError, match="predict_kv.*eviction is refused"):
         runner.forward(q, k, k, md)
+
+
+def test_config_file_knobs_are_checked_not_coerced(tmp_path):
+    from kvsieve.integrations.vllm.config import read_plugin_config
+
+    path = tmp_path / "plan.json"
+    path.write_text('{"selector": "quest", "params": {"budget": 64}, "dense_layers": [1.5]}')
+    with pytest.raises(ValueError, match=r"dense_layers must be a tuple of ints, got tuple \(1.5,\)"):
+        read_plugin_config({"KVSIEVE_CONFIG": str(path)})

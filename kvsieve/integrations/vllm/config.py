@@ -104,7 +104,7 @@ def _from_file(path: Path) -> tuple[SparseAttentionConfig | None, str | None]:
         return None, backend
     phases = raw.get("phases")
     sparse = SparseAttentionConfig(selector=str(raw["selector"]), params=dict(raw.get("params") or {}),
-                                   dense_layers=tuple(int(i) for i in raw.get("dense_layers") or ()),
+                                   dense_layers=tuple(raw.get("dense_layers") or ()),
                                    phases=tuple(phases) if phases else None)
     return sparse, backend
 

@@ -174,9 +174,7 @@ class LayerRunner:
 
 
 def make_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """The kvsieve backend by name (``None``: ``torch`` on CPU, ``triton`` on CUDA)."""
-    backend = get_backend(name or default_backend(device))
-    if device.type not in backend.devices:
-        raise ValueError(f"kvsieve backend {backend.name!r} does not run on {device.type}; "
-                         f"it supports {sorted(backend.devices)}")
-    return backend
+    """The kvsieve backend by name (``None``: ``torch`` on CPU, ``triton`` on CUDA). Backends do not
+    declare devices: one that cannot run on ``device`` refuses at its first step, naming what it
+    needs (``triton`` on CPU without ``TRITON_INTERPRET=1``, ``cute`` off CUDA)."""
+    return get_backend(name or default_backend(device))

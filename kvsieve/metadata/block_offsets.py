@@ -72,13 +72,18 @@ class BlockOffsetTable:
         return self.device_buf[0, : self.num_rows, 0, : max(self.width, 1)]
 
 
-def half_block_views(pool: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a GQA pool ``[num_blocks, 2, Hkv, P, D]`` (HND) or ``[num_blocks, 2, P, Hkv, D]``
-    (NHD) as two ``[2*num_blocks - 1, Hkv, P, D]`` views addressed by half-block offsets: K of
-    block ``b`` is at ``2*b`` of the first view; the second starts one half-block later, so the same
-    offset ``2*b`` lands on V (``2*b + 1``). A reader takes one table, :attr:`BlockOffsetTable.k_offsets`."""
-    n = pool.shape[0] * 2
-    half = pool.view(n, *pool.shape[2:])
-    if layout == "NHD":
-        half = half.transpose(1, 2)
-    return half[:-1], half[1:]
+def half_block_views(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one GQA layer, ``[num_blocks, Hkv, P, D]`` views of its pool with any strides
+    (kvsieve's HND or NHD pool through ``k_cache(layer)``/``v_cache(layer)``, or a foreign engine's
+    layout through :class:`~kvsieve.metadata.ForeignPagedKV`), as two ``[2*num_blocks - 1, Hkv, P, D]``
+    views addressed by half-block offsets: the block stride is halved, so offset ``2*b`` of the first
+    view is K of block ``b`` and the same offset of the second is V of block ``b`` (odd offsets are
+    never addressed). A reader takes one table, :attr:`BlockOffsetTable.k_offsets`. Raises
+    ``ValueError`` when a block stride is odd (no half-block addressing exists) or the two differ."""
+    s0 = k_cache.stride(0)
+    if s0 % 2 or v_cache.stride(0) != s0 or k_cache.shape[0] != v_cache.shape[0]:
+        raise ValueError(f"half_block_views: K and V need the same even block stride and block count, got "
+                         f"strides {k_cache.stride(0)}/{v_cache.stride(0)}, blocks {k_cache.shape[0]}/{v_cache.shape[0]}")
+    n = 2 * k_cache.shape[0] - 1
+    return tuple(t.as_strided((n, *t.shape[1:]), (s0 // 2, *t.stride()[1:]), t.storage_offset())
+                 for t in (k_cache, v_cache))

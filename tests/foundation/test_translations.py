@@ -93,7 +93,7 @@ def test_half_block_views_put_k_and_v_at_the_k_offset(layout):
     m = KVCacheManager(KVCacheSpec(num_layers=1, num_blocks=6, tokens_per_block=4, num_kv_heads=2, head_dim=8,
                                    layout=layout, max_requests=1, max_blocks_per_seq=4))
     m.pools[0].copy_(torch.randn(m.pools[0].shape))
-    k_half, v_half = half_block_views(m.pools[0], layout)
+    k_half, v_half = half_block_views(m.k_cache(0), m.v_cache(0))
     for b in range(6):
         assert torch.equal(k_half[2 * b], m.k_cache(0)[b]) and torch.equal(v_half[2 * b], m.v_cache(0)[b])
 

@@ -85,7 +85,7 @@ class TritonBackend(AttentionBackend):
                                      off, geometry.kv_lora_rank, geometry.sm_scale, factor, stats,
                                      block_size=bs)
             return o, l, "mla_gather"
-        k_cache, v_cache = half_block_views(mgr.pools[layer_idx], mgr.spec.layout)
+        k_cache, v_cache = half_block_views(mgr.k_cache(layer_idx), mgr.v_cache(layer_idx))
         kernel = paged_prefill if phase == "context" else sparse_gqa_decode
         o, l = kernel(q[rows], k_cache, v_cache, metadata.block_offset_table.k_offsets, tok_req, lens, idx, off, bs,
                       geometry.sm_scale, factor, stats)

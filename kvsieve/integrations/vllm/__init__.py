@@ -1,0 +1,13 @@
+"""kvsieve inside vLLM: a ``vllm.general_plugins`` plug-in that replaces vLLM's attention backend
+with one that runs a kvsieve selector per layer over vLLM's own paged cache (see docs/vllm.md).
+
+Enable it with ``KVSIEVE_SELECTOR="quest:budget=256"`` (or ``"dense"``) or ``KVSIEVE_CONFIG=file``
+(:mod:`.config`); with neither set the plug-in leaves vLLM untouched. Modules: :mod:`.config`
+(settings and refusals), :mod:`.layouts` (vLLM cache tensors as K/V views), :mod:`.step` (vLLM
+step -> kvsieve metadata, one layer's selector + backend), :mod:`.plugin` (the entry point),
+:mod:`.cpu` / :mod:`.cuda` (vLLM backend classes), :mod:`.convert` (SmolLM2 GGUF -> safetensors).
+Only :mod:`.plugin`, :mod:`.cpu` and :mod:`.cuda` import vLLM.
+"""
+from __future__ import annotations
+
+__all__: list[str] = []

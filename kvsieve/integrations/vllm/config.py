@@ -1,0 +1,169 @@
+"""The plug-in's configuration: read from the environment once per process, checked at start-up.
+
+* ``KVSIEVE_SELECTOR="quest:budget=256,page_size=16"``: a selector and its config fields (values
+  parsed as YAML scalars), or ``"dense"`` (the plug-in computes vLLM's attention with kvsieve's
+  backend and no selector);
+* or ``KVSIEVE_CONFIG=/path/to/file.{json,yaml,yml}`` with keys ``selector`` (name or
+  ``"dense"``), ``params`` (mapping), ``dense_layers`` (list of layer indices, negative from the
+  end), ``phases`` (subset of ``["context", "generation"]``), ``backend`` (kvsieve backend name);
+* ``KVSIEVE_BACKEND``: the kvsieve backend (default ``torch`` on CPU, ``triton`` on CUDA);
+* ``KVSIEVE_CAPTURE=/dir``: for tests, every layer also runs kvsieve's Vanilla golden on the same
+  selection and appends the largest difference to ``/dir/capture-<pid>.jsonl``.
+
+The plug-in is active only when ``KVSIEVE_SELECTOR`` or ``KVSIEVE_CONFIG`` is set; setting both
+is an error. Selectors that evict prompt tokens (``snapkv``, ``rocketkv`` stage 1) and ``dsa``
+(it needs the model's own indexer, which vLLM's attention layer does not receive) are refused.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ...sparse import LayerPlan, SparseAttentionConfig, lower_config
+
+__all__ = ["PluginConfig", "read_plugin_config", "lower_plans", "parse_selector_spec", "DENSE", "ENV_SELECTOR", "ENV_CONFIG",
+           "ENV_BACKEND", "ENV_CAPTURE"]
+
+ENV_SELECTOR = "KVSIEVE_SELECTOR"
+ENV_CONFIG = "KVSIEVE_CONFIG"
+ENV_BACKEND = "KVSIEVE_BACKEND"
+ENV_CAPTURE = "KVSIEVE_CAPTURE"
+DENSE = "dense"
+_FILE_KEYS = ("selector", "params", "dense_layers", "phases", "backend")
+# selectors whose output vLLM's attention layer cannot serve, and why
+_REFUSED = {
+    "dsa": "it needs the model's own lightning indexer (DeepSeek-V3.2 style) fed per layer, and vLLM's "
+           "attention backend receives only q, k, v and the cache",
+}
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """``sparse``: the kvsieve config (``None`` = dense); ``backend``: kvsieve backend name or
+    ``None`` for the device default; ``capture_dir``: where the golden check writes, or ``None``."""
+
+    sparse: SparseAttentionConfig | None
+    backend: str | None = None
+    capture_dir: Path | None = None
+    source: str = field(default="", compare=False)
+
+
+def _scalar(text: str) -> Any:
+    value = yaml.safe_load(text)
+    if isinstance(value, (dict, list)) or value is None:
+        raise ValueError(f"selector parameter value {text!r} must be a scalar (number, bool or string)")
+    return value
+
+
+def parse_selector_spec(spec: str) -> SparseAttentionConfig | None:
+    """``"name"`` or ``"name:key=value,key=value"`` -> a config; ``"dense"`` -> ``None``."""
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip()
+    if not name:
+        raise ValueError(f"{ENV_SELECTOR}={spec!r}: give a selector name, e.g. 'quest:budget=256'")
+    params: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"{ENV_SELECTOR}={spec!r}: parameter {item!r} must look like key=value")
+        if key.strip() in params:
+            raise ValueError(f"{ENV_SELECTOR}={spec!r}: parameter {key.strip()!r} given twice")
+        params[key.strip()] = _scalar(value.strip())
+    if name == DENSE:
+        if params:
+            raise ValueError(f"{ENV_SELECTOR}={spec!r}: 'dense' takes no parameters")
+        return None
+    return SparseAttentionConfig(selector=name, params=params)
+
+
+def _from_file(path: Path) -> tuple[SparseAttentionConfig | None, str | None]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        raw = json.loads(text)
+    elif path.suffix in (".yaml", ".yml"):
+        raw = yaml.safe_load(text)
+    else:
+        raise ValueError(f"{ENV_CONFIG}={path}: the file must end in .json, .yaml or .yml")
+    if not isinstance(raw, dict):
+        raise ValueError(f"{ENV_CONFIG}={path}: the file must hold a mapping with keys {list(_FILE_KEYS)}")
+    unknown = sorted(set(raw) - set(_FILE_KEYS))
+    if unknown:
+        raise ValueError(f"{ENV_CONFIG}={path}: unknown keys {unknown}; known: {list(_FILE_KEYS)}")
+    if "selector" not in raw:
+        raise ValueError(f"{ENV_CONFIG}={path}: 'selector' is required (a selector name or 'dense')")
+    backend = raw.get("backend")
+    if raw["selector"] == DENSE:
+        extra = sorted(k for k in ("params", "dense_layers", "phases") if raw.get(k))
+        if extra:
+            raise ValueError(f"{ENV_CONFIG}={path}: selector 'dense' takes no {extra}")
+        return None, backend
+    phases = raw.get("phases")
+    sparse = SparseAttentionConfig(selector=str(raw["selector"]), params=dict(raw.get("params") or {}),
+                                   dense_layers=tuple(raw.get("dense_layers") or ()),
+                                   phases=tuple(phases) if phases else None)
+    return sparse, backend
+
+
+def read_plugin_config(environ: dict[str, str] | None = None) -> PluginConfig | None:
+    """The plug-in's config from the environment, or ``None`` when the plug-in is not enabled."""
+    env = os.environ if environ is None else environ
+    spec, path = env.get(ENV_SELECTOR), env.get(ENV_CONFIG)
+    if spec and path:
+        raise ValueError(f"set {ENV_SELECTOR} or {ENV_CONFIG}, not both ({ENV_SELECTOR}={spec!r}, {ENV_CONFIG}={path!r})")
+    if not spec and not path:
+        return None
+    if spec:
+        sparse, backend, source = parse_selector_spec(spec), None, f"{ENV_SELECTOR}={spec}"
+    else:
+        sparse, backend = _from_file(Path(path))
+        source = f"{ENV_CONFIG}={path}"
+    env_backend = env.get(ENV_BACKEND)
+    if env_backend and backend and env_backend != backend:
+        raise ValueError(f"{ENV_BACKEND}={env_backend!r} contradicts backend {backend!r} in {path}")
+    if sparse is not None and sparse.selector in _REFUSED:
+        raise ValueError(f"kvsieve vLLM plug-in: selector {sparse.selector!r} is not supported: "
+                         f"{_REFUSED[sparse.selector]}")
+    capture = env.get(ENV_CAPTURE)
+    return PluginConfig(sparse=sparse, backend=env_backend or backend, capture_dir=Path(capture) if capture else None,
+                        source=source)
+
+
+def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, device: str = "cpu"
+                ) -> list[LayerPlan | None]:
+    """One plan per layer (``None`` = dense), refusing what vLLM's attention layer cannot serve:
+    selectors that evict prompt tokens (vLLM's block manager owns the blocks and lengths) and
+    kernel hints the chosen kvsieve backend does not implement."""
+    plans = lower_config(config.sparse, num_layers=num_layers, attention_kind="gqa", device=device)
+    plan = next((p for p in plans if p is not None), None)
+    if plan is None:
+        return plans
+    sel = plan.selector
+    if sel.capabilities.evicts:
+        raise ValueError(
+            f"kvsieve vLLM plug-in: selector {sel.name!r} evicts prompt tokens (predict_kv), which vLLM's block "
+            "manager cannot be told about (it owns the blocks and the sequence lengths); use a selection-only "
+            "selector (streaming, oracle_topk, quest, block_select or a third-party one without evicts=True)")
+    # the one built-in that only gives kernel hints; a third-party selector's thresholds are refused
+    # by the backend's forward (every backend without skip-softmax raises on a factor > 0)
+    if sel.name == "skip_softmax" and backend_name != "triton":
+        raise ValueError(
+            f"kvsieve vLLM plug-in: selector {sel.name!r} gives kernel hints (skip-softmax thresholds) that only "
+            f"the 'triton' backend implements; the plug-in runs backend {backend_name!r}")
+    return plans
+
+
+def check_plugin_config(config: PluginConfig, *, device: str) -> None:
+    """Start-up check in every vLLM process: the selector exists, its fields are valid, it serves
+    ``device`` and nothing in :func:`lower_plans` refuses it (before the model's layer count is known)."""
+    sparse = config.sparse
+    if sparse is None:
+        return
+    span = max([i + 1 if i >= 0 else -i for i in sparse.dense_layers] + [1])
+    from ...sparse.backends import default_backend
+
+    lower_plans(config, num_layers=span, backend_name=config.backend or default_backend(device), device=device)

@@ -1,0 +1,122 @@
+"""vLLM's CPU attention backend (``CPU_ATTN``) with kvsieve computing the attention.
+
+:class:`KvsieveCPUAttentionBackend` keeps vLLM's cache shape, metadata builder and KV write
+(``do_kv_cache_update``, run by vLLM before ``forward``); only ``forward`` changes: it views the
+layer's cache (:mod:`.layouts`), translates the step (:class:`.step.StepTranslator`, once per
+step) and runs the layer's selector and kvsieve backend (:class:`.step.LayerRunner`).
+
+Refused when the layer is built, naming the feature: ALiBi, sliding window, logit soft-capping,
+attention sinks, KV sharing between layers, FP8 KV cache, encoder / cross attention; at
+``forward``: non-causal steps and fused output quantization. The builder keeps vLLM's KV write
+in a layout kvsieve can view: the ``amx`` ISA (which packs K for AMX tiles) is replaced by ``vec``,
+and the layout is checked once per process by writing known values through vLLM's own op.
+"""
+from __future__ import annotations
+
+import torch
+from vllm import _custom_ops as ops
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+
+from .layer_checks import refuse_features, refusing_backend
+from .layouts import kv_views
+from .state import PluginState, plugin_state
+
+__all__ = ["KvsieveCPUAttentionBackend", "KvsieveCPUAttentionImpl", "KvsieveCPUMetadataBuilder", "RefuseMLABackend"]
+
+LAYOUT = "vllm-cpu"
+VIEWABLE_ISAS = ("vec", "vec16")
+
+
+class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's builder with the KV write kept in a layout kvsieve can view (``vec``/``vec16``)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:  # noqa: ANN001 (vLLM's signature)
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if self.isa not in VIEWABLE_ISAS:
+            self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
+            self._set_isa_to_layers(layer_names)
+        probe_cpu_layout(self.isa, self.dtype, self.block_size, self.head_dim, self.num_kv_heads)
+
+
+def probe_cpu_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int, num_kv_heads: int) -> None:
+    """Write known K/V with vLLM's own ``cpu_attn_reshape_and_cache`` into a scratch cache and read
+    them back through :func:`.layouts.kv_views`; raise if the layout is not the one kvsieve views."""
+    gen = torch.Generator().manual_seed(0)
+    n = 2 * block_size
+    k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+    cache = torch.zeros(3, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+    half = cache.view(3, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    slots = torch.arange(block_size, block_size + n, dtype=torch.int64)  # blocks 1 and 2
+    ops.cpu_attn_reshape_and_cache(k, v, half[0], half[1], slots, isa)
+    kv, vv = kv_views(LAYOUT, cache)
+    pos = slots - block_size
+    got_k, got_v = kv[1 + pos // block_size, :, pos % block_size], vv[1 + pos // block_size, :, pos % block_size]
+    if not (torch.equal(got_k, k) and torch.equal(got_v, v)):
+        raise NotImplementedError(f"kvsieve vLLM plug-in: vLLM's CPU KV write with ISA {isa!r} ({dtype}, block "
+                                  f"{block_size}, head_dim {head_dim}) is not the {LAYOUT!r} layout kvsieve views")
+
+
+class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
+    """``forward`` runs kvsieve over vLLM's cache; everything else is vLLM's."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, sinks: torch.Tensor | None = None) -> None:
+        refuse_features(alibi_slopes=alibi_slopes, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                        attn_type=attn_type, kv_sharing_target_layer_name=kv_sharing_target_layer_name, sinks=sinks,
+                        kv_cache_dtype=kv_cache_dtype)
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+        self.state: PluginState = plugin_state(get_current_vllm_config(), device=torch.device("cpu"))
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # noqa: ANN001
+                kv_cache: torch.Tensor, attn_metadata: CPUAttentionMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("kvsieve vLLM plug-in: fused output quantization (output_scale) is not supported")
+        if attn_metadata is None:  # vLLM's warm-up/profiling pass
+            return output
+        if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
+            raise NotImplementedError("kvsieve vLLM plug-in: non-causal attention steps are not supported")
+        n = attn_metadata.num_actual_tokens
+        layer_idx = extract_layer_index(layer.layer_name)
+        host = None
+        if self.state.config.capture_dir is not None:  # tests: vLLM's own kernel on the same step
+            host = super().forward(layer, query, key, value, kv_cache, attn_metadata, torch.empty_like(output))
+            host = host[:n].view(n, self.num_heads, self.head_size)
+        self.state.run_layer(
+            layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n],
+            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
+            block_table=attn_metadata.block_table, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size, scale=self.scale, host_output=host)
+        return output
+
+
+class KvsieveCPUAttentionBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with :class:`KvsieveCPUAttentionImpl` and :class:`KvsieveCPUMetadataBuilder`."""
+
+    supported_kv_cache_dtypes = ["auto"]
+
+    @staticmethod
+    def get_impl_cls() -> type[KvsieveCPUAttentionImpl]:
+        return KvsieveCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KvsieveCPUMetadataBuilder]:
+        return KvsieveCPUMetadataBuilder
+
+
+RefuseMLABackend = refusing_backend(
+    "RefuseMLABackend", "kvsieve vLLM plug-in: MLA attention (DeepSeek-style latent KV) is not supported by the "
+    "plug-in on CPU; unset KVSIEVE_SELECTOR/KVSIEVE_CONFIG")

@@ -1,0 +1,91 @@
+"""The plug-in's per-process state, shared by every attention layer of the process: the config,
+the per-layer plans (one selector instance, as in the rest of kvsieve), the kvsieve backend, and
+one :class:`~.step.StepTranslator` (view + metadata) per cache geometry. Built when vLLM builds
+the first attention layer (``get_current_vllm_config()`` is set then); reads the vLLM config
+only through plain attributes, so it imports nothing from vLLM."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
+from ...sparse import AttentionGeometry
+from .config import PluginConfig, lower_plans, read_plugin_config
+from .layouts import kv_views
+from .step import LayerRunner, StepTranslator, VllmStep, make_backend
+
+__all__ = ["PluginState", "plugin_state"]
+
+_STATE: PluginState | None = None
+
+
+class PluginState:
+    """``vllm_config`` fields read: ``model_config.max_model_len``, ``model_config.hf_config
+    .num_hidden_layers``, ``scheduler_config.max_num_seqs`` / ``max_num_batched_tokens``."""
+
+    def __init__(self, config: PluginConfig, vllm_config: Any, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.backend = make_backend(config.backend, device)
+        self.num_layers = int(vllm_config.model_config.hf_config.num_hidden_layers)
+        self.plans = lower_plans(config, num_layers=self.num_layers, backend_name=self.backend.name,
+                                 device=device.type)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        self.max_num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        self.translators: dict[tuple, StepTranslator] = {}
+        self.runners: dict[int, LayerRunner] = {}
+
+    def translator(self, layout: str, raw: torch.Tensor, k: torch.Tensor) -> StepTranslator:
+        n, h, p, d = k.shape
+        key = (layout, n, h, p, d, k.dtype)
+        if key not in self.translators:
+            spec = ForeignKVSpec(num_layers=self.num_layers, num_blocks=n, tokens_per_block=p, num_kv_heads=h,
+                                 head_dim=d, dtype=k.dtype, device=k.device, layout=layout,
+                                 max_requests=self.max_num_seqs, max_blocks_per_seq=-(-self.max_model_len // p))
+            # block_lists: read by the Vanilla golden of the capture only
+            golden = ("block_lists",) if self.config.capture_dir is not None else ()
+            needed = tuple(sorted({*golden, *self.backend.required_translations}))
+            self.translators[key] = StepTranslator(ForeignPagedKV(spec), max_num_tokens=self.max_num_tokens,
+                                                   translations=needed)
+        return self.translators[key]
+
+    def runner(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> LayerRunner:
+        if layer_idx not in self.runners:
+            if not 0 <= layer_idx < self.num_layers:
+                raise ValueError(f"kvsieve vLLM plug-in: layer index {layer_idx} outside the model's "
+                                 f"{self.num_layers} layers")
+            geometry = AttentionGeometry(kind="gqa", num_q_heads=num_heads, num_kv_heads=num_kv_heads,
+                                         head_dim=head_size, sm_scale=scale)
+            self.runners[layer_idx] = LayerRunner(layer_idx=layer_idx, geometry=geometry, plan=self.plans[layer_idx],
+                                                  backend=self.backend, capture_dir=self.config.capture_dir)
+        return self.runners[layer_idx]
+
+    def run_layer(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, output: torch.Tensor, *, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, block_table: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  head_size: int, scale: float, host_output: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer of one step: q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (vLLM's token order, K/V
+        already in ``kv_cache``); writes ``output [T, H, D]`` (or ``[T, H*D]``) and returns it.
+        ``host_output [T, H, D]``: vLLM's own attention of the step, for the capture only."""
+        k_view, v_view = kv_views(layout, kv_cache)
+        tr = self.translator(layout, kv_cache, k_view)
+        tr.view.bind_layer(layer_idx, kv_cache, k_view, v_view)
+        md = tr.prepare(VllmStep.from_tensors(query_start_loc, seq_lens, block_table, query.shape[0]))
+        out = self.runner(layer_idx, num_heads, num_kv_heads, head_size, scale).forward(
+            tr.to_kvsieve(query), tr.to_kvsieve(key), tr.to_kvsieve(value), md,
+            None if host_output is None else tr.to_kvsieve(host_output)).out
+        tr.to_vllm(out.to(output.dtype), output.view(query.shape[0], num_heads, head_size))
+        return output
+
+
+def plugin_state(vllm_config: Any, device: torch.device) -> PluginState:
+    """The process's state, built on first use from the environment's plug-in config."""
+    global _STATE
+    if _STATE is None:
+        config = read_plugin_config()
+        if config is None:
+            raise RuntimeError("kvsieve's vLLM backend is in use but neither KVSIEVE_SELECTOR nor KVSIEVE_CONFIG is set")
+        _STATE = PluginState(config, vllm_config, device)
+    return _STATE

@@ -1,0 +1,180 @@
+"""The framework side of the plug-in, free of vLLM imports: translate one vLLM step into kvsieve's
+:class:`~kvsieve.metadata.AttentionMetadata` over a :class:`~kvsieve.metadata.ForeignPagedKV`
+view, and run one layer's selector and backend on it.
+
+vLLM hands every attention layer of a step the same metadata object: ``query_start_loc [B+1]``,
+``seq_lens [B]`` (tokens in the cache, this step's included), ``block_table [B, W]`` (physical
+block ids) and ``num_actual_tokens``; prefill chunks and decode rows may be mixed in any order and
+the step's K/V are already in the cache when attention runs. kvsieve wants context rows first:
+a row with one query token is a *generation* row (vLLM's own decode rule), every other row is a
+*context* row (a prompt or a chunk of one, attending its cached prefix and itself causally). The
+:class:`StepTranslator` reorders rows (and their tokens) context-first when needed, prepares the
+metadata once per step (not per layer), and maps outputs back to vLLM's token order.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...metadata import AttentionMetadata
+from ...metadata.foreign_paged import ForeignPagedKV
+from ...sparse import (AttentionBackend, AttentionGeometry, LayerPlan, SparseAttention, SparseRuntimeParams,
+                       get_backend)
+from ...sparse.attention import _checked_kept, _checked_params, place_rows
+from ...sparse.backends import AttentionResult, VanillaBackend, default_backend
+
+__all__ = ["VllmStep", "StepTranslator", "LayerRunner"]
+
+
+@dataclass(frozen=True)
+class VllmStep:
+    """What kvsieve reads of vLLM's step metadata, on the host: ``query_start_loc [B+1]``,
+    ``seq_lens [B]``, ``block_table [B, W]`` (int32 numpy) and ``num_tokens`` (= the last query start)."""
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    def same_as(self, other: VllmStep) -> bool:
+        return all(np.array_equal(a, b) for a, b in zip(
+            (self.query_start_loc, self.seq_lens, self.block_table),
+            (other.query_start_loc, other.seq_lens, other.block_table)))
+
+    @classmethod
+    def from_tensors(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                     num_actual_tokens: int) -> VllmStep:
+        b = seq_lens.shape[0]
+        qsl = query_start_loc[: b + 1].cpu().numpy().astype(np.int32)
+        step = cls(qsl, seq_lens.cpu().numpy().astype(np.int32), block_table[:b].cpu().numpy().astype(np.int32))
+        if step.num_tokens != num_actual_tokens:
+            raise ValueError(f"vLLM step: query_start_loc ends at {step.num_tokens} but num_actual_tokens="
+                             f"{num_actual_tokens}")
+        if bool((step.seq_lens < np.diff(qsl)).any()):
+            raise ValueError("vLLM step: a request has fewer cached tokens (seq_lens) than query tokens")
+        return step
+
+
+class StepTranslator:
+    """One per process and KV-cache group: the view, the metadata, and the step it was prepared for."""
+
+    def __init__(self, view: ForeignPagedKV, *, max_num_tokens: int, translations: tuple[str, ...]) -> None:
+        self.view = view
+        self.metadata = AttentionMetadata(kv_cache_manager=view, max_num_requests=view.spec.max_requests,
+                                          max_num_tokens=max_num_tokens, translations=translations)
+        self._step: VllmStep | None = None
+        self.token_order: torch.Tensor | None = None  # kvsieve row t is vLLM token token_order[t]; None = same
+
+    def prepare(self, step: VllmStep) -> AttentionMetadata:
+        """Prepare the metadata for ``step``; the layers after the first of a step find it prepared
+        (the metadata is a function of the step's three tables, so equal tables reuse it)."""
+        if self._step is not None and self._step.same_as(step):
+            return self.metadata
+        qlens = np.diff(step.query_start_loc)
+        is_gen = qlens == 1
+        order = np.concatenate([np.flatnonzero(~is_gen), np.flatnonzero(is_gen)]).astype(np.int64)
+        if bool((order != np.arange(order.size)).any()):
+            starts = step.query_start_loc[order].astype(np.int64)
+            counts = qlens[order].astype(np.int64)
+            tok = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+            self.token_order = torch.from_numpy(tok)
+        else:
+            self.token_order = None
+        self.view.set_batch(step.block_table[order], step.seq_lens[order])
+        md = self.metadata
+        md.request_ids = list(range(order.size))
+        md.seq_lens = torch.from_numpy(qlens[order].astype(np.int32))
+        md.num_contexts = int((~is_gen).sum())
+        md.prepare()
+        self._step = step
+        return md
+
+    def to_kvsieve(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of a ``[num_tokens, ...]`` tensor in kvsieve's (context-first) order."""
+        return x if self.token_order is None else x[self.token_order.to(x.device)]
+
+    def to_vllm(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Write kvsieve-ordered rows ``x`` into ``out`` in vLLM's token order."""
+        if self.token_order is None:
+            out.copy_(x)
+        else:
+            out[self.token_order.to(out.device)] = x
+
+
+class LayerRunner:
+    """One attention layer: the selector (if the layer has a plan) then the kvsieve backend.
+
+    ``capture_dir``: also run the Vanilla golden on the same selection and append one JSON line
+    per call (layer, tokens, contexts, attended and dense positions, largest difference to the
+    golden, and to the host engine's own attention output when the caller passes it)."""
+
+    def __init__(self, *, layer_idx: int, geometry: AttentionGeometry, plan: LayerPlan | None,
+                 backend: AttentionBackend, capture_dir: Path | None = None) -> None:
+        self.layer_idx, self.geometry, self.plan, self.backend = layer_idx, geometry, plan, backend
+        self.capture_dir = capture_dir
+        self.golden = VanillaBackend() if capture_dir is not None else None
+        # the selector inputs and row placement of kvsieve's own layer (which also writes K/V; vLLM did that)
+        self._inputs = SparseAttention(layer_idx=layer_idx, num_q_heads=geometry.num_q_heads,
+                                       num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim, plan=plan,
+                                       backend=backend, kind=geometry.kind, sm_scale=geometry.sm_scale)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
+                host_output: torch.Tensor | None = None) -> AttentionResult:
+        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (kvsieve order, already in the cache) -> the backend's
+        :class:`~kvsieve.sparse.backends.AttentionResult` (``out [T, Hq, D]``, ``attended [T, Hkv]``, ...).
+        The selector is asked only about the rows of its plan's phases present this step, exactly as
+        :meth:`SparseAttention.forward` asks it (same inputs, same placement of its answer).
+        ``host_output [T, Hq, D]``: the host engine's own (dense) attention, read only by the capture."""
+        g = self.geometry
+        params: SparseRuntimeParams | None = None
+        if self.plan is not None:
+            inputs = self._inputs.selector_inputs(q, k, v, md)
+            sel = self.plan.selector
+            sel.on_append(inputs)
+            if "context" in inputs.phases and _checked_kept(sel.name, sel.predict_kv(inputs)) is not None:
+                # lower_plans refuses selectors declaring evicts=True; this one evicts without declaring it
+                raise ValueError(f"kvsieve vLLM plug-in: selector {sel.name!r} returned prompt tokens to keep "
+                                 "(predict_kv); vLLM's block manager owns the blocks and lengths, so eviction "
+                                 "is refused")
+            if inputs.phases:
+                params = place_rows(_checked_params(sel.name, sel.predict_attn(inputs)), inputs, sel.name)
+            if params is not None:
+                params.validate(num_kv_heads=g.num_kv_heads, num_query_tokens=md.num_tokens,
+                                num_contexts=md.num_contexts, kv_lens=md.token_kv_lens)
+        res = self.backend.forward(q, md, self.layer_idx, g, params)
+        if self.golden is not None:
+            self._capture(q, md, params, res.out, host_output)
+        return res
+
+    def _capture(self, q: torch.Tensor, md: AttentionMetadata, params: SparseRuntimeParams | None,
+                 out: torch.Tensor, host_output: torch.Tensor | None) -> None:
+        ref = self.golden.forward(q, md, self.layer_idx, self.geometry, params).out
+        attended = self.golden.effective_attended_tokens(params, md, self.geometry)
+        record = {
+            "layer": self.layer_idx, "num_tokens": md.num_tokens, "num_contexts": md.num_contexts,
+            "selector": None if self.plan is None else self.plan.selector.name,
+            "sparse": params is not None and params.sparse_attn_indices is not None,
+            "attended": int(attended.sum()), "dense": int(md.token_kv_lens.to(torch.int64).sum()) * self.geometry.num_kv_heads,
+            "max_abs_diff": float((out.float() - ref.float()).abs().max()) if out.numel() else 0.0,
+            "ref_max_abs": float(ref.float().abs().max()) if ref.numel() else 0.0, "dtype": str(q.dtype),
+            "host_max_abs_diff": None if host_output is None or params is not None or not out.numel()
+            else float((out.float() - host_output.float()).abs().max()),
+        }
+        self.capture_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.capture_dir / f"capture-{os.getpid()}.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def make_backend(name: str | None, device: torch.device) -> AttentionBackend:
+    """The kvsieve backend by name (``None``: ``torch`` on CPU, ``triton`` on CUDA). Backends do not
+    declare devices: one that cannot run on ``device`` refuses at its first step, naming what it
+    needs (``triton`` on CPU without ``TRITON_INTERPRET=1``, ``cute`` off CUDA)."""
+    return get_backend(name or default_backend(device))

@@ -1,0 +1,51 @@
+"""Run vLLM's offline engine once (in its own process) and write the greedy tokens as JSON.
+
+``python run_engine.py MODEL_DIR OUT_JSON [--prompt-tokens N] [--max-tokens M]``; the kvsieve
+plug-in is on or off as the environment says (``KVSIEVE_SELECTOR`` / ``KVSIEVE_CONFIG``).
+Prompts: two short chat-style prompts, plus (with ``--prompt-tokens``) one long prompt of that
+many tokens cut from repeated text, so a sparse selector has more context than its budget."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+PROMPTS = ["The capital of France is", "Write one sentence about the sea:"]
+FILLER = ("The archive kept letters from sailors, merchants and clerks; each described the weather, the cargo, "
+          "the price of grain and the names of the harbours they passed. ")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("out")
+    ap.add_argument("--prompt-tokens", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--attention-backend", default=None, help="e.g. TRITON_ATTN (CUDA; the CPU platform ignores it)")
+    args = ap.parse_args()
+
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    # one process (no engine-core or worker process): each would import vLLM again
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
+              max_num_seqs=4, seed=0, distributed_executor_backend="uni",
+              attention_config={"backend": args.attention_backend} if args.attention_backend else None)
+    tok = llm.get_tokenizer()
+    prompts = [TokensPrompt(prompt_token_ids=tok.encode(p)) for p in PROMPTS]
+    if args.prompt_tokens:
+        ids = tok.encode(FILLER * (args.prompt_tokens // 20 + 1))[: args.prompt_tokens - 8]
+        prompts.append(TokensPrompt(prompt_token_ids=ids + tok.encode(" The price of grain was")))
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs],
+              "prompt_lens": [len(o.prompt_token_ids) for o in outs], "generate_s": wall}
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":  # vLLM starts its engine core with spawn: the guard is required
+    main()

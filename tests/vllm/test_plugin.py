@@ -1,0 +1,148 @@
+"""The plug-in's start-up behaviour inside vLLM's own process model, without starting an engine:
+registration, refusals, and that vLLM's own KV write lands where kvsieve's view reads it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+# "vllm.platforms", not "vllm": where vLLM is not installed, this folder itself is importable as a
+# namespace package named vllm (tests/ is on sys.path); an installed vLLM always takes precedence
+pytest.importorskip("vllm.platforms", reason="vLLM is not installed (it runs in its own venv, see .ci/run)")
+
+from vllm.v1.attention.backend import AttentionType  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+
+from kvsieve.integrations.vllm import plugin  # noqa: E402
+from kvsieve.integrations.vllm.config import ENV_CONFIG, ENV_SELECTOR  # noqa: E402
+from kvsieve.integrations.vllm.cpu import RefuseMLABackend, probe_cpu_layout  # noqa: E402
+from kvsieve.integrations.vllm.layer_checks import refuse_features  # noqa: E402
+
+OVERRIDDEN = [AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.CPU_MLA, AttentionBackendEnum.AMX_MLA]
+
+
+@pytest.fixture
+def clean_registry(monkeypatch):
+    for var in (ENV_SELECTOR, ENV_CONFIG, "KVSIEVE_BACKEND"):
+        monkeypatch.delenv(var, raising=False)
+    before = {b: b.get_path() for b in OVERRIDDEN}
+    yield
+    for b in OVERRIDDEN:
+        b.clear_override()
+    assert {b: b.get_path() for b in OVERRIDDEN} == before
+
+
+def test_not_enabled_leaves_vllm_alone(clean_registry):
+    plugin.register()
+    assert not any(b.is_overridden() for b in OVERRIDDEN)
+
+
+def test_enabled_overrides_cpu_attention(clean_registry, monkeypatch):
+    monkeypatch.setenv(ENV_SELECTOR, "quest:budget=128")
+    plugin.register()
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == plugin.CPU_BACKEND
+    backend = AttentionBackendEnum.CPU_ATTN.get_class()
+    assert backend.get_name() == "CPU_ATTN" and backend.get_impl_cls().__name__ == "KvsieveCPUAttentionImpl"
+    with pytest.raises(NotImplementedError, match="MLA attention"):
+        AttentionBackendEnum.CPU_MLA.get_class().get_name()
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("snapkv", "evicts prompt tokens"),
+    ("rocketkv:prompt_budget=512", "evicts prompt tokens"),
+    ("dsa", "lightning indexer"),
+    ("quest:budget=8", "budget must be >= page_size"),
+    ("quest:bogus=1", "accepted fields"),
+    ("nosuch", "unknown selector"),
+    ("quest:budget", "must look like key=value"),
+])
+def test_refused_at_start_up(clean_registry, monkeypatch, spec, message):
+    monkeypatch.setenv(ENV_SELECTOR, spec)
+    with pytest.raises(ValueError, match=message):
+        plugin.register()
+    assert not any(b.is_overridden() for b in OVERRIDDEN)  # nothing registered
+
+
+def test_config_file_and_conflicts(clean_registry, monkeypatch, tmp_path):
+    path = tmp_path / "kvsieve.yaml"
+    path.write_text("selector: streaming\nparams: {budget: 64, num_sink: 4}\ndense_layers: [0, -1]\n")
+    monkeypatch.setenv(ENV_CONFIG, str(path))
+    plugin.register()
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == plugin.CPU_BACKEND
+    AttentionBackendEnum.CPU_ATTN.clear_override()
+    monkeypatch.setenv(ENV_SELECTOR, "dense")
+    with pytest.raises(ValueError, match="not both"):
+        plugin.register()
+    monkeypatch.delenv(ENV_SELECTOR)
+    path.write_text("selector: streaming\nwindow: 3\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['window'\]"):
+        plugin.register()
+
+
+@pytest.mark.parametrize("feature,kwargs", [
+    ("ALiBi", {"alibi_slopes": [0.5]}),
+    ("sliding-window", {"sliding_window": 128}),
+    ("soft-capping", {"logits_soft_cap": 30.0}),
+    ("sinks", {"sinks": torch.zeros(4)}),
+    ("KV sharing", {"kv_sharing_target_layer_name": "model.layers.0.self_attn.attn"}),
+    ("attention type 'encoder_only'", {"attn_type": AttentionType.ENCODER_ONLY}),
+    ("KV cache dtype 'fp8'", {"kv_cache_dtype": "fp8"}),
+])
+def test_layer_features_refused_by_name(feature, kwargs):
+    args = dict(alibi_slopes=None, sliding_window=None, logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                kv_sharing_target_layer_name=None, sinks=None, kv_cache_dtype="auto")
+    refuse_features(**args)  # a plain decoder layer passes
+    with pytest.raises(NotImplementedError, match=feature):
+        refuse_features(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("isa,block_size", [("vec", 32), ("vec", 128), ("vec16", 16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_vllm_kv_write_is_the_layout_kvsieve_views(isa, block_size, dtype):
+    probe_cpu_layout(isa, dtype, block_size, head_dim=64, num_kv_heads=3)  # raises on a mismatch
+
+
+def test_refuse_mla_backend_class():
+    with pytest.raises(NotImplementedError, match="MLA attention"):
+        RefuseMLABackend.get_supported_kernel_block_sizes()
+
+
+def test_cuda_side_imports_and_declares_its_classes():
+    """The CUDA side imports on CPU and is wired to vLLM's Triton backend (it has never run on a
+    GPU: its kernels' data plumbing is covered by test_view.py's Triton cases in the interpreter)."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+
+    from kvsieve.integrations.vllm import cuda
+
+    assert issubclass(cuda.KvsieveTritonAttentionBackend, TritonAttentionBackend)
+    assert cuda.KvsieveTritonAttentionBackend.get_name() == "TRITON_ATTN"
+    assert issubclass(cuda.KvsieveTritonAttentionBackend.get_impl_cls(), TritonAttentionImpl)
+    assert plugin.CUDA_BACKEND == f"{cuda.__name__}.{cuda.KvsieveTritonAttentionBackend.__name__}"
+    with pytest.raises(NotImplementedError, match="only the TRITON_ATTN backend"):
+        cuda.RefuseOtherCudaBackend.get_name()
+    with pytest.raises(NotImplementedError, match="enforce-eager"):
+        cuda.refuse_cuda_graphs(type("C", (), {"compilation_config": type("CC", (), {"cudagraph_mode": "FULL"})()})())
+
+
+@pytest.mark.sm90
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (the CUDA side never ran on one)")
+def test_cuda_plugin_dense_matches_vllm_triton_on_gpu(tmp_path):
+    """On a GPU: the plug-in (dense) through kvsieve's Triton kernels gives vLLM's own greedy tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvsieve.eval.model import smollm2_gguf_path
+    from kvsieve.integrations.vllm.convert import converted_checkpoint
+
+    script = Path(__file__).with_name("run_engine.py")
+    model = converted_checkpoint(smollm2_gguf_path())
+    tokens = []
+    for extra in ({}, {"KVSIEVE_SELECTOR": "dense"}):
+        out = tmp_path / f"out{len(tokens)}.json"
+        subprocess.run([sys.executable, str(script), str(model), str(out), "--dtype", "float32", "--prompt-tokens",
+                        "300", "--attention-backend", "TRITON_ATTN"], env={**os.environ, **extra}, check=True,
+                       timeout=900)
+        tokens.append(json.loads(out.read_text())["tokens"])
+    assert tokens[0] == tokens[1]

@@ -1,0 +1,183 @@
+"""The foreign-cache view and the vLLM step translation, without vLLM: kvsieve's own Engine over
+its own cache is the reference; the same K/V live in a vLLM-CPU-layout tensor at the same
+physical block ids, and the steps are handed over in vLLM's order (decode rows first)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, lower_config
+from kvsieve.integrations.vllm.config import PluginConfig, lower_plans, parse_selector_spec
+from kvsieve.integrations.vllm.layouts import kv_views
+from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
+from kvsieve.metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
+from kvsieve.sparse import AttentionGeometry, SparseAttentionConfig, get_backend
+
+HKV, G, D, P, LAYERS, BLOCKS = 2, 2, 32, 32, 2, 64
+# (request ids, query tokens) per step: prompts, a chunked prompt and decodes mixed, then decodes
+STEPS = [((0, 1), (150, 90)), ((2, 0, 1), (70, 1, 1)), ((2, 0, 1), (40, 1, 1)), ((2, 0, 1), (1, 1, 1)),
+         ((2, 0, 1), (1, 1, 1))]
+TRITON_STEPS = [((0, 1), (100, 40)), ((2, 0, 1), (20, 1, 1)), ((2, 0, 1), (1, 1, 1))]
+SELECTORS = [None, ("streaming", {"budget": 48, "num_sink": 4}), ("oracle_topk", {"budget": 40}),
+             ("quest", {"budget": 64, "page_size": 16, "summary_dtype": "float32"}),
+             ("block_select", {"block_size": 32, "topk_blocks": 2})]
+
+
+def _foreign(layout: str = "vllm-cpu") -> ForeignPagedKV:
+    spec = ForeignKVSpec(num_layers=LAYERS, num_blocks=BLOCKS, tokens_per_block=P, num_kv_heads=HKV, head_dim=D,
+                         dtype=torch.float32, device=torch.device("cpu"), layout=layout, max_requests=8,
+                         max_blocks_per_seq=32)
+    return ForeignPagedKV(spec)
+
+
+def _owner_cache(layout: str) -> torch.Tensor:
+    """A NaN-filled cache as vLLM allocates it: CPU contiguous; Triton logical HND over NHD memory."""
+    if layout == "vllm-cpu":
+        return torch.full((BLOCKS, HKV, P, 2 * D), float("nan"))
+    return torch.full((BLOCKS, P, HKV, 2 * D), float("nan")).transpose(1, 2)
+
+
+# the Triton cases (the CUDA side's kernels on the CUDA side's layout) run in the interpreter: shorter steps
+CASES = [("vllm-cpu", "torch", s) for s in SELECTORS] + [("vllm-triton", "triton", s) for s in SELECTORS[::3]]
+
+
+@pytest.mark.parametrize("layout,backend,selector", CASES,
+                         ids=lambda c: c if isinstance(c, str) else ("dense" if c is None else c[0]))
+def test_view_matches_kvsieve_engine(layout, backend, selector):
+    gen = torch.Generator().manual_seed(0)
+    cfg = None if selector is None else SparseAttentionConfig(selector[0], selector[1])
+    spec = KVCacheSpec(num_layers=LAYERS, num_blocks=BLOCKS, tokens_per_block=P, num_kv_heads=HKV, head_dim=D,
+                       max_requests=8, max_blocks_per_seq=32)
+    cache = KVCacheManager(spec)
+    layers = [SparseAttention(layer_idx=i, num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D, plan=p, backend="torch")
+              for i, p in enumerate(lower_config(cfg, num_layers=LAYERS))]
+    engine = Engine(cache, layers, max_num_requests=8, max_num_tokens=512)
+
+    raw = [_owner_cache(layout) for _ in range(LAYERS)]
+    view = _foreign(layout)
+    translator = StepTranslator(view, max_num_tokens=512,
+                                translations=get_backend(backend).required_translations)
+    plans = lower_plans(PluginConfig(sparse=cfg), num_layers=LAYERS, backend_name="torch")
+    geometry = AttentionGeometry(kind="gqa", num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D, sm_scale=D ** -0.5)
+    runners = [LayerRunner(layer_idx=i, geometry=geometry, plan=p, backend=get_backend(backend))
+               for i, p in enumerate(plans)]
+    sparse_seen = False
+    for rids, lens in STEPS if backend == "torch" else TRITON_STEPS:
+        n_ctx = sum(n > 1 for n in lens)
+        md = engine.begin_step(list(rids), list(lens), n_ctx)
+        t = md.num_tokens
+        qkv = [(torch.randn(t, HKV * G, D, generator=gen), torch.randn(t, HKV, D, generator=gen),
+                torch.randn(t, HKV, D, generator=gen)) for _ in range(LAYERS)]
+        ref = [layer.forward(q, k, v, md).out for layer, (q, k, v) in zip(layers, qkv)]
+        engine.end_step()
+        # the owner's cache: the same K/V at the same physical blocks, written through the views
+        blk, off = cache.physical(md.slots[md.token_to_req_host], md.positions_host)
+        for i, (_, k, v) in enumerate(qkv):
+            view.bind_layer(i, raw[i], *kv_views(layout, raw[i]))
+            view.k_cache(i)[blk, :, off] = k
+            view.v_cache(i)[blk, :, off] = v
+        # vLLM's order: decode rows first, then the prompt rows
+        order = [j for j, n in enumerate(lens) if n == 1] + [j for j, n in enumerate(lens) if n > 1]
+        qs = np.concatenate([[0], np.cumsum(lens)])
+        tok = np.concatenate([np.arange(qs[j], qs[j + 1]) for j in order])
+        slots = cache.slots([rids[j] for j in order])
+        step = VllmStep(np.concatenate([[0], np.cumsum([lens[j] for j in order])]).astype(np.int32),
+                        cache.valid_lens[slots].copy(), cache.block_table[slots].copy())
+        kmd = translator.prepare(step)
+        assert translator.prepare(step) is kmd  # once per step, shared by the layers
+        for i, (q, k, v) in enumerate(qkv):
+            res = runners[i].forward(translator.to_kvsieve(q[tok]), translator.to_kvsieve(k[tok]),
+                                     translator.to_kvsieve(v[tok]), kmd)
+            out = res.out
+            got = torch.empty_like(out)
+            translator.to_vllm(out, got)
+            torch.testing.assert_close(got, ref[i][tok], rtol=1e-5, atol=1e-5)
+            last = layers[i].last
+            if last.params is not None and last.params.sparse_attn_indices is not None:
+                sparse_seen |= last.stats.attended < last.stats.dense
+                # the plug-in's backend read fewer positions than dense too (page-granular backends round up)
+                assert int(res.attended.sum()) < last.stats.dense
+    assert sparse_seen == (selector is not None)  # every selector really skipped positions
+
+
+def test_view_refuses_copies_writes_and_overflow():
+    raw = torch.zeros(BLOCKS, HKV, P, 2 * D)
+    view = _foreign()
+    k, v = kv_views("vllm-cpu", raw)
+    with pytest.raises(ValueError, match="not a view"):
+        view.bind_layer(0, raw, k.clone(), v)
+    view.bind_layer(0, raw, k, v)
+    for call in (view.write, view.compact, view.truncate):
+        with pytest.raises(RuntimeError, match="owning engine|owns"):
+            call(0)
+    table = np.zeros((1, 2), dtype=np.int32)
+    with pytest.raises(ValueError, match="needs 3 blocks"):
+        view.set_batch(table, np.array([70], dtype=np.int32))
+    assert view._num_rows == 0 and not view.valid_lens.any()  # the failed call changed nothing
+
+
+def test_cpu_layout_view_reads_transposed_k():
+    raw = torch.arange(3 * 2 * 32 * 8, dtype=torch.float32).view(3, 2, 32, 8)  # D = 4
+    k, v = kv_views("vllm-cpu", raw)
+    flat = raw.view(3, 2, 2 * 32 * 4)
+    assert k[1, 1, 5, 3] == flat[1, 1, 3 * 32 + 5]  # K element (p=5, d=3) at d*block_size + p
+    assert v[2, 0, 7, 2] == flat[2, 0, 32 * 4 + 7 * 4 + 2]
+    assert k.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("snapkv", "evicts prompt tokens"),
+    ("rocketkv", "evicts prompt tokens"),
+    ("skip_softmax:threshold_scale_factor_generation=1.0", "only the 'triton' backend"),
+])
+def test_refused_selectors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        lower_plans(PluginConfig(sparse=parse_selector_spec(spec)), num_layers=2, backend_name="torch")
+
+
+def test_per_layer_plans_from_a_config_file(tmp_path, monkeypatch):
+    from kvsieve.integrations.vllm.config import read_plugin_config
+
+    path = tmp_path / "plan.json"
+    path.write_text('{"selector": "quest", "params": {"budget": 64}, "dense_layers": [0, -1], "backend": "torch"}')
+    config = read_plugin_config({"KVSIEVE_CONFIG": str(path)})
+    plans = lower_plans(config, num_layers=4, backend_name=config.backend)
+    assert [p is None for p in plans] == [True, False, False, True]
+    assert plans[1].selector.config.budget == 64 and plans[1] is plans[2]  # one selector, as in kvsieve
+    with pytest.raises(ValueError, match="contradicts"):
+        read_plugin_config({"KVSIEVE_CONFIG": str(path), "KVSIEVE_BACKEND": "vanilla"})
+
+
+def test_undeclared_eviction_is_refused():
+    """A selector whose predict_kv keeps prompt tokens without declaring evicts=True is refused by the
+    layer (lower_plans refuses only the declared ones); its selection is never attended silently."""
+    from kvsieve.selectors.streaming import StreamingSelector
+    from kvsieve.sparse import LayerPlan
+
+    class KeepsFirstHalf(StreamingSelector):
+        def predict_kv(self, inputs):
+            n = int(inputs.metadata.kv_lens_host[0]) // 2
+            return torch.arange(n, dtype=torch.int32).expand(HKV, n), torch.tensor([0, n], dtype=torch.int32)
+
+    raw = torch.randn(BLOCKS, HKV, P, 2 * D)
+    view = _foreign()
+    view.bind_layer(0, raw, *kv_views("vllm-cpu", raw))
+    translator = StepTranslator(view, max_num_tokens=512, translations=get_backend("torch").required_translations)
+    md = translator.prepare(VllmStep(np.array([0, 40], dtype=np.int32), np.array([40], dtype=np.int32),
+                                     np.array([[1, 2]], dtype=np.int32)))
+    geometry = AttentionGeometry(kind="gqa", num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D, sm_scale=D ** -0.5)
+    plan = LayerPlan(KeepsFirstHalf(budget=16, num_sink=4), frozenset({"context", "generation"}))
+    runner = LayerRunner(layer_idx=0, geometry=geometry, plan=plan, backend=get_backend("torch"))
+    q, k = torch.randn(40, HKV * G, D), torch.randn(40, HKV, D)
+    with pytest.raises(ValueError, match="predict_kv.*eviction is refused"):
+        runner.forward(q, k, k, md)
+
+
+def test_config_file_knobs_are_checked_not_coerced(tmp_path):
+    from kvsieve.integrations.vllm.config import read_plugin_config
+
+    path = tmp_path / "plan.json"
+    path.write_text('{"selector": "quest", "params": {"budget": 64}, "dense_layers": [1.5]}')
+    with pytest.raises(ValueError, match=r"dense_layers must be a tuple of ints, got tuple \(1.5,\)"):
+        read_plugin_config({"KVSIEVE_CONFIG": str(path)})

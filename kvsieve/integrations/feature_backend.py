@@ -25,6 +25,7 @@ import torch
 from ..metadata import AttentionMetadata, KVCacheManager
 from ..metadata import PHASES
 from ..sparse.backends import AttentionBackend, AttentionGeometry, AttentionResult
+from ..sparse.backends.sdpa import gather_blocks
 from ..sparse.backends.torch_backend import selected_positions
 from ..sparse.params import SparseRuntimeParams, is_dense
 from ..sparse.selection import selection_mask
@@ -54,17 +55,9 @@ def gather_request_kv(cache: KVCacheManager, layer_idx: int, request_id: int, *,
     """
     if cache.spec.kind != "gqa":
         raise ValueError(f"gather_request_kv: GQA caches only, this one is {cache.spec.kind!r}")
-    kv_len = cache.valid_len(request_id)
-    blocks = torch.as_tensor(cache.block_ids(request_id), dtype=torch.long, device=cache.pools[layer_idx].device)
-    sel = cache.pools[layer_idx].index_select(0, blocks)
-    if cache.spec.layout == "NHD":  # [n, 2, P, Hkv, D] -> [2, Hkv, n, P, D]
-        sel = sel.permute(1, 3, 0, 2, 4)
-    else:  # [n, 2, Hkv, P, D]
-        sel = sel.permute(1, 2, 0, 3, 4)
-    kv = sel.reshape(2, sel.shape[1], -1, sel.shape[-1])[:, :, :kv_len]
-    if not head_major:
-        kv = kv.transpose(1, 2)
-    return kv[0], kv[1]
+    k, v = gather_blocks(cache.pools[layer_idx], cache.spec.layout, cache.block_ids(request_id),
+                         cache.valid_len(request_id))  # [Hkv, L, D] each
+    return (k, v) if head_major else (k.transpose(0, 1), v.transpose(0, 1))
 
 
 def window_params(params: SparseRuntimeParams | None, metadata: AttentionMetadata, num_kv_heads: int,

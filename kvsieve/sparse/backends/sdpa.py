@@ -17,7 +17,7 @@ from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams, is_dense
 from .base import BACKENDS, AttentionBackend, AttentionGeometry, AttentionResult, register_backend
 
-__all__ = ["SdpaBackend"]
+__all__ = ["SdpaBackend", "gather_blocks"]
 
 
 @register_backend
@@ -43,7 +43,7 @@ class SdpaBackend(AttentionBackend):
             if t1 == t0:
                 continue
             kv_len = int(metadata.kv_lens_host[i])
-            k, v = _gather_blocks(mgr.pools[layer_idx], mgr.spec.layout, metadata.block_ids_per_seq[i], kv_len)
+            k, v = gather_blocks(mgr.pools[layer_idx], mgr.spec.layout, metadata.block_ids_per_seq[i], kv_len)
             n = t1 - t0
             mask = None
             if 1 < n < kv_len:  # bottom-right aligned causal mask
@@ -56,7 +56,7 @@ class SdpaBackend(AttentionBackend):
                                {p: "sdpa_dense" for p in metadata.phases()})
 
 
-def _gather_blocks(pool: torch.Tensor, layout: str, block_ids: list[int], kv_len: int
+def gather_blocks(pool: torch.Tensor, layout: str, block_ids: list[int], kv_len: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's valid K and V, head-major ``[Hkv, kv_len, D]`` each, copied whole block by
     whole block (one ``index_select`` over its block list, not a per-position gather)."""

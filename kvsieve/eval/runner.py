@@ -211,19 +211,20 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
                         _run_cell(sweep, cell, todo, states, ids)
             finally:
                 bar.close()
+            if session.golden_check is not None:
+                gc = session.golden_check
+                log(f"kvsieve eval: golden check: {gc.steps_checked} steps vs vanilla, max |diff| {gc.max_diff:.3g}")
+        # an interrupt while the summary, plots or report are written still reports what was saved
+        rows = _summary_rows(out, runs, ids)
+        write_csv(out / "summary.csv", rows, SUMMARY_FIELDS)
+        ok = [r for r in rows if r["status"] == "ok"]
+        plots = write_plots(out, ok)
+        report = write_report(out, cfg, rows, plots)
     except KeyboardInterrupt:
         rows = _summary_rows(out, runs, ids)
         write_csv(out / "summary.csv", rows, SUMMARY_FIELDS)
         partial = sum(len(read_state(out / r.folder, ids[r.folder], {}).partial.get("rows", [])) for r in runs)
         raise SweepInterrupted(out, sum(r["status"] == "ok" for r in rows), len(runs), partial) from None
-    if total and session.golden_check is not None:
-        gc = session.golden_check
-        log(f"kvsieve eval: golden check: {gc.steps_checked} steps vs vanilla, max |diff| {gc.max_diff:.3g}")
-    rows = _summary_rows(out, runs, ids)
-    write_csv(out / "summary.csv", rows, SUMMARY_FIELDS)
-    ok = [r for r in rows if r["status"] == "ok"]
-    plots = write_plots(out, ok)
-    report = write_report(out, cfg, rows, plots)
     log(format_table(rows))
     failed = len(rows) - len(ok)
     log(f"kvsieve eval: done in {time.perf_counter() - t_start:.0f} s; {len(ok)} runs ok"

@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(res, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
-    return 0 if res.get("ok", True) else 1
+    # "check" is structural: a bundle it cannot read raises; its per-kernel load results are only reported
+    return 0 if a.action == "check" or res["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -101,8 +101,9 @@ def read_layer_features(config: Any, modules: list[torch.nn.Module]) -> list[Lay
         if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dim() != 1):
             raise ValueError(f"layer {i}: module.sinks must be a 1-D tensor [num_heads], got {type(sinks).__name__}")
         scaling = getattr(m, "scaling", None)
-        if scaling is None:
-            scaling = m.head_dim ** -0.5
+        if scaling is None:  # the module's own softmax scale is what transformers passes; no guessed default
+            raise ValueError(f"layer {i}: {type(m).__name__} has no 'scaling' attribute, so kvsieve cannot know "
+                             "the softmax scale its attention uses")
         cap = getattr(m, "attn_logit_softcapping", softcap)
         out.append(LayerFeatures(layer_type=layer_type, window=window if layer_type == "sliding_attention" else None,
                                  softcap=float(cap) if cap else None, sinks=sinks, scaling=float(scaling)))

@@ -57,6 +57,13 @@ def test_unknown_layer_type_refused() -> None:
     _refused(model, "linear_attention")
 
 
+def test_module_without_its_softmax_scale_refused() -> None:
+    model, _ = build("llama")
+    attn = model.model.layers[0].self_attn
+    del attn.scaling
+    _refused(model, "no 'scaling' attribute")
+
+
 def test_chunked_attention_refused() -> None:
     model, _ = build("llama")
     model.config.attention_chunk_size = 8

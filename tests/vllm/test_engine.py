@@ -7,6 +7,9 @@ vLLM's offline engine and its OpenAI-compatible server, each in its own process.
 * sparse: with Quest, every layer's output (computed by kvsieve's torch backend over vLLM's
   cache) equals kvsieve's Vanilla golden on the same selection, captured inside the plug-in, and
   the decode steps really attended fewer positions than dense;
+* third-party: ``recent_blocks`` from ``examples/kvsieve_example_selector`` (installed into the vLLM
+  venv as its own distribution, found through the ``kvsieve.selectors`` entry point in every vLLM
+  process) runs inside the engine and every layer equals the Vanilla golden on its selection;
 * the server on 127.0.0.1 with the plug-in answers a completion request (bounded wait, stopped).
 """
 from __future__ import annotations
@@ -82,6 +85,27 @@ def test_dense_plugin_greedy_equals_vllm_attention(model_dir, tmp_path):
     records = _captured(cap)
     _check_golden(records)
     assert all(r["selector"] is None and r["attended"] == r["dense"] for r in records)
+
+
+def test_third_party_selector_runs_inside_vllm(model_dir, tmp_path):
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("kvsieve-example-selector")
+    except PackageNotFoundError:
+        pytest.fail("the third-party example selector is not installed in this venv: "
+                    "pip install --no-deps ./examples/kvsieve_example_selector (.ci/run does)")
+    cap = tmp_path / "capture"
+    res = _run_engine(model_dir, tmp_path / "plug.json", "--prompt-tokens", "300", "--max-tokens", "8",
+                      KVSIEVE_SELECTOR="recent_blocks:block_size=16,num_blocks=4", KVSIEVE_CAPTURE=str(cap))
+    assert all(len(t) == 8 for t in res["tokens"])
+    records = _captured(cap)
+    _check_golden(records)
+    assert all(r["selector"] == "recent_blocks" for r in records)
+    decode = [r for r in records if r["num_contexts"] == 0 and r["num_tokens"] > 0]
+    assert decode and all(r["sparse"] for r in decode)
+    # 4 blocks of 16 = 64 positions per KV head and decode row, against up to ~300 dense
+    assert all(r["attended"] < r["dense"] for r in decode)
 
 
 def _free_port() -> int:

@@ -74,6 +74,7 @@ def _check_view_matches_engine(layout, backend, selector):
     runners = [LayerRunner(layer_idx=i, geometry=geometry, plan=p, backend=get_backend(backend))
                for i, p in enumerate(plans)]
     sparse_seen = False
+    paths_seen: set[tuple[str, str]] = set()
     for rids, lens in STEPS if backend == "torch" else TRITON_STEPS:
         n_ctx = sum(n > 1 for n in lens)
         md = engine.begin_step(list(rids), list(lens), n_ctx)
@@ -99,17 +100,27 @@ def _check_view_matches_engine(layout, backend, selector):
         assert translator.prepare(step) is kmd  # once per step, shared by the layers
         for i, (q, k, v) in enumerate(qkv):
             res = runners[i].forward(translator.to_kvsieve(q[tok]), translator.to_kvsieve(k[tok]),
-                                     translator.to_kvsieve(v[tok]), kmd)
+                                     translator.to_kvsieve(v[tok]), translator)
             out = res.out
             got = torch.empty_like(out)
             translator.to_vllm(out, got)
             torch.testing.assert_close(got, ref[i][tok], rtol=1e-5, atol=1e-5)
             last = layers[i].last
+            # prompt rows the plan does not select took the block-wise SDPA path, the others the backend
+            for phase in kmd.phases():
+                selects = last.params is not None and last.params.selects_positions(phase)
+                assert (res.paths[phase] == "sdpa_dense") == (phase == "context" and not selects), (phase, res.paths)
+                paths_seen.add((phase, res.paths[phase]))
             if last.params is not None and last.params.sparse_attn_indices is not None:
                 sparse_seen |= last.stats.attended < last.stats.dense
                 # the plug-in's backend read fewer positions than dense too (page-granular backends round up)
                 assert int(res.attended.sum()) < last.stats.dense
     assert sparse_seen == (selector is not None)  # every selector really skipped positions
+    # every case mixes a chunked prompt with decode rows: both phases ran, and a generation-only
+    # selector's decode rows went through the backend on the sub-step next to SDPA prompt rows
+    assert {p for p, _ in paths_seen} == {"context", "generation"}
+    if selector is None or selector[0] == "quest":
+        assert ("context", "sdpa_dense") in paths_seen
 
 
 def test_view_refuses_copies_writes_and_overflow():
@@ -175,14 +186,14 @@ def test_undeclared_eviction_is_refused():
     view = _foreign()
     view.bind_layer(0, raw, *kv_views("vllm-cpu", raw))
     translator = StepTranslator(view, max_num_tokens=512, translations=get_backend("torch").required_translations)
-    md = translator.prepare(VllmStep(np.array([0, 40], dtype=np.int32), np.array([40], dtype=np.int32),
-                                     np.array([[1, 2]], dtype=np.int32)))
+    translator.prepare(VllmStep(np.array([0, 40], dtype=np.int32), np.array([40], dtype=np.int32),
+                                 np.array([[1, 2]], dtype=np.int32)))
     geometry = AttentionGeometry(kind="gqa", num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D, sm_scale=D ** -0.5)
     plan = LayerPlan(KeepsFirstHalf(budget=16, num_sink=4), frozenset({"context", "generation"}))
     runner = LayerRunner(layer_idx=0, geometry=geometry, plan=plan, backend=get_backend("torch"))
     q, k = torch.randn(40, HKV * G, D), torch.randn(40, HKV, D)
     with pytest.raises(ValueError, match="predict_kv.*eviction is refused"):
-        runner.forward(q, k, k, md)
+        runner.forward(q, k, k, translator)
 
 
 def test_config_file_knobs_are_checked_not_coerced(tmp_path):

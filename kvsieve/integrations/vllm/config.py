@@ -6,7 +6,9 @@
 * or ``KVSIEVE_CONFIG=/path/to/file.{json,yaml,yml}`` with keys ``selector`` (name or
   ``"dense"``), ``params`` (mapping), ``dense_layers`` (list of layer indices, negative from the
   end), ``phases`` (subset of ``["context", "generation"]``), ``backend`` (kvsieve backend name);
-* ``KVSIEVE_BACKEND``: the kvsieve backend (default ``torch`` on CPU, ``triton`` on CUDA);
+* ``KVSIEVE_BACKEND``: the kvsieve backend of the selected rows and of the decode rows (default
+  ``torch`` on CPU, ``triton`` on CUDA); prompt rows a layer does not select take SDPA over a
+  block-wise gather of the view (:func:`.step.dense_context_rows`), whatever the backend;
 * ``KVSIEVE_CAPTURE=/dir``: for tests, every layer also runs kvsieve's Vanilla golden on the same
   selection and appends the largest difference to ``/dir/capture-<pid>.jsonl``.
 

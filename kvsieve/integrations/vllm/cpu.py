@@ -3,7 +3,8 @@
 :class:`KvsieveCPUAttentionBackend` keeps vLLM's cache shape, metadata builder and KV write
 (``do_kv_cache_update``, run by vLLM before ``forward``); only ``forward`` changes: it views the
 layer's cache (:mod:`.layouts`), translates the step (:class:`.step.StepTranslator`, once per
-step) and runs the layer's selector and kvsieve backend (:class:`.step.LayerRunner`).
+step) and runs the layer's selector, then the attention (:class:`.step.LayerRunner`: SDPA over a
+block-wise gather for prompt rows the layer does not select, the kvsieve backend for the others).
 
 Refused when the layer is built, naming the feature: ALiBi, sliding window, logit soft-capping,
 attention sinks, KV sharing between layers, FP8 KV cache, encoder / cross attention; at

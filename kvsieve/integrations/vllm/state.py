@@ -72,9 +72,9 @@ class PluginState:
         k_view, v_view = kv_views(layout, kv_cache)
         tr = self.translator(layout, kv_cache, k_view)
         tr.view.bind_layer(layer_idx, kv_cache, k_view, v_view)
-        md = tr.prepare(VllmStep.from_tensors(query_start_loc, seq_lens, block_table, query.shape[0]))
+        tr.prepare(VllmStep.from_tensors(query_start_loc, seq_lens, block_table, query.shape[0]))
         out = self.runner(layer_idx, num_heads, num_kv_heads, head_size, scale).forward(
-            tr.to_kvsieve(query), tr.to_kvsieve(key), tr.to_kvsieve(value), md,
+            tr.to_kvsieve(query), tr.to_kvsieve(key), tr.to_kvsieve(value), tr,
             None if host_output is None else tr.to_kvsieve(host_output)).out
         tr.to_vllm(out.to(output.dtype), output.view(query.shape[0], num_heads, head_size))
         return output

@@ -10,12 +10,19 @@ a row with one query token is a *generation* row (vLLM's own decode rule), every
 *context* row (a prompt or a chunk of one, attending its cached prefix and itself causally). The
 :class:`StepTranslator` reorders rows (and their tokens) context-first when needed, prepares the
 metadata once per step (not per layer), and maps outputs back to vLLM's token order.
+
+Dense context rows (every prompt row of a dense layer, of ``dense``, and of a plan that does not
+select in the context phase) do not go through the kvsieve backend's general per-row gather: each
+context request's K/V are gathered once, whole block by whole block, through the view, and torch
+SDPA computes its causal attention in fp32 (:func:`dense_context_rows`). Every other row — all
+selected rows, and the generation rows of the step — goes through the kvsieve backend (when the
+context rows took the dense path, on a sub-step of the generation requests alone).
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +34,10 @@ from ...sparse import (AttentionBackend, AttentionGeometry, LayerPlan, SparseAtt
                        get_backend)
 from ...sparse.attention import _checked_kept, _checked_params, place_rows
 from ...sparse.backends import AttentionResult, VanillaBackend, default_backend
+from ...sparse.backends.sdpa import causal_sdpa
+from ...sparse.params import is_dense
 
-__all__ = ["VllmStep", "StepTranslator", "LayerRunner"]
+__all__ = ["VllmStep", "StepTranslator", "LayerRunner", "dense_context_rows"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,8 @@ class StepTranslator:
         self.metadata = AttentionMetadata(kv_cache_manager=view, max_num_requests=view.spec.max_requests,
                                           max_num_tokens=max_num_tokens, translations=translations)
         self._step: VllmStep | None = None
+        self._generation: AttentionMetadata | None = None  # the step's generation requests alone, built on demand
+        self._generation_ready = False
         self.token_order: torch.Tensor | None = None  # kvsieve row t is vLLM token token_order[t]; None = same
 
     def prepare(self, step: VllmStep) -> AttentionMetadata:
@@ -95,7 +106,26 @@ class StepTranslator:
         md.num_contexts = int((~is_gen).sum())
         md.prepare()
         self._step = step
+        self._generation_ready = False
         return md
+
+    def generation_metadata(self) -> AttentionMetadata:
+        """The prepared step's generation requests alone, as their own metadata over the same view
+        (rows ``[0, num_generation_tokens)`` = the step's :attr:`~AttentionMetadata.generation_rows`);
+        prepared once per step, on first use."""
+        md = self.metadata
+        if self._generation is None:
+            self._generation = AttentionMetadata(kv_cache_manager=self.view, max_num_requests=md.max_num_requests,
+                                                 max_num_tokens=md.max_num_tokens, translations=md.translations)
+        if not self._generation_ready:
+            reqs = md.phase_requests("generation")
+            gen = self._generation
+            gen.request_ids = md.request_ids[reqs]
+            gen.seq_lens = md.seq_lens[reqs]
+            gen.num_contexts = 0
+            gen.prepare()
+            self._generation_ready = True
+        return self._generation
 
     def to_kvsieve(self, x: torch.Tensor) -> torch.Tensor:
         """Rows of a ``[num_tokens, ...]`` tensor in kvsieve's (context-first) order."""
@@ -126,33 +156,62 @@ class LayerRunner:
                                        num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim, plan=plan,
                                        backend=backend, kind=geometry.kind, sm_scale=geometry.sm_scale)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepTranslator,
                 host_output: torch.Tensor | None = None) -> AttentionResult:
-        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (kvsieve order, already in the cache) -> the backend's
+        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (kvsieve order, already in the cache), ``step`` the
+        translator holding the step's prepared metadata -> an
         :class:`~kvsieve.sparse.backends.AttentionResult` (``out [T, Hq, D]``, ``attended [T, Hkv]``, ...).
         The selector is asked only about the rows of its plan's phases present this step, exactly as
-        :meth:`SparseAttention.forward` asks it (same inputs, same placement of its answer).
+        :meth:`SparseAttention.forward` asks it (same inputs, same placement of its answer). Dense
+        context rows take :func:`dense_context_rows` (``lse`` is then ``None``, as on kvsieve's SDPA
+        path); the other rows the kvsieve backend.
         ``host_output [T, Hq, D]``: the host engine's own (dense) attention, read only by the capture."""
-        g = self.geometry
-        params: SparseRuntimeParams | None = None
-        if self.plan is not None:
-            inputs = self._inputs.selector_inputs(q, k, v, md)
-            sel = self.plan.selector
-            sel.on_append(inputs)
-            if "context" in inputs.phases and _checked_kept(sel.name, sel.predict_kv(inputs)) is not None:
-                # lower_plans refuses selectors declaring evicts=True; this one evicts without declaring it
-                raise ValueError(f"kvsieve vLLM plug-in: selector {sel.name!r} returned prompt tokens to keep "
-                                 "(predict_kv); vLLM's block manager owns the blocks and lengths, so eviction "
-                                 "is refused")
-            if inputs.phases:
-                params = place_rows(_checked_params(sel.name, sel.predict_attn(inputs)), inputs, sel.name)
-            if params is not None:
-                params.validate(num_kv_heads=g.num_kv_heads, num_query_tokens=md.num_tokens,
-                                num_contexts=md.num_contexts, kv_lens=md.token_kv_lens)
-        res = self.backend.forward(q, md, self.layer_idx, g, params)
+        md = step.metadata
+        params = self._select(q, k, v, md)
+        if "context" in md.phases() and is_dense(params, "context"):
+            res = self._dense_context_first(q, step, params)
+        else:
+            res = self.backend.forward(q, md, self.layer_idx, self.geometry, params)
         if self.golden is not None:
             self._capture(q, md, params, res.out, host_output)
         return res
+
+    def _select(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
+                ) -> SparseRuntimeParams | None:
+        """The plan's selector hooks on this step -> its validated answer placed in the step's rows."""
+        if self.plan is None:
+            return None
+        g = self.geometry
+        inputs = self._inputs.selector_inputs(q, k, v, md)
+        sel = self.plan.selector
+        sel.on_append(inputs)
+        params = None
+        if "context" in inputs.phases and _checked_kept(sel.name, sel.predict_kv(inputs)) is not None:
+            raise _eviction_refused(sel.name, "predict_kv")
+        if inputs.phases:
+            params = place_rows(_checked_params(sel.name, sel.predict_attn(inputs)), inputs, sel.name)
+        if params is not None and params.sparse_kv_indices is not None:
+            raise _eviction_refused(sel.name, "sparse_kv_indices from predict_attn")
+        if params is not None:
+            params.validate(num_kv_heads=g.num_kv_heads, num_query_tokens=md.num_tokens,
+                            num_contexts=md.num_contexts, kv_lens=md.token_kv_lens)
+        return params
+
+    def _dense_context_first(self, q: torch.Tensor, step: StepTranslator, params: SparseRuntimeParams | None
+                             ) -> AttentionResult:
+        """Context rows through :func:`dense_context_rows`; generation rows (if any) through the
+        backend on :meth:`StepTranslator.generation_metadata` with ``params`` cut to their rows."""
+        md, g = step.metadata, self.geometry
+        out = q.new_empty(md.num_tokens, g.num_q_heads, g.value_dim)
+        out[md.context_rows] = dense_context_rows(q, md, self.layer_idx, g)
+        paths, skipped, walked = {"context": "sdpa_dense"}, 0, 0
+        if "generation" in md.phases():
+            rows = md.generation_rows
+            sub = self.backend.forward(q[rows], step.generation_metadata(), self.layer_idx, g,
+                                       _rows_params(params, rows))
+            out[rows] = sub.out
+            paths["generation"], skipped, walked = sub.paths["generation"], sub.skipped_tiles, sub.walked_tiles
+        return AttentionResult(out, None, self.backend.effective_attended_tokens(params, md, g), paths, skipped, walked)
 
     def _capture(self, q: torch.Tensor, md: AttentionMetadata, params: SparseRuntimeParams | None,
                  out: torch.Tensor, host_output: torch.Tensor | None) -> None:
@@ -171,6 +230,46 @@ class LayerRunner:
         self.capture_dir.mkdir(parents=True, exist_ok=True)
         with open(self.capture_dir / f"capture-{os.getpid()}.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def _eviction_refused(selector: str, where: str) -> ValueError:
+    # lower_plans refuses selectors declaring evicts=True; this one evicts without declaring it
+    return ValueError(f"kvsieve vLLM plug-in: selector {selector!r} returned prompt tokens to keep ({where}); "
+                      "vLLM's block manager owns the blocks and lengths, so eviction is refused")
+
+
+def _rows_params(params: SparseRuntimeParams | None, rows: slice) -> SparseRuntimeParams | None:
+    """``params`` of a step cut to the query rows ``rows`` (their segments, offsets from 0); no
+    prompt-eviction fields (the plug-in refuses them)."""
+    if params is None or params.sparse_attn_indices is None:
+        return params
+    off = params.sparse_attn_offsets[rows.start: rows.stop + 1]
+    a, b = int(off[0]), int(off[-1])
+    return replace(params, sparse_attn_indices=params.sparse_attn_indices[:, a:b], sparse_attn_offsets=off - a)
+
+
+def dense_context_rows(q: torch.Tensor, md: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry
+                       ) -> torch.Tensor:
+    """Dense causal attention of the step's context rows: q ``[T, Hq, D]`` (kvsieve order) ->
+    ``[num_ctx_tokens, Hq, Dv]`` in q's dtype. Per context request its K/V ``[Hkv, kv_len, D]``
+    are gathered through the view whole block by whole block (one ``index_select`` of its
+    physical blocks each) and torch SDPA computes the bottom-right causal attention in fp32."""
+    view = md.kv_cache_manager
+    k_cache, v_cache = view.k_cache(layer_idx), view.v_cache(layer_idx)
+    out = q.new_empty(md.num_ctx_tokens, q.shape[1], geometry.value_dim)
+    starts, kv_lens = md.query_start_host, md.kv_lens_host
+    for i in range(md.num_contexts):
+        slot, t0, t1 = int(md.slots[i]), int(starts[i]), int(starts[i + 1])
+        ids = torch.from_numpy(view.block_table[slot, : int(view.num_blocks_of[slot])].astype(np.int64)).to(q.device)
+        k, v = (_request_kv(c, ids, int(kv_lens[i])) for c in (k_cache, v_cache))
+        out[t0:t1] = causal_sdpa(q[t0:t1].float(), k, v, geometry.sm_scale).to(q.dtype)
+    return out
+
+
+def _request_kv(cache: torch.Tensor, block_ids: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """``cache [num_blocks, Hkv, P, D]`` (any strides) at ``block_ids`` -> fp32 ``[Hkv, kv_len, D]``."""
+    sel = cache.index_select(0, block_ids)
+    return sel.transpose(0, 1).reshape(sel.shape[1], -1, sel.shape[-1])[:, :kv_len].float()
 
 
 def make_backend(name: str | None, device: torch.device) -> AttentionBackend:

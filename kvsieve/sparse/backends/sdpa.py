@@ -17,7 +17,7 @@ from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams, is_dense
 from .base import BACKENDS, AttentionBackend, AttentionGeometry, AttentionResult, register_backend
 
-__all__ = ["SdpaBackend", "gather_blocks"]
+__all__ = ["SdpaBackend", "causal_sdpa", "gather_blocks"]
 
 
 @register_backend
@@ -44,16 +44,23 @@ class SdpaBackend(AttentionBackend):
                 continue
             kv_len = int(metadata.kv_lens_host[i])
             k, v = gather_blocks(mgr.pools[layer_idx], mgr.spec.layout, metadata.block_ids_per_seq[i], kv_len)
-            n = t1 - t0
-            mask = None
-            if 1 < n < kv_len:  # bottom-right aligned causal mask
-                mask = torch.arange(kv_len, device=q.device) <= (kv_len - n + torch.arange(n, device=q.device))[:, None]
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q[t0:t1].transpose(0, 1).unsqueeze(0), k.to(q.dtype).unsqueeze(0), v.to(q.dtype).unsqueeze(0), attn_mask=mask, is_causal=n == kv_len and n > 1,
-                scale=geometry.sm_scale, enable_gqa=True)
-            out[t0:t1] = o[0].transpose(0, 1)
+            out[t0:t1] = causal_sdpa(q[t0:t1], k, v, geometry.sm_scale)
         return AttentionResult(out, None, self.effective_attended_tokens(None, metadata, geometry),
                                {p: "sdpa_dense" for p in metadata.phases()})
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One request's dense causal attention through torch SDPA: q ``[n, Hq, D]`` (its last ``n``
+    positions), k/v ``[Hkv, kv_len, D]`` head-major (cast to q's dtype); the causal mask is aligned
+    bottom-right (query ``i`` sees positions ``<= kv_len - n + i``). Returns ``[n, Hq, Dv]``."""
+    n, kv_len = q.shape[0], k.shape[1]
+    mask = None
+    if 1 < n < kv_len:
+        mask = torch.arange(kv_len, device=q.device) <= (kv_len - n + torch.arange(n, device=q.device))[:, None]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.to(q.dtype).unsqueeze(0), v.to(q.dtype).unsqueeze(0), attn_mask=mask,
+        is_causal=n == kv_len and n > 1, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 def gather_blocks(pool: torch.Tensor, layout: str, block_ids: list[int], kv_len: int

@@ -171,18 +171,33 @@ def test_per_layer_plans_from_a_config_file(tmp_path, monkeypatch):
         read_plugin_config({"KVSIEVE_CONFIG": str(path), "KVSIEVE_BACKEND": "vanilla"})
 
 
-def test_undeclared_eviction_is_refused():
-    """A selector whose predict_kv keeps prompt tokens without declaring evicts=True is refused by the
-    layer (lower_plans refuses only the declared ones); its selection is never attended silently."""
+@pytest.mark.parametrize("where", ["predict_kv", "sparse_kv_indices from predict_attn"])
+def test_undeclared_eviction_is_refused(where):
+    """A selector that keeps prompt tokens without declaring evicts=True — through predict_kv, or
+    through the prompt-eviction fields of its predict_attn answer — is refused by the layer
+    (lower_plans refuses only the declared ones); nothing is attended and the cache is untouched."""
+    from dataclasses import replace
+
     from kvsieve.selectors.streaming import StreamingSelector
     from kvsieve.sparse import LayerPlan
 
+    def first_half(inputs):
+        n = int(inputs.metadata.kv_lens_host[0]) // 2
+        return torch.arange(n, dtype=torch.int32).expand(HKV, n).contiguous(), torch.tensor([0, n], dtype=torch.int32)
+
     class KeepsFirstHalf(StreamingSelector):
         def predict_kv(self, inputs):
-            n = int(inputs.metadata.kv_lens_host[0]) // 2
-            return torch.arange(n, dtype=torch.int32).expand(HKV, n), torch.tensor([0, n], dtype=torch.int32)
+            return first_half(inputs) if where == "predict_kv" else None
+
+        def predict_attn(self, inputs):
+            params = super().predict_attn(inputs)
+            if where == "predict_kv":
+                return params
+            indices, offsets = first_half(inputs)
+            return replace(params, sparse_kv_indices=indices, sparse_kv_offsets=offsets)
 
     raw = torch.randn(BLOCKS, HKV, P, 2 * D)
+    before = raw.clone()
     view = _foreign()
     view.bind_layer(0, raw, *kv_views("vllm-cpu", raw))
     translator = StepTranslator(view, max_num_tokens=512, translations=get_backend("torch").required_translations)
@@ -192,8 +207,9 @@ def test_undeclared_eviction_is_refused():
     plan = LayerPlan(KeepsFirstHalf(budget=16, num_sink=4), frozenset({"context", "generation"}))
     runner = LayerRunner(layer_idx=0, geometry=geometry, plan=plan, backend=get_backend("torch"))
     q, k = torch.randn(40, HKV * G, D), torch.randn(40, HKV, D)
-    with pytest.raises(ValueError, match="predict_kv.*eviction is refused"):
+    with pytest.raises(ValueError, match=f"{where}.*eviction is refused"):
         runner.forward(q, k, k, translator)
+    assert torch.equal(raw, before) and view.valid_lens[0] == 40  # the owner's cache and lengths as they were
 
 
 def test_config_file_knobs_are_checked_not_coerced(tmp_path):

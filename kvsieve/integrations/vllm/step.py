@@ -140,7 +140,9 @@ class StepTranslator:
 
 
 class LayerRunner:
-    """One attention layer: the selector (if the layer has a plan) then the kvsieve backend.
+    """One attention layer: the selector (if the layer has a plan), then the attention — prompt
+    rows the layer does not select through :func:`dense_context_rows`, the others through the
+    kvsieve backend.
 
     ``capture_dir``: also run the Vanilla golden on the same selection and append one JSON line
     per call (layer, tokens, contexts, attended and dense positions, largest difference to the

@@ -21,6 +21,12 @@ module gets a reference to the session; the attention function maps transformers
 [B, Hq, S, D]`` / ``key, value [B, Hkv, S_kv, D]`` (after RoPE, before GQA repetition) onto
 kvsieve's token-major ``[B*S, H, D]`` and runs that layer's :class:`SparseAttention`.
 
+A selector that reads per-step model inputs (DSA's ``IndexerInputs``) gets them through the
+attention call itself: a forward pre-hook on the attention module puts them in the keyword
+argument :data:`MODEL_INPUTS_KWARG`, the module's own code passes its keyword arguments on to the
+attention function, and that hands them to the layer's ``forward(..., model_inputs=)``
+(:func:`kvsieve.eval.distill_indexer.attach_dsa_indexer` is such a hook).
+
 Every layer's attention features (sliding window, softcap, sinks, scaling) are read when the
 session is built (:mod:`.attention_features`) and applied around the backend
 (:mod:`.feature_backend`); every call's keyword arguments are checked against them, and anything
@@ -53,9 +59,12 @@ from .attention_features import LayerFeatures, check_call, read_layer_features
 from .feature_backend import FeatureBackend, gather_request_kv
 from .golden_check import GOLDEN_TRANSLATIONS, GoldenCheck
 
-__all__ = ["apply", "KvsieveSession", "ATTN_IMPLEMENTATION", "register_attention", "LayerObserver", "gather_request_kv"]
+__all__ = ["apply", "KvsieveSession", "ATTN_IMPLEMENTATION", "MODEL_INPUTS_KWARG", "register_attention", "LayerObserver",
+           "gather_request_kv"]
 
 ATTN_IMPLEMENTATION = "kvsieve"
+#: attention keyword argument carrying the layer's per-step model inputs for its selector (see the module docstring)
+MODEL_INPUTS_KWARG = "kvsieve_model_inputs"
 _SESSION_ATTR = "kvsieve_session"
 
 #: ``observer(layer_idx, q [T, Hq, D], out [T, Hq, D], metadata, layer)`` after each layer forward.
@@ -73,8 +82,9 @@ def _attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if attention_mask is not None:
         raise ValueError(f"layer {module.layer_idx}: an attention_mask reached kvsieve's attention; kvsieve "
                          "applies causality and windows itself and cannot apply another mask")
+    model_inputs = kwargs.pop(MODEL_INPUTS_KWARG, None)
     check_call(module.layer_idx, session.features[module.layer_idx], {"scaling": scaling, "dropout": dropout, **kwargs})
-    return session._attend(module.layer_idx, query, key, value), None
+    return session._attend(module.layer_idx, query, key, value, model_inputs), None
 
 
 def _no_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
@@ -330,8 +340,10 @@ class KvsieveSession:
         self.engine.end_step()
         self._step_open = False
 
-    def _attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """query ``[B, Hq, S, D]``, key/value ``[B, Hkv, S_kv, D]`` (``S_kv >= S``) -> ``[B, S, Hq, D]``."""
+    def _attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                model_inputs: object = None) -> torch.Tensor:
+        """query ``[B, Hq, S, D]``, key/value ``[B, Hkv, S_kv, D]`` (``S_kv >= S``) -> ``[B, S, Hq, D]``;
+        ``model_inputs``: the layer's per-step model inputs for its selector (``B*S`` tokens)."""
         b, hq, s, d = query.shape
         if not self._step_open:
             if self._driven or layer_idx != 0:
@@ -348,7 +360,7 @@ class KvsieveSession:
         v = _pad(value[:, :, -s:], pad[1]).transpose(1, 2).reshape(b * s, value.shape[1], g.head_dim)
         q = _pad(query, pad[0]).transpose(1, 2).reshape(b * s, hq, g.head_dim)
         md = self.engine.metadata
-        res = layer.forward(q, k, v, md)
+        res = layer.forward(q, k, v, md, model_inputs=model_inputs)
         out = res.out[..., : self.value_dim]
         # dense = every position each new token has seen, eviction notwithstanding
         first = self._next_pos - s + 1

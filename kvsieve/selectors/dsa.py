@@ -2,9 +2,10 @@
 for each query token, ``I[t, s] = sum_h w[t, h] * ReLU(q_I[t, h] . k_I[s])``, and each query
 attends the ``index_topk`` best tokens (request-local positions, ``-1`` padded).
 
-Per layer and step the model integration sets :class:`IndexerInputs` with
-:meth:`DSASelector.set_indexer_inputs` before the layer runs (kvsieve's layer passes only q, k,
-v). ``on_append`` computes the index keys and writes them to the auxiliary paged pool
+Per layer and step the caller passes the model's :class:`IndexerInputs` with the step
+(``SparseAttention.forward(..., model_inputs=IndexerInputs(...))``, ``Engine.step(...,
+model_inputs=[...])``; :attr:`DSASelector.model_inputs_type`), and the layer refuses a step
+without them. ``on_append`` computes the index keys and writes them to the auxiliary paged pool
 ``dsa_index_k`` (``[num_blocks, tokens_per_block, head_dim]`` per layer, same block ids as the
 main cache; FP8 E4M3 keys add ``dsa_index_k_scale [num_blocks, tokens_per_block]`` fp32, one
 power-of-two scale per token). ``predict_attn`` computes the logits (Triton: ragged prefill for
@@ -83,6 +84,7 @@ class DSASelector(SparseSelector):
     name = "dsa"
     config_class = DSAConfig
     capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}))
+    model_inputs_type = IndexerInputs
 
     def __init__(self, config: DSAConfig | None = None, **overrides) -> None:
         super().__init__(config, **overrides)
@@ -102,7 +104,6 @@ class DSASelector(SparseSelector):
         if c.projections is not None:
             self.set_projections(load_projections(c.projections, dev)[0])
         self.stats = DSAStats()
-        self._inputs: dict[int, IndexerInputs] = {}
         self._workspace = None
 
     # ---- what was decided ----------------------------------------------------------------
@@ -124,21 +125,12 @@ class DSASelector(SparseSelector):
                     f"the config has {c.n_heads}, {c.head_dim}, {c.rope_dim}, {c.rope_interleave}, {c.rope_theta}")
         self.projections.update(layers)
 
-    def set_indexer_inputs(self, layer_idx: int, inputs: IndexerInputs) -> None:
-        """Hand this step's indexer inputs of layer ``layer_idx`` over; call before the layer's
-        forward every step. Consumed by that forward."""
-        if not isinstance(inputs, IndexerInputs):
-            raise TypeError(f"dsa: expected IndexerInputs, got {type(inputs).__name__}")
-        self._inputs[layer_idx] = inputs
-
     # ---- hooks ---------------------------------------------------------------------------
     def on_append(self, inputs: SelectorInputs) -> None:
-        """Compute index q/k/weights for the step's tokens and write k into the aux pool."""
+        """Compute index q/k/weights for the step's tokens (from ``inputs.model_inputs``, this step's
+        :class:`IndexerInputs`, which the layer checked) and write k into the aux pool."""
         layer = inputs.layer_idx
-        if layer not in self._inputs:
-            raise RuntimeError(f"dsa: no IndexerInputs for layer {layer} this step; the model integration must "
-                               "call selector.set_indexer_inputs(layer_idx, IndexerInputs(...)) before the layer")
-        ii = self._inputs.pop(layer)
+        ii = inputs.model_inputs
         md = inputs.metadata
         if ii.is_finished:
             q, k, w = ii.q_index.float(), ii.k_index.float(), ii.weights.float()

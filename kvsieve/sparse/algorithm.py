@@ -64,6 +64,10 @@ class SelectorInputs:
     ``[num_tokens, kv_lora_rank + rope_dim]`` and ``v`` is ``None`` (all rows of the step).
     ``rows``: the step's query rows ``predict_attn`` is asked about (the rows of ``phases``, the
     phases the selector runs in this step, contiguous because context rows come first).
+    ``model_inputs``: this step's per-step model inputs for the selector (of the type it declares
+    in :attr:`SparseSelector.model_inputs_type`, e.g. DSA's indexer inputs), passed down by the
+    caller with the step (``SparseAttention.forward(..., model_inputs=)``); ``None`` for a selector
+    that declares none.
     ``state``: scratch shared by the hooks of this one layer step (dropped after it).
     """
 
@@ -77,6 +81,7 @@ class SelectorInputs:
     attention_kind: str = "gqa"
     rows: slice = field(kw_only=True)
     phases: frozenset[str] = field(kw_only=True)
+    model_inputs: Any = field(default=None, kw_only=True)
     state: dict[str, Any] = field(default_factory=dict, repr=False)
     _keys: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -136,6 +141,9 @@ class SparseSelector:
     name: ClassVar[str] = ""
     config_class: ClassVar[type] = object
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: the type of the per-step model inputs the selector reads (:attr:`SelectorInputs.model_inputs`),
+    #: which the caller must pass with every step; ``None``: it reads none, and the layer refuses any.
+    model_inputs_type: ClassVar[type | None] = None
 
     def __init__(self, config: Any = None, **overrides: Any) -> None:
         if config is None:

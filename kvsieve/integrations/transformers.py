@@ -170,7 +170,7 @@ class KvsieveSession:
                                       dense_fast_path=dense_fast_path)
         self.layers = [
             SparseAttention(layer_idx=i, num_q_heads=num_q, num_kv_heads=num_kv, head_dim=head_dim,
-                            backend=self.backend, sm_scale=f.scaling, debug=debug)
+                            backend=self.backend, sm_scale=f.scaling, debug=debug, window=f.window)
             for i, f in enumerate(self.features)
         ]
         needed = set(self.backend.required_translations)
@@ -221,17 +221,15 @@ class KvsieveSession:
 
         The model's layer types reach :func:`lower_config`, so ``config.layer_types`` can name them
         (by default a selector runs only on the full-attention layers of an interleaved model).
-        A selector on a windowed layer chooses within the window (its picks outside are dropped);
-        a selector that evicts prompt tokens is refused on a model with windowed layers."""
+        A selector on a windowed layer is told the window and chooses only inside it (it must
+        declare ``Capabilities.sliding_window``; one that does not, or that evicts prompt tokens,
+        is refused by :func:`lower_config`, naming the layer and its type); the backend still
+        intersects every selection with the window."""
         plans = lower_config(config, num_layers=self.num_layers, device=self.device,
-                             layer_types=[f.layer_type for f in self.features])
-        for i, (layer, plan, f) in enumerate(zip(self.layers, plans, self.features)):
+                             layer_types=[f.layer_type for f in self.features],
+                             layer_windows=[f.window for f in self.features])
+        for i, (plan, f) in enumerate(zip(plans, self.features)):
             if plan is not None:
-                plan.selector.check_support(attention_kind="gqa")
-                if plan.selector.capabilities.evicts and f.window is not None:
-                    raise ValueError(f"selector {config.selector!r} evicts prompt tokens, which a sliding-window "
-                                     f"layer (layer {i}: {f.describe()}) cannot honour: eviction renumbers the "
-                                     "positions the window is defined on")
                 if f.softcap is not None and plan.selector.name == "skip_softmax":
                     raise ValueError(f"selector 'skip_softmax' thresholds the raw scores, which layer {i} "
                                      f"soft-caps ({f.describe()}); not supported")

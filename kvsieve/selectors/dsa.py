@@ -12,7 +12,9 @@ power-of-two scale per token). ``predict_attn`` computes the logits (Triton: rag
 fresh prompts, paged decode otherwise; or the PyTorch references) and the top-k with the engine
 fixed at configuration time by ``kernels.triton.topk.dispatch.choose_topk_engine``
 (:attr:`DSASelector.topk_engine`). A step whose every query sees at most ``index_topk`` tokens
-skips both and selects everything (short-sequence fast path, counted in :attr:`stats`).
+skips both and selects everything (short-sequence fast path, counted in :attr:`stats`). On a
+sliding-window layer the logits before each query's window are ``-inf`` and such positions are
+never selected (:meth:`~kvsieve.sparse.SelectorInputs.mask_outside_window`, ``clip_to_window``).
 """
 from __future__ import annotations
 
@@ -83,7 +85,7 @@ class DSAStats:
 class DSASelector(SparseSelector):
     name = "dsa"
     config_class = DSAConfig
-    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}))
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), sliding_window=True)
     model_inputs_type = IndexerInputs
 
     def __init__(self, config: DSAConfig | None = None, **overrides) -> None:
@@ -201,6 +203,7 @@ class DSASelector(SparseSelector):
             self.stats.indexed_steps += 1
             self.stats.last_short_path[layer] = False
             sel = self._select(inputs, q.to(dev), w.to(dev))
+        sel = inputs.clip_to_window(sel, lens)
         sel = sel.unsqueeze(1).expand(-1, inputs.num_kv_heads, -1)
         return SparseRuntimeParams.from_topk(sel)
 
@@ -215,6 +218,7 @@ class DSASelector(SparseSelector):
         lens, r0 = md.token_kv_lens, inputs.rows.start
         out = torch.empty(inputs.num_rows, self.config.index_topk, dtype=torch.int32, device=lens.device)
         for rows, logits in self._logits_chunks(inputs, q, w, k_pool, s_pool):
+            logits = inputs.mask_outside_window(logits, lens[rows])
             out[rows.start - r0: rows.stop - r0] = run_topk(self._workspace, logits, lens[rows].contiguous())
         return out
 

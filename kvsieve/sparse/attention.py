@@ -32,6 +32,7 @@ from ..metadata import AttentionMetadata
 from .algorithm import SelectorInputs
 from .backends import AttentionBackend, AttentionGeometry, default_backend, get_backend
 from .config import LayerPlan
+from .knobs import check_value
 from .params import PHASES, SparseRuntimeParams
 
 __all__ = ["SparseAttention", "LayerOutput", "LayerStats", "commit_evictions"]
@@ -76,25 +77,47 @@ class LayerOutput:
 
 class SparseAttention:
     """Runs one layer's selector then backend. GQA: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``;
-    MLA (absorbed): q ``[T, H, R+P]``, k = latent ``[T, R+P]``, v ``None``."""
+    MLA (absorbed): q ``[T, H, R+P]``, k = latent ``[T, R+P]``, v ``None``.
+
+    ``window``: the layer's sliding window, told to the selector (:attr:`SelectorInputs.window`)
+    so that it chooses only inside it; a plan whose selector does not declare
+    ``Capabilities.sliding_window`` is refused on such a layer. The layer does not apply the
+    window to the attention itself: its backend does (the transformers integration's
+    ``FeatureBackend``)."""
 
     def __init__(self, *, layer_idx: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  plan: LayerPlan | None = None, backend: AttentionBackend | str | None = None, kind: str = "gqa",
                  kv_lora_rank: int = 0, sm_scale: float | None = None, debug: bool = True,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", window: int | None = None) -> None:
+        if window is not None:
+            check_value("SparseAttention.window", window, int, ge=1)
         self.layer_idx = layer_idx
+        self.window = window
         self.geometry = AttentionGeometry(
             kind=kind, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim), kv_lora_rank=kv_lora_rank,
         )
-        self.plan = plan
+        self.plan = plan  # checked by the setter
         if backend is None:
             backend = default_backend(device)
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.debug = debug
         self._last: LayerOutput | None = None
+
+    @property
+    def plan(self) -> LayerPlan | None:
+        """The layer's plan (``None`` = dense); setting one checks that its selector supports the
+        layer's attention kind and window."""
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: LayerPlan | None) -> None:
         if plan is not None:
-            plan.selector.check_support(attention_kind=kind)
+            try:
+                plan.selector.check_support(attention_kind=self.geometry.kind, window=self.window)
+            except ValueError as e:
+                raise ValueError(f"layer {self.layer_idx}: {e}") from None
+        self._plan = plan
 
     @property
     def last(self) -> LayerOutput | None:
@@ -113,7 +136,7 @@ class SparseAttention:
             else slice(0, 0)
         return SelectorInputs(q=q, k=k, v=v, metadata=metadata, layer_idx=self.layer_idx,
                               num_kv_heads=g.num_kv_heads, sm_scale=g.sm_scale, attention_kind=g.kind,
-                              rows=rows, phases=frozenset(phases), model_inputs=model_inputs)
+                              rows=rows, phases=frozenset(phases), model_inputs=model_inputs, window=self.window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 metadata: AttentionMetadata, *, model_inputs: object = None) -> LayerOutput:

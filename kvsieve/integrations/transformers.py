@@ -312,10 +312,12 @@ class KvsieveSession:
             pos = torch.arange(start, start + s, device=self.device).expand(b, s)
             logits = self.model(input_ids=ids.to(self.device), position_ids=pos, use_cache=False,
                                 logits_to_keep=1).logits
+        except BaseException:
+            self._abort_step(s, new_requests)
+            raise
         finally:
             self._driven = False
-            if self._step_open:
-                self._close_step()
+        self._close_step()
         return logits[:, -1]
 
     # ---- the step around the layers -----------------------------------------------------
@@ -338,6 +340,15 @@ class KvsieveSession:
         self.engine.end_step()
         self._step_open = False
 
+    def _abort_step(self, num_new: int, new_requests: bool) -> None:
+        """A forward failed inside the step: the cache goes back to before it (``Engine.abort_step``);
+        a failed prefill leaves no live requests."""
+        self.engine.abort_step()
+        self._step_open = False
+        self._next_pos -= num_new
+        if new_requests:
+            self._request_ids = []
+
     def _attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 model_inputs: object = None) -> torch.Tensor:
         """query ``[B, Hq, S, D]``, key/value ``[B, Hkv, S_kv, D]`` (``S_kv >= S``) -> ``[B, S, Hq, D]``;
@@ -358,7 +369,12 @@ class KvsieveSession:
         v = _pad(value[:, :, -s:], pad[1]).transpose(1, 2).reshape(b * s, value.shape[1], g.head_dim)
         q = _pad(query, pad[0]).transpose(1, 2).reshape(b * s, hq, g.head_dim)
         md = self.engine.metadata
-        res = layer.forward(q, k, v, md, model_inputs=model_inputs)
+        try:
+            res = layer.forward(q, k, v, md, model_inputs=model_inputs)
+        except BaseException:
+            if not self._driven:  # transformers-driven: no _run around the step to undo it
+                self._abort_step(s, self._phase == "context")
+            raise
         out = res.out[..., : self.value_dim]
         # dense = every position each new token has seen, eviction notwithstanding
         first = self._next_pos - s + 1

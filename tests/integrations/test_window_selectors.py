@@ -97,10 +97,10 @@ def test_selection_lies_in_the_window_and_spends_the_budget_there(family: str, n
     assert max(avail) <= -(-W // SELECTORS[name][1]) + 1
 
 
-@pytest.mark.parametrize("name", ["streaming", "quest"])
+@pytest.mark.parametrize("name", list(SELECTORS))
 def test_scoring_the_whole_context_wasted_budget(name: str) -> None:
     """Control: the same selector not told the window picks units the window drops (streaming's
-    sinks at positions 0..3 always; quest's pages before the window whenever they score high)."""
+    sinks at positions 0..3 always; the scoring selectors whatever scores high before the window)."""
     _, seen = _run("mistral", name, told=False)
     chosen, inside, avail = _in_window_counts(seen, SELECTORS[name][1])
     budget = SELECTORS[name][2]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from families import build
 
-from kvsieve import SparseAttentionConfig, SparseAttention, SparseSelector
+from kvsieve import SparseAttention, SparseAttentionConfig, SparseSelector, lower_config
 from kvsieve.eval.distill_indexer import attach_dsa_indexer
 from kvsieve.integrations.transformers import KvsieveSession
 from kvsieve.selectors.dsa_projections import IndexerProjections
@@ -138,3 +138,12 @@ def test_third_party_selector_defaults_to_no_window_support() -> None:
     with pytest.raises(ValueError, match="first_token"):
         layer.plan = plan
     assert layer.plan is None  # the refused plan was not installed
+
+
+def test_window_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"SparseAttention.window must be >= 1 \(an int\), got 0"):
+        SparseAttention(layer_idx=0, num_q_heads=4, num_kv_heads=2, head_dim=16, window=0)
+    with pytest.raises(ValueError, match="layer_windows has 1 entries for 2 layers"):
+        lower_config(SparseAttentionConfig("streaming"), num_layers=2, layer_windows=[8])
+    plans = lower_config(SparseAttentionConfig("streaming"), num_layers=2, layer_windows=[None, 8])
+    assert plans[0] is plans[1]  # a window-aware selector is planned on both

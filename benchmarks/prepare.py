@@ -71,13 +71,12 @@ class ListBaseline:
 
     def step(self, rids: list[int], seq_lens: list[int], num_contexts: int, translation: str) -> dict:
         page, i32 = self.page, torch.int32
-        kv_lens, positions, token_req, qo = [], [], [], [0]
+        kv_lens, positions, token_req = [], [], []
         for i, (rid, s) in enumerate(zip(rids, seq_lens)):
             kv = self.kv_len[rid]
             kv_lens.append(kv)
             positions.extend(range(kv - s, kv))
             token_req.extend([i] * s)
-            qo.append(qo[-1] + s)
         width = max(len(self.blocks[r]) for r in rids)
         table = []
         for r in rids:
@@ -92,15 +91,12 @@ class ListBaseline:
         if translation == "block_lists":
             out["block_lists"] = [list(self.blocks[r]) for r in rids]
         elif translation == "ragged_page_table":
-            indices, indptr, last = [], [0], []
+            indices, indptr = [], [0]
             for r in rids:
-                kv = self.kv_len[r]
-                n = -(-kv // page)
+                n = -(-self.kv_len[r] // page)
                 indices.extend(self.blocks[r][:n])
                 indptr.append(len(indices))
-                last.append(kv - (n - 1) * page if kv else 0)
-            out.update(indices=torch.tensor(indices, dtype=i32), indptr=torch.tensor(indptr, dtype=i32),
-                       last=torch.tensor(last, dtype=i32), qo=torch.tensor(qo, dtype=i32))
+            out.update(indices=torch.tensor(indices, dtype=i32), indptr=torch.tensor(indptr, dtype=i32))
         else:  # block_offsets, non-speculative: width capped at the longest row, beam width 1
             offs = []
             for r in rids:
@@ -123,7 +119,7 @@ def _matches(md: AttentionMetadata, ref: dict, translation: str) -> bool:
     elif translation == "ragged_page_table":
         rpt = md.ragged_page_table
         ok &= torch.equal(rpt.paged_kv_indices, ref["indices"]) and torch.equal(rpt.paged_kv_indptr, ref["indptr"])
-        ok &= torch.equal(rpt.paged_kv_last_page_len, ref["last"]) and torch.equal(rpt.qo_indptr, ref["qo"])
+        ok &= torch.equal(rpt.batch_indices, ref["token_to_req"])
     else:
         t = md.block_offset_table
         ok &= torch.equal(t.kv_cache_block_offsets[:, :b, :, : t.width], ref["offsets"])

@@ -35,7 +35,7 @@ QUICK = {"batch": 4, "context": 256, "hq": 4, "hkv": 2, "d": 32, "page": 16, "bu
 
 SKIP_REASONS = {
     "snapkv": "prefill-only eviction: no decode-time selection",
-    "dsa": "needs the model's indexer projections per step (DSASelector.set_indexer_inputs); "
+    "dsa": "needs the model's indexer projections per step (SparseAttention.forward(..., model_inputs=IndexerInputs)); "
            "its top-k is timed by benchmarks/topk.py on a GPU",
     "skip_softmax": "a kernel hint (threshold), no index selection; the torch backend does not implement it",
 }

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ..cli import plain
+from ..integrations.transformers import MODEL_INPUTS_KWARG
 from ..selectors.dsa_projections import IndexerInputs, IndexerProjections, save_projections
 
 __all__ = ["distill", "indexer_recall", "attach_dsa_indexer", "main"]
@@ -157,15 +158,16 @@ def indexer_recall(model: torch.nn.Module, tokenizer: Any, projs: dict[int, Inde
 
 def attach_dsa_indexer(session: Any) -> list[Any]:
     """Feed a :class:`KvsieveSession`'s ``dsa`` selector the hidden states of every attention
-    module (a forward pre-hook per layer calling ``set_indexer_inputs``); returns the hook
-    handles (``.remove()`` to detach)."""
+    module: a forward pre-hook per sparse layer adds ``IndexerInputs(hidden=...)`` to the module's
+    call as the keyword argument ``MODEL_INPUTS_KWARG``, which the module passes on to kvsieve's
+    attention function and that to the layer's step. Returns the hook handles (``.remove()`` to detach)."""
     handles = []
     for i, attn in enumerate(session.modules):
         def pre(mod, args, kwargs, i=i):
-            plan = session.layers[i].plan
-            if plan is not None:
-                hidden = kwargs["hidden_states"]
-                plan.selector.set_indexer_inputs(i, IndexerInputs(hidden=hidden.reshape(-1, hidden.shape[-1])))
+            if session.layers[i].plan is None:
+                return None
+            hidden = kwargs["hidden_states"]
+            return args, {**kwargs, MODEL_INPUTS_KWARG: IndexerInputs(hidden=hidden.reshape(-1, hidden.shape[-1]))}
         handles.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
     return handles
 

@@ -3,7 +3,9 @@
 * **Sliding window = a selection.** A windowed layer's step gets token-granular
   ``sparse_attn_indices`` covering each query's window (:func:`window_params`); when a selector
   also chose, its selection is intersected with the window (so no backend ever reads outside
-  it, and the reported attended fraction counts only what was read). Every backend consumes
+  it, and the reported attended fraction counts only what was read). The selector itself was
+  told the window (``SelectorInputs.window``) and chose inside it; the intersection is the
+  guarantee, not where the choice is made. Every backend consumes
   token selections, so every backend honours windows.
 * **Attention sinks** are applied exactly from the backend's ``(out, lse)``: a sink logit ``s_h``
   joins the softmax with a zero value, so ``out' = out / (1 + exp(s_h - lse))`` per query head

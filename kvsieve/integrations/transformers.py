@@ -21,6 +21,12 @@ module gets a reference to the session; the attention function maps transformers
 [B, Hq, S, D]`` / ``key, value [B, Hkv, S_kv, D]`` (after RoPE, before GQA repetition) onto
 kvsieve's token-major ``[B*S, H, D]`` and runs that layer's :class:`SparseAttention`.
 
+A selector that reads per-step model inputs (DSA's ``IndexerInputs``) gets them through the
+attention call itself: a forward pre-hook on the attention module puts them in the keyword
+argument :data:`MODEL_INPUTS_KWARG`, the module's own code passes its keyword arguments on to the
+attention function, and that hands them to the layer's ``forward(..., model_inputs=)``
+(:func:`kvsieve.eval.distill_indexer.attach_dsa_indexer` is such a hook).
+
 Every layer's attention features (sliding window, softcap, sinks, scaling) are read when the
 session is built (:mod:`.attention_features`) and applied around the backend
 (:mod:`.feature_backend`); every call's keyword arguments are checked against them, and anything
@@ -53,9 +59,12 @@ from .attention_features import LayerFeatures, check_call, read_layer_features
 from .feature_backend import FeatureBackend, gather_request_kv
 from .golden_check import GOLDEN_TRANSLATIONS, GoldenCheck
 
-__all__ = ["apply", "KvsieveSession", "ATTN_IMPLEMENTATION", "register_attention", "LayerObserver", "gather_request_kv"]
+__all__ = ["apply", "KvsieveSession", "ATTN_IMPLEMENTATION", "MODEL_INPUTS_KWARG", "register_attention", "LayerObserver",
+           "gather_request_kv"]
 
 ATTN_IMPLEMENTATION = "kvsieve"
+#: attention keyword argument carrying the layer's per-step model inputs for its selector (see the module docstring)
+MODEL_INPUTS_KWARG = "kvsieve_model_inputs"
 _SESSION_ATTR = "kvsieve_session"
 
 #: ``observer(layer_idx, q [T, Hq, D], out [T, Hq, D], metadata, layer)`` after each layer forward.
@@ -73,8 +82,9 @@ def _attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if attention_mask is not None:
         raise ValueError(f"layer {module.layer_idx}: an attention_mask reached kvsieve's attention; kvsieve "
                          "applies causality and windows itself and cannot apply another mask")
+    model_inputs = kwargs.pop(MODEL_INPUTS_KWARG, None)
     check_call(module.layer_idx, session.features[module.layer_idx], {"scaling": scaling, "dropout": dropout, **kwargs})
-    return session._attend(module.layer_idx, query, key, value), None
+    return session._attend(module.layer_idx, query, key, value, model_inputs), None
 
 
 def _no_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
@@ -160,7 +170,7 @@ class KvsieveSession:
                                       dense_fast_path=dense_fast_path)
         self.layers = [
             SparseAttention(layer_idx=i, num_q_heads=num_q, num_kv_heads=num_kv, head_dim=head_dim,
-                            backend=self.backend, sm_scale=f.scaling, debug=debug)
+                            backend=self.backend, sm_scale=f.scaling, debug=debug, window=f.window)
             for i, f in enumerate(self.features)
         ]
         needed = set(self.backend.required_translations)
@@ -211,17 +221,15 @@ class KvsieveSession:
 
         The model's layer types reach :func:`lower_config`, so ``config.layer_types`` can name them
         (by default a selector runs only on the full-attention layers of an interleaved model).
-        A selector on a windowed layer chooses within the window (its picks outside are dropped);
-        a selector that evicts prompt tokens is refused on a model with windowed layers."""
+        A selector on a windowed layer is told the window and chooses only inside it (it must
+        declare ``Capabilities.sliding_window``; one that does not, or that evicts prompt tokens,
+        is refused by :func:`lower_config`, naming the layer and its type); the backend still
+        intersects every selection with the window."""
         plans = lower_config(config, num_layers=self.num_layers, device=self.device,
-                             layer_types=[f.layer_type for f in self.features])
-        for i, (layer, plan, f) in enumerate(zip(self.layers, plans, self.features)):
+                             layer_types=[f.layer_type for f in self.features],
+                             layer_windows=[f.window for f in self.features])
+        for i, (plan, f) in enumerate(zip(plans, self.features)):
             if plan is not None:
-                plan.selector.check_support(attention_kind="gqa")
-                if plan.selector.capabilities.evicts and f.window is not None:
-                    raise ValueError(f"selector {config.selector!r} evicts prompt tokens, which a sliding-window "
-                                     f"layer (layer {i}: {f.describe()}) cannot honour: eviction renumbers the "
-                                     "positions the window is defined on")
                 if f.softcap is not None and plan.selector.name == "skip_softmax":
                     raise ValueError(f"selector 'skip_softmax' thresholds the raw scores, which layer {i} "
                                      f"soft-caps ({f.describe()}); not supported")
@@ -304,10 +312,12 @@ class KvsieveSession:
             pos = torch.arange(start, start + s, device=self.device).expand(b, s)
             logits = self.model(input_ids=ids.to(self.device), position_ids=pos, use_cache=False,
                                 logits_to_keep=1).logits
+        except BaseException:
+            self._abort_step(s, new_requests)
+            raise
         finally:
             self._driven = False
-            if self._step_open:
-                self._close_step()
+        self._close_step()
         return logits[:, -1]
 
     # ---- the step around the layers -----------------------------------------------------
@@ -330,8 +340,19 @@ class KvsieveSession:
         self.engine.end_step()
         self._step_open = False
 
-    def _attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """query ``[B, Hq, S, D]``, key/value ``[B, Hkv, S_kv, D]`` (``S_kv >= S``) -> ``[B, S, Hq, D]``."""
+    def _abort_step(self, num_new: int, new_requests: bool) -> None:
+        """A forward failed inside the step: the cache goes back to before it (``Engine.abort_step``);
+        a failed prefill leaves no live requests."""
+        self.engine.abort_step()
+        self._step_open = False
+        self._next_pos -= num_new
+        if new_requests:
+            self._request_ids = []
+
+    def _attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                model_inputs: object = None) -> torch.Tensor:
+        """query ``[B, Hq, S, D]``, key/value ``[B, Hkv, S_kv, D]`` (``S_kv >= S``) -> ``[B, S, Hq, D]``;
+        ``model_inputs``: the layer's per-step model inputs for its selector (``B*S`` tokens)."""
         b, hq, s, d = query.shape
         if not self._step_open:
             if self._driven or layer_idx != 0:
@@ -348,7 +369,12 @@ class KvsieveSession:
         v = _pad(value[:, :, -s:], pad[1]).transpose(1, 2).reshape(b * s, value.shape[1], g.head_dim)
         q = _pad(query, pad[0]).transpose(1, 2).reshape(b * s, hq, g.head_dim)
         md = self.engine.metadata
-        res = layer.forward(q, k, v, md)
+        try:
+            res = layer.forward(q, k, v, md, model_inputs=model_inputs)
+        except BaseException:
+            if not self._driven:  # transformers-driven: no _run around the step to undo it
+                self._abort_step(s, self._phase == "context")
+            raise
         out = res.out[..., : self.value_dim]
         # dense = every position each new token has seen, eviction notwithstanding
         first = self._next_pos - s + 1

@@ -1,15 +1,15 @@
-"""Translation for FlashInfer-style readers: the ragged page-table triple plus query indptr.
+"""Translation for FlashInfer-style readers: the ragged page table, as the torch backend reads it.
 
 For a batch of ``B`` requests:
 
 * ``paged_kv_indices [sum_pages]`` int32: the pages covering each request's *valid* tokens,
   concatenated in batch order;
 * ``paged_kv_indptr [B + 1]`` int32: request ``b`` owns ``indices[indptr[b]:indptr[b+1]]``;
-* ``paged_kv_last_page_len [B]`` int32: tokens used in the last page (1..page_size; 0 for an
-  empty request);
-* ``qo_indptr [B + 1]`` int32: query-token prefix sum;
-* ``batch_indices [num_tokens]`` / ``positions [num_tokens]`` int32: the request row and the
-  request-local position of every new token of the step.
+* ``batch_indices [num_tokens]`` int32: the request row of every new token of the step.
+
+FlashInfer's ``paged_kv_last_page_len`` and ``qo_indptr`` are not built: the torch backend takes
+each query token's length from ``AttentionMetadata.token_kv_lens`` and its phase rows from
+``AttentionMetadata.phase_rows``, so nothing would read them.
 """
 from __future__ import annotations
 
@@ -36,10 +36,7 @@ class RaggedPageTable:
 
         self.paged_kv_indices_buf = buf(self.max_pages)
         self.paged_kv_indptr_buf = buf(self.max_batch + 1)
-        self.paged_kv_last_page_len_buf = buf(self.max_batch)
-        self.qo_indptr_buf = buf(self.max_batch + 1)
         self.batch_indices_buf = buf(self.max_tokens)
-        self.positions_buf = buf(self.max_tokens)
         self.batch = 0
         self.num_pages = 0
         self.num_tokens = 0
@@ -59,20 +56,13 @@ class RaggedPageTable:
         width = int(pages.max()) if b else 0
         rows = block_table[slots, :width]
         indices = rows[np.arange(width)[None, :] < pages[:, None]]
-        last = np.where(valid_lens > 0, valid_lens - (pages - 1) * page_size, 0).astype(np.int32)
-        qo = np.zeros(b + 1, dtype=np.int32)
-        np.cumsum(seq_lens, out=qo[1:])
-        n = int(qo[-1])
+        n = int(np.sum(seq_lens))
         if n > self.max_tokens:
             raise ValueError(f"{n} query tokens exceed the ragged page table's max_tokens={self.max_tokens}")
         batch_idx = np.repeat(np.arange(b, dtype=np.int32), seq_lens)
-        # position of new token j of request b: (valid_len - seq_len) + j
-        local = np.arange(n, dtype=np.int32) - np.repeat(qo[:-1], seq_lens)
-        positions = (np.repeat(valid_lens - seq_lens, seq_lens) + local).astype(np.int32)
         for dst, src in (
             (self.paged_kv_indices_buf, indices), (self.paged_kv_indptr_buf, indptr),
-            (self.paged_kv_last_page_len_buf, last), (self.qo_indptr_buf, qo),
-            (self.batch_indices_buf, batch_idx), (self.positions_buf, positions),
+            (self.batch_indices_buf, batch_idx),
         ):
             dst[: len(src)].copy_(torch.from_numpy(np.ascontiguousarray(src, dtype=np.int32)), non_blocking=True)
         self.batch, self.num_pages, self.num_tokens = b, total, n
@@ -86,17 +76,5 @@ class RaggedPageTable:
         return self.paged_kv_indptr_buf[: self.batch + 1]
 
     @property
-    def paged_kv_last_page_len(self) -> torch.Tensor:
-        return self.paged_kv_last_page_len_buf[: self.batch]
-
-    @property
-    def qo_indptr(self) -> torch.Tensor:
-        return self.qo_indptr_buf[: self.batch + 1]
-
-    @property
     def batch_indices(self) -> torch.Tensor:
         return self.batch_indices_buf[: self.num_tokens]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.positions_buf[: self.num_tokens]

@@ -18,7 +18,9 @@ depends on a later token's key: ``k`` tokens in one step select what ``k`` one-t
 
 Then softmax over the query's valid pages, mean over the group's query heads, the newest page is
 forced in, and the top ``min(topk, pages)`` pages per (query token, KV head) are kept (ties to
-the lower page). Indices are page ids (block granularity ``page_size``).
+the lower page). Indices are page ids (block granularity ``page_size``). On a sliding-window layer
+the pages lying wholly before a query's window are not candidates (they get no softmax share and
+are never picked; :meth:`~kvsieve.sparse.SelectorInputs.mask_outside_window`).
 """
 from __future__ import annotations
 
@@ -101,12 +103,12 @@ class PageSummaries:
         return summ[:, :, 0], summ[:, :, 1]
 
 
-def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, n_pages: torch.Tensor, *,
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor, *,
                 mode: str, topr: int, sm_scale: float) -> torch.Tensor:
     """fp32 ``[T, Hkv, Np]``: softmax-over-pages page scores, averaged over each KV group.
 
     ``q [T, Hq, D]``; ``kmin``/``kmax [T, Np, Hkv, D]`` (the summaries of each token's request);
-    ``n_pages [T]`` int64 valid pages per token (others score ``-inf``).
+    ``valid [T, Np]`` bool: each token's candidate pages (others score ``-inf``).
     """
     t, hq, d = q.shape
     hkv = kmin.shape[2]
@@ -121,7 +123,6 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, n_pages
     else:
         logits = (torch.einsum("thgd,tphd->thgp", qg.clamp(min=0), kmax)
                   + torch.einsum("thgd,tphd->thgp", qg.clamp(max=0), kmin))
-    valid = torch.arange(kmin.shape[1], device=q.device) < n_pages.unsqueeze(1)  # [T, Np]
     logits = (logits * sm_scale).masked_fill(~valid[:, None, None, :], float("-inf"))
     return torch.softmax(logits, dim=-1).mean(dim=2).masked_fill(~valid[:, None, :], float("-inf"))
 
@@ -152,8 +153,9 @@ def select_pages(inputs: SelectorInputs, summaries: PageSummaries, *, mode: str,
     rows = torch.arange(len(positions), device=kmin.device)
     own = torch.from_numpy(positions.astype(np.int64) // ps).to(kmin.device)
     kmin[rows, own], kmax[rows, own] = own_min, own_max
-    scores = page_scores(inputs.q[g0:], kmin, kmax, n_pages[g0:], mode=mode, topr=topr,
-                         sm_scale=inputs.sm_scale)
+    valid = torch.arange(kmin.shape[1], device=kmin.device) < n_pages[g0:].unsqueeze(1)  # [T', Np]
+    valid = inputs.mask_outside_window(valid, token_lens[g0:], unit=ps, fill=False)
+    scores = page_scores(inputs.q[g0:], kmin, kmax, valid, mode=mode, topr=topr, sm_scale=inputs.sm_scale)
     return pack_generation_rows(_finish(scores, n_pages[g0:], topk), inputs, ps)
 
 
@@ -172,6 +174,7 @@ def select_pages_golden(inputs: SelectorInputs, *, page_size: int, dtype: torch.
         keys = inputs.request_keys(i).float()
         for t in range(t0, t1):
             n = -(-(int(md.positions_host[t]) + 1) // page_size)
+            first = int(inputs.window_starts(torch.tensor(int(md.positions_host[t]) + 1))) // page_size
             seen = keys[: int(md.positions_host[t]) + 1]  # what this token's own step would have seen
             summ = [(seen[p: p + page_size].amin(0).to(dtype).float(), seen[p: p + page_size].amax(0).to(dtype).float())
                     for p in range(0, seen.shape[0], page_size)]
@@ -188,7 +191,9 @@ def select_pages_golden(inputs: SelectorInputs, *, page_size: int, dtype: torch.
                     logits = qg @ torch.where(qg.sum(0) > 0, kmax, kmin).T
                 else:
                     logits = torch.stack([torch.maximum(qg * kmin[p], qg * kmax[p]).sum(-1) for p in range(n)], -1)
+                logits[:, :first] = float("-inf")  # pages wholly before the window
                 score = torch.softmax(logits * inputs.sm_scale, dim=-1).mean(0)
+                score[:first] = float("-inf")
                 score[n - 1] = 2.0
                 per_head.append(top_units(score, min(topk, n)))
             width = max(width, min(topk, n))

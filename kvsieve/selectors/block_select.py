@@ -6,7 +6,9 @@ before the query's position, score the block per query head: ``max`` = the large
 ``mean`` = ``q . mean(k) * sm_scale`` over the block's visible keys (NSA-style mean-pooled key).
 The query heads of a KV group are reduced by max; the first ``init_blocks`` and the last
 ``local_blocks`` visible blocks are forced in; the top ``topk_blocks`` blocks per (query token,
-KV head) are emitted ascending, ``-1`` padded, at block granularity ``block_size``.
+KV head) are emitted ascending, ``-1`` padded, at block granularity ``block_size``. On a
+sliding-window layer the blocks lying wholly before a query's window are not candidates (forced
+``init_blocks`` there included; :meth:`~kvsieve.sparse.SelectorInputs.mask_outside_window`).
 
 ``scoring`` chooses where the block scores come from:
 
@@ -103,7 +105,7 @@ def block_select_golden(inputs: SelectorInputs, cfg: BlockSelectConfig) -> Spars
                     else:
                         per_head = qg @ keys[j * bs: min((j + 1) * bs, n), h].mean(dim=0) * inputs.sm_scale
                     score[j] = per_head.max()
-                score = _force(score, torch.tensor(n), cfg)
+                score = inputs.mask_outside_window(_force(score, torch.tensor(n), cfg), torch.tensor(n), unit=bs)
                 picked = top_units(score, min(width, n_blocks))
                 sel[t - inputs.rows.start, h, : picked.numel()] = picked
     return SparseRuntimeParams.from_topk(sel.to(inputs.q.device), block_size=bs)
@@ -179,7 +181,8 @@ def _select(inputs: SelectorInputs, cfg: BlockSelectConfig, nb: int, padded: tup
     chunk = max(1, _CHUNK_ELEMENTS // max(1, b * row_cost))
     for c0 in range(0, t_max, chunk):
         c1 = min(c0 + chunk, t_max)
-        scores = _force(score_rows(c0, c1), row_lens[:, c0:c1, None].expand(-1, -1, hkv), cfg)
+        lens = row_lens[:, c0:c1, None].expand(-1, -1, hkv)
+        scores = inputs.mask_outside_window(_force(score_rows(c0, c1), lens, cfg), lens, unit=cfg.block_size)
         picked[:, c0:c1] = top_units(scores, width)
     sel = torch.empty(inputs.num_rows, hkv, width, dtype=torch.int64, device=dev)
     sel[rows[live] - inputs.rows.start] = picked[live]
@@ -246,7 +249,7 @@ class BlockSelectSelector(PageSelectorBase):
 
     name = "block_select"
     config_class = BlockSelectConfig
-    capabilities = Capabilities()
+    capabilities = Capabilities(sliding_window=True)
 
     def summaries(self, inputs: SelectorInputs) -> PageSummaries:
         if self._summaries is None or self._summaries.cache is not inputs.cache:

@@ -2,16 +2,19 @@
 for each query token, ``I[t, s] = sum_h w[t, h] * ReLU(q_I[t, h] . k_I[s])``, and each query
 attends the ``index_topk`` best tokens (request-local positions, ``-1`` padded).
 
-Per layer and step the model integration sets :class:`IndexerInputs` with
-:meth:`DSASelector.set_indexer_inputs` before the layer runs (kvsieve's layer passes only q, k,
-v). ``on_append`` computes the index keys and writes them to the auxiliary paged pool
+Per layer and step the caller passes the model's :class:`IndexerInputs` with the step
+(``SparseAttention.forward(..., model_inputs=IndexerInputs(...))``, ``Engine.step(...,
+model_inputs=[...])``; :attr:`DSASelector.model_inputs_type`), and the layer refuses a step
+without them. ``on_append`` computes the index keys and writes them to the auxiliary paged pool
 ``dsa_index_k`` (``[num_blocks, tokens_per_block, head_dim]`` per layer, same block ids as the
 main cache; FP8 E4M3 keys add ``dsa_index_k_scale [num_blocks, tokens_per_block]`` fp32, one
 power-of-two scale per token). ``predict_attn`` computes the logits (Triton: ragged prefill for
 fresh prompts, paged decode otherwise; or the PyTorch references) and the top-k with the engine
 fixed at configuration time by ``kernels.triton.topk.dispatch.choose_topk_engine``
 (:attr:`DSASelector.topk_engine`). A step whose every query sees at most ``index_topk`` tokens
-skips both and selects everything (short-sequence fast path, counted in :attr:`stats`).
+skips both and selects everything (short-sequence fast path, counted in :attr:`stats`). On a
+sliding-window layer the logits before each query's window are ``-inf`` and such positions are
+never selected (:meth:`~kvsieve.sparse.SelectorInputs.mask_outside_window`, ``clip_to_window``).
 """
 from __future__ import annotations
 
@@ -82,7 +85,8 @@ class DSAStats:
 class DSASelector(SparseSelector):
     name = "dsa"
     config_class = DSAConfig
-    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}))
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), sliding_window=True)
+    model_inputs_type = IndexerInputs
 
     def __init__(self, config: DSAConfig | None = None, **overrides) -> None:
         super().__init__(config, **overrides)
@@ -102,7 +106,6 @@ class DSASelector(SparseSelector):
         if c.projections is not None:
             self.set_projections(load_projections(c.projections, dev)[0])
         self.stats = DSAStats()
-        self._inputs: dict[int, IndexerInputs] = {}
         self._workspace = None
 
     # ---- what was decided ----------------------------------------------------------------
@@ -124,21 +127,12 @@ class DSASelector(SparseSelector):
                     f"the config has {c.n_heads}, {c.head_dim}, {c.rope_dim}, {c.rope_interleave}, {c.rope_theta}")
         self.projections.update(layers)
 
-    def set_indexer_inputs(self, layer_idx: int, inputs: IndexerInputs) -> None:
-        """Hand this step's indexer inputs of layer ``layer_idx`` over; call before the layer's
-        forward every step. Consumed by that forward."""
-        if not isinstance(inputs, IndexerInputs):
-            raise TypeError(f"dsa: expected IndexerInputs, got {type(inputs).__name__}")
-        self._inputs[layer_idx] = inputs
-
     # ---- hooks ---------------------------------------------------------------------------
     def on_append(self, inputs: SelectorInputs) -> None:
-        """Compute index q/k/weights for the step's tokens and write k into the aux pool."""
+        """Compute index q/k/weights for the step's tokens (from ``inputs.model_inputs``, this step's
+        :class:`IndexerInputs`, which the layer checked) and write k into the aux pool."""
         layer = inputs.layer_idx
-        if layer not in self._inputs:
-            raise RuntimeError(f"dsa: no IndexerInputs for layer {layer} this step; the model integration must "
-                               "call selector.set_indexer_inputs(layer_idx, IndexerInputs(...)) before the layer")
-        ii = self._inputs.pop(layer)
+        ii = inputs.model_inputs
         md = inputs.metadata
         if ii.is_finished:
             q, k, w = ii.q_index.float(), ii.k_index.float(), ii.weights.float()
@@ -209,6 +203,7 @@ class DSASelector(SparseSelector):
             self.stats.indexed_steps += 1
             self.stats.last_short_path[layer] = False
             sel = self._select(inputs, q.to(dev), w.to(dev))
+        sel = inputs.clip_to_window(sel, lens)
         sel = sel.unsqueeze(1).expand(-1, inputs.num_kv_heads, -1)
         return SparseRuntimeParams.from_topk(sel)
 
@@ -223,6 +218,7 @@ class DSASelector(SparseSelector):
         lens, r0 = md.token_kv_lens, inputs.rows.start
         out = torch.empty(inputs.num_rows, self.config.index_topk, dtype=torch.int32, device=lens.device)
         for rows, logits in self._logits_chunks(inputs, q, w, k_pool, s_pool):
+            logits = inputs.mask_outside_window(logits, lens[rows])
             out[rows.start - r0: rows.stop - r0] = run_topk(self._workspace, logits, lens[rows].contiguous())
         return out
 

@@ -1,9 +1,8 @@
 """The DSA lightning-indexer projections and the per-step inputs the ``dsa`` selector receives.
 
-kvsieve's layer hands a selector only q, k, v; the indexer needs the layer's hidden state (and,
-in DeepSeek-V3.2, the low-rank query). The model integration therefore gives the selector an
-:class:`IndexerInputs` per layer and step through ``DSASelector.set_indexer_inputs`` *before*
-the layer's forward, either
+Besides q, k, v the indexer needs the layer's hidden state (and, in DeepSeek-V3.2, the low-rank
+query). The caller therefore passes an :class:`IndexerInputs` with every step of the layer
+(``SparseAttention.forward(..., model_inputs=IndexerInputs(...))``), either
 
 * raw hidden states (``hidden``, optional ``q_input``, optional RoPE ``cos``/``sin``), which the
   selector's :class:`IndexerProjections` of that layer turn into index queries/keys/weights, or

@@ -6,7 +6,9 @@ Adaptive budget (``top_p``; Twilight, arXiv 2502.02770, which prunes a top-k can
 same way): per query and KV head keep the smallest set of units (tokens or blocks), taken in
 descending mass, whose mass reaches ``top_p`` of the group's total, never more than ``budget``
 tokens. The budget then differs per (query, head) and the achieved sparsity is an output
-(``LayerStats.attended`` counts what each query kept)."""
+(``LayerStats.attended`` counts what each query kept). On a sliding-window layer the true
+attention is the window's, so the probabilities are a softmax over the window only
+(:meth:`~kvsieve.sparse.SelectorInputs.window_starts`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,15 +38,20 @@ class OracleTopKConfig:
             raise ValueError(f"oracle_topk: budget must be >= block_size={self.block_size}, got {self.budget}")
 
 
-def attention_mass(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
+def attention_mass(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float,
+                   starts: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``[n, Hkv, L]``: causal softmax probabilities summed over each group's query heads.
 
-    q ``[n, Hq, D]``, k ``[L, Hkv, D]``, ``kv_lens [n]`` bounds each row (positions beyond get 0).
+    q ``[n, Hq, D]``, k ``[L, Hkv, D]``, ``kv_lens [n]`` bounds each row (positions beyond get 0);
+    ``starts [n]`` (a sliding window's first positions; default 0): positions before get 0.
     """
     n, hq, d = q.shape
     hkv = k.shape[1]
     s = torch.einsum("nhgd,lhd->nhgl", q.float().view(n, hkv, hq // hkv, d), k.float()) * sm_scale
-    valid = torch.arange(k.shape[0], device=q.device) < kv_lens.to(q.device).unsqueeze(1)
+    pos = torch.arange(k.shape[0], device=q.device)
+    valid = pos < kv_lens.to(q.device).unsqueeze(1)
+    if starts is not None:
+        valid &= pos >= starts.to(q.device).unsqueeze(1)
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     return torch.softmax(s, dim=-1).nan_to_num(0.0).sum(dim=2)
 
@@ -62,7 +69,7 @@ def top_p_prefix(val: torch.Tensor, total: torch.Tensor, p: float) -> torch.Tens
 class OracleTopKSelector(SparseSelector):
     name = "oracle_topk"
     config_class = OracleTopKConfig
-    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}))
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), sliding_window=True)
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         bs = self.config.block_size
@@ -78,8 +85,10 @@ class OracleTopKSelector(SparseSelector):
                 keys = keys.unsqueeze(1)
             for c0 in range(t0, t1, _ROW_CHUNK):
                 c1 = min(c0 + _ROW_CHUNK, t1)
-                mass = attention_mass(inputs.q[c0:c1], keys, lens[c0:c1], inputs.sm_scale)
+                mass = attention_mass(inputs.q[c0:c1], keys, lens[c0:c1], inputs.sm_scale,
+                                      inputs.window_starts(lens[c0:c1]))
                 valid = torch.arange(mass.shape[-1], device=mass.device) < lens[c0:c1, None, None].to(mass.device)
+                valid = inputs.mask_outside_window(valid, lens[c0:c1], fill=False)
                 if bs > 1:
                     nb = -(-mass.shape[-1] // bs)
                     pad = nb * bs - mass.shape[-1]

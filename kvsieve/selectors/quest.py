@@ -45,7 +45,7 @@ class QuestConfig:
 class QuestSelector(PageSelectorBase):
     name = "quest"
     config_class = QuestConfig
-    capabilities = Capabilities(phases=frozenset({"generation"}))
+    capabilities = Capabilities(phases=frozenset({"generation"}), sliding_window=True)
     mode = "bound"
 
     def page_knobs(self, head_dim: int) -> PageKnobs:

@@ -1,5 +1,7 @@
 """StreamingLLM (arXiv 2309.17453): attention sinks plus a recent window; the lower bound of
-the evaluation. Needs no keys, so it serves GQA and MLA, context and generation."""
+the evaluation. Needs no keys, so it serves GQA and MLA, context and generation. On a
+sliding-window layer the sinks are the window's first ``num_sink`` positions and the recent
+positions its last ones (:meth:`~kvsieve.sparse.SelectorInputs.window_starts`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,10 +51,12 @@ def streaming_topk(kv_lens: torch.Tensor, budget: int, num_sink: int) -> torch.T
 class StreamingSelector(SparseSelector):
     name = "streaming"
     config_class = StreamingConfig
-    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}))
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), sliding_window=True)
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         lens = inputs.row_kv_lens
-        sel = streaming_topk(lens, self.config.budget, self.config.num_sink)
+        start = inputs.window_starts(lens).to(lens.device)  # positions counted from the window's start
+        sel = streaming_topk(lens - start, self.config.budget, self.config.num_sink)
+        sel = torch.where(sel >= 0, sel + start.unsqueeze(1), -1).to(torch.int32)
         sel = sel.unsqueeze(1).expand(-1, inputs.num_kv_heads, -1)
         return SparseRuntimeParams.from_topk(sel)

@@ -18,6 +18,12 @@ the selector's help. ``predict_attn`` returns a carrier whose ``sparse_attn_offs
 ``selected_phases`` (e.g. RocketKV selects only generation rows and leaves context rows dense,
 with empty segments). The optional ``predict_attn_reference`` is the plain-PyTorch reference of
 ``predict_attn``; the shared selector test checks every registered selector against it.
+
+Sliding windows: on a layer whose queries see only their last ``window`` positions
+(``inputs.window``), a selector that declares ``Capabilities(sliding_window=True)`` chooses only
+among ``[kv_len - window, kv_len)``, through the helpers :meth:`SelectorInputs.window_starts`,
+:meth:`SelectorInputs.mask_outside_window` and :meth:`SelectorInputs.clip_to_window` (all no-ops
+without a window). A selector that does not declare it is refused on such a layer.
 """
 from __future__ import annotations
 
@@ -40,12 +46,14 @@ DEVICES = ("cpu", "cuda")
 @dataclass(frozen=True)
 class Capabilities:
     """What a selector can serve: the phases it selects in, the attention kinds and devices it
-    runs on, and whether its ``predict_kv`` evicts prompt tokens."""
+    runs on, whether its ``predict_kv`` evicts prompt tokens, and whether it restricts its choice
+    to a sliding-window layer's window (``sliding_window``; see :attr:`SelectorInputs.window`)."""
 
     phases: frozenset[str] = frozenset(PHASES)
     attention_kinds: frozenset[str] = frozenset({"gqa"})
     devices: frozenset[str] = frozenset(DEVICES)
     evicts: bool = False
+    sliding_window: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (("phases", PHASES), ("attention_kinds", ATTENTION_KINDS), ("devices", DEVICES)):
@@ -64,6 +72,14 @@ class SelectorInputs:
     ``[num_tokens, kv_lora_rank + rope_dim]`` and ``v`` is ``None`` (all rows of the step).
     ``rows``: the step's query rows ``predict_attn`` is asked about (the rows of ``phases``, the
     phases the selector runs in this step, contiguous because context rows come first).
+    ``model_inputs``: this step's per-step model inputs for the selector (of the type it declares
+    in :attr:`SparseSelector.model_inputs_type`, e.g. DSA's indexer inputs), passed down by the
+    caller with the step (``SparseAttention.forward(..., model_inputs=)``); ``None`` for a selector
+    that declares none.
+    ``window``: the layer's sliding window (a query whose ``kv_len`` is ``n`` attends only
+    ``[n - window, n)``), ``None`` without one; a selector declaring
+    ``Capabilities.sliding_window`` chooses only there (:meth:`window_starts`,
+    :meth:`mask_outside_window`, :meth:`clip_to_window`).
     ``state``: scratch shared by the hooks of this one layer step (dropped after it).
     """
 
@@ -77,6 +93,8 @@ class SelectorInputs:
     attention_kind: str = "gqa"
     rows: slice = field(kw_only=True)
     phases: frozenset[str] = field(kw_only=True)
+    model_inputs: Any = field(default=None, kw_only=True)
+    window: int | None = field(default=None, kw_only=True)
     state: dict[str, Any] = field(default_factory=dict, repr=False)
     _keys: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -129,6 +147,36 @@ class SelectorInputs:
         """Host ``[num_tokens]``: positions each query token may attend (position + 1)."""
         return self.metadata.positions_host + 1
 
+    # ---- the layer's sliding window (no-ops without one) -----------------------------------
+    def window_starts(self, kv_lens: torch.Tensor) -> torch.Tensor:
+        """int64, ``kv_lens``'s shape: the first position a query with that ``kv_len`` may attend,
+        ``max(0, kv_len - window)`` (0 without a window)."""
+        lens = torch.as_tensor(kv_lens).to(torch.int64)
+        return torch.zeros_like(lens) if self.window is None else (lens - self.window).clamp_min(0)
+
+    def mask_outside_window(self, scores: torch.Tensor, kv_lens: torch.Tensor, *, unit: int = 1,
+                            fill: float | bool = float("-inf")) -> torch.Tensor:
+        """``scores [*lead, *rest, N]`` over units of ``unit`` positions (unit ``j`` covers
+        ``[j*unit, (j+1)*unit)``) with ``fill`` on every unit lying wholly before its row's window;
+        ``kv_lens [*lead]`` are the rows' lengths. Unchanged without a window."""
+        if self.window is None:
+            return scores
+        units = torch.arange(scores.shape[-1], device=scores.device)
+        return scores.masked_fill(self._before_window(units, kv_lens, unit, scores.dim()), fill)
+
+    def clip_to_window(self, sel: torch.Tensor, kv_lens: torch.Tensor, *, unit: int = 1) -> torch.Tensor:
+        """``sel [*lead, *rest, k]`` unit ids (``-1`` = none) with ``-1`` on every unit lying wholly
+        before its row's window (``kv_lens [*lead]``). Unchanged without a window."""
+        if self.window is None:
+            return sel
+        return torch.where(self._before_window(sel, kv_lens, unit, sel.dim()), -1, sel).to(sel.dtype)
+
+    def _before_window(self, units: torch.Tensor, kv_lens: torch.Tensor, unit: int, ndim: int) -> torch.Tensor:
+        """Bool, broadcast to ``ndim`` dims: unit ids ``units`` lying wholly before the window of
+        rows ``kv_lens [*lead]`` (leading dims)."""
+        start = self.window_starts(kv_lens).to(units.device)
+        return (units + 1) * unit <= start.view(*start.shape, *([1] * (ndim - start.dim())))
+
 
 class SparseSelector:
     """Base class of every selector. Subclasses set the class attributes and override hooks."""
@@ -136,6 +184,9 @@ class SparseSelector:
     name: ClassVar[str] = ""
     config_class: ClassVar[type] = object
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: the type of the per-step model inputs the selector reads (:attr:`SelectorInputs.model_inputs`),
+    #: which the caller must pass with every step; ``None``: it reads none, and the layer refuses any.
+    model_inputs_type: ClassVar[type | None] = None
 
     def __init__(self, config: Any = None, **overrides: Any) -> None:
         if config is None:
@@ -148,9 +199,17 @@ class SparseSelector:
 
     # ---- configuration-time checks ------------------------------------------------------
     def check_support(self, *, phase: str | None = None, attention_kind: str | None = None,
-                      device: str | torch.device | None = None) -> None:
-        """Raise ``ValueError`` listing what is supported when a combination is not."""
+                      device: str | torch.device | None = None, window: int | None = None) -> None:
+        """Raise ``ValueError`` listing what is supported when a combination is not; ``window``: a
+        sliding-window layer's window, which needs ``Capabilities.sliding_window`` and no eviction."""
         cap = self.capabilities
+        if window is not None and cap.evicts:
+            raise ValueError(f"selector {self.name!r} evicts prompt tokens, which a sliding-window layer (window "
+                             f"{window}) cannot honour: eviction renumbers the positions the window is defined on")
+        if window is not None and not cap.sliding_window:
+            raise ValueError(f"selector {self.name!r} does not declare Capabilities(sliding_window=True), so it "
+                             f"cannot run on a sliding-window layer (window {window}): it would choose among "
+                             "positions the window never attends")
         dev = None if device is None else torch.device(device).type
         for what, value, allowed in (
             ("phase", phase, cap.phases), ("attention kind", attention_kind, cap.attention_kinds),

@@ -32,6 +32,7 @@ from ..metadata import AttentionMetadata
 from .algorithm import SelectorInputs
 from .backends import AttentionBackend, AttentionGeometry, default_backend, get_backend
 from .config import LayerPlan
+from .knobs import check_value
 from .params import PHASES, SparseRuntimeParams
 
 __all__ = ["SparseAttention", "LayerOutput", "LayerStats", "commit_evictions"]
@@ -76,25 +77,47 @@ class LayerOutput:
 
 class SparseAttention:
     """Runs one layer's selector then backend. GQA: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``;
-    MLA (absorbed): q ``[T, H, R+P]``, k = latent ``[T, R+P]``, v ``None``."""
+    MLA (absorbed): q ``[T, H, R+P]``, k = latent ``[T, R+P]``, v ``None``.
+
+    ``window``: the layer's sliding window, told to the selector (:attr:`SelectorInputs.window`)
+    so that it chooses only inside it; a plan whose selector does not declare
+    ``Capabilities.sliding_window`` is refused on such a layer. The layer does not apply the
+    window to the attention itself: its backend does (the transformers integration's
+    ``FeatureBackend``)."""
 
     def __init__(self, *, layer_idx: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  plan: LayerPlan | None = None, backend: AttentionBackend | str | None = None, kind: str = "gqa",
                  kv_lora_rank: int = 0, sm_scale: float | None = None, debug: bool = True,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", window: int | None = None) -> None:
+        if window is not None:
+            check_value("SparseAttention.window", window, int, ge=1)
         self.layer_idx = layer_idx
+        self.window = window
         self.geometry = AttentionGeometry(
             kind=kind, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim), kv_lora_rank=kv_lora_rank,
         )
-        self.plan = plan
+        self.plan = plan  # checked by the setter
         if backend is None:
             backend = default_backend(device)
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.debug = debug
         self._last: LayerOutput | None = None
+
+    @property
+    def plan(self) -> LayerPlan | None:
+        """The layer's plan (``None`` = dense); setting one checks that its selector supports the
+        layer's attention kind and window."""
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: LayerPlan | None) -> None:
         if plan is not None:
-            plan.selector.check_support(attention_kind=kind)
+            try:
+                plan.selector.check_support(attention_kind=self.geometry.kind, window=self.window)
+            except ValueError as e:
+                raise ValueError(f"layer {self.layer_idx}: {e}") from None
+        self._plan = plan
 
     @property
     def last(self) -> LayerOutput | None:
@@ -102,9 +125,10 @@ class SparseAttention:
         return self._last
 
     def selector_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                        metadata: AttentionMetadata) -> SelectorInputs:
+                        metadata: AttentionMetadata, model_inputs: object = None) -> SelectorInputs:
         """The hooks' inputs for this step: ``phases`` = the plan's phases present this step, ``rows``
-        their query rows (context rows first, so one contiguous slice)."""
+        their query rows (context rows first, so one contiguous slice); ``model_inputs`` as given
+        to :meth:`forward`."""
         g = self.geometry
         plan_phases = self.plan.phases if self.plan is not None else frozenset()
         phases = tuple(p for p in metadata.phases() if p in plan_phases)
@@ -112,22 +136,27 @@ class SparseAttention:
             else slice(0, 0)
         return SelectorInputs(q=q, k=k, v=v, metadata=metadata, layer_idx=self.layer_idx,
                               num_kv_heads=g.num_kv_heads, sm_scale=g.sm_scale, attention_kind=g.kind,
-                              rows=rows, phases=frozenset(phases))
+                              rows=rows, phases=frozenset(phases), model_inputs=model_inputs, window=self.window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                metadata: AttentionMetadata) -> LayerOutput:
+                metadata: AttentionMetadata, *, model_inputs: object = None) -> LayerOutput:
+        """One step of this layer. ``model_inputs``: the per-step model inputs the plan's selector
+        declares (:attr:`SparseSelector.model_inputs_type`, e.g. DSA's ``IndexerInputs``), passed
+        with every step and handed to the hooks as :attr:`SelectorInputs.model_inputs`; refused
+        (before anything is written) when missing for such a selector or given to one that reads none."""
         if not metadata.prepared:
             raise RuntimeError("AttentionMetadata.prepare() must run before forward")
         metadata.require(f"backend {self.backend.name!r}", self.backend.required_translations)
         g = self.geometry
         if q.shape[0] != metadata.num_tokens or q.shape[1] != g.num_q_heads:
             raise ValueError(f"q must be [num_tokens={metadata.num_tokens}, {g.num_q_heads}, D], got {tuple(q.shape)}")
+        self._check_model_inputs(model_inputs)
         mgr = metadata.kv_cache_manager
         slots = metadata.slots[metadata.token_to_req_host]
         mgr.write(self.layer_idx, slots, metadata.positions_host, k, v)
         params = kept = inputs = None
         if self.plan is not None:
-            inputs = self.selector_inputs(q, k, v, metadata)
+            inputs = self.selector_inputs(q, k, v, metadata, model_inputs)
             sel = self.plan.selector
             sel.on_append(inputs)
             if "context" in inputs.phases:
@@ -148,6 +177,20 @@ class SparseAttention:
         stats = LayerStats(int(res.attended.sum()), int(dense), n_kept, res.skipped_tiles, res.walked_tiles)
         self._last = LayerOutput(res.out, res.lse, params, stats, dict(res.paths))
         return self._last
+
+    def _check_model_inputs(self, model_inputs: object) -> None:
+        """Refuse model inputs the plan's selector does not declare, and a missing or mistyped one it needs."""
+        sel = self.plan.selector if self.plan is not None else None
+        wanted = sel.model_inputs_type if sel is not None else None
+        if wanted is None:
+            if model_inputs is not None:
+                who = "the layer is dense" if sel is None else f"selector {sel.name!r} reads none"
+                raise ValueError(f"layer {self.layer_idx}: model_inputs ({type(model_inputs).__name__}) were given "
+                                 f"but {who}")
+        elif not isinstance(model_inputs, wanted):
+            got = "none" if model_inputs is None else type(model_inputs).__name__
+            raise ValueError(f"layer {self.layer_idx}: selector {sel.name!r} needs this step's {wanted.__name__} "
+                             f"(SparseAttention.forward(..., model_inputs=...), every step), got {got}")
 
     def _compact(self, metadata: AttentionMetadata, inputs: SelectorInputs, indices: torch.Tensor,
                  offsets: torch.Tensor) -> int:

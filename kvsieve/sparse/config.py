@@ -55,10 +55,16 @@ class SparseAttentionConfig:
 
 
 def lower_config(config: SparseAttentionConfig | None, *, num_layers: int, attention_kind: str = "gqa",
-                 device: str | torch.device = "cpu", layer_types: list[str] | None = None) -> list[LayerPlan | None]:
+                 device: str | torch.device = "cpu", layer_types: list[str] | None = None,
+                 layer_windows: list[int | None] | None = None) -> list[LayerPlan | None]:
     """Resolve ``config`` into one plan per layer; raises at configuration time on anything unsupported.
-    ``layer_types``: the model's type of each layer (``None``: every layer ``"full_attention"``)."""
+    ``layer_types``: the model's type of each layer (``None``: every layer ``"full_attention"``);
+    ``layer_windows``: each layer's sliding window (``None`` entries or list: none). A selector
+    chosen for a windowed layer must declare ``Capabilities.sliding_window`` and not evict; the
+    error names the selector, the layer and its type."""
     check_value("lower_config.num_layers", num_layers, int, ge=1)
+    if layer_windows is not None and len(layer_windows) != num_layers:
+        raise ValueError(f"lower_config: layer_windows has {len(layer_windows)} entries for {num_layers} layers")
     check_value("lower_config.attention_kind", attention_kind, str, choices=ATTENTION_KINDS)
     if config is None:
         return [None] * num_layers
@@ -77,6 +83,14 @@ def lower_config(config: SparseAttentionConfig | None, *, num_layers: int, atten
             f"(the ledger length is shared); it must run on every layer, but layers {sorted(dense)} are dense "
             f"(dense_layers / layers / layer_types; the model's layer types: {sorted(set(layer_types or ['full_attention']))})"
         )
+    for i in sorted(chosen):
+        window = layer_windows[i] if layer_windows is not None else None
+        if window is not None:
+            kind = layer_types[i] if layer_types is not None else "windowed"
+            try:
+                selector.check_support(window=window)
+            except ValueError as e:
+                raise ValueError(f"layer {i} ({kind} layer): {e}") from None
     phases = frozenset(config.phases) if config.phases else selector.capabilities.phases
     plan = LayerPlan(selector, phases)
     return [plan if i in chosen else None for i in range(num_layers)]

@@ -113,11 +113,19 @@ class Engine:
         self.metadata.prepared = False
 
     def step(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int,
-             layer_inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
-             ) -> list[LayerOutput]:
-        """One whole step; on any error the cache is left exactly as before the call."""
+             layer_inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+             model_inputs: Sequence[object] | None = None) -> list[LayerOutput]:
+        """One whole step; on any error the cache is left exactly as before the call.
+
+        ``model_inputs``: one entry per layer (``None`` where the layer's selector reads none),
+        passed to :meth:`SparseAttention.forward` as this step's per-step model inputs."""
         if len(layer_inputs) != len(self.layers):
             raise ValueError(f"expected inputs for {len(self.layers)} layers, got {len(layer_inputs)}")
+        if model_inputs is None:
+            model_inputs = [None] * len(self.layers)
+        elif len(model_inputs) != len(self.layers):
+            raise ValueError(f"expected model_inputs for {len(self.layers)} layers (None where a layer's selector "
+                             f"reads none), got {len(model_inputs)}")
         self.check_batch(request_ids, seq_lens, num_contexts)
         num_tokens = sum(int(n) for n in seq_lens)
         for i, inputs in enumerate(layer_inputs):
@@ -131,7 +139,8 @@ class Engine:
                                      f"got shape {tuple(t.shape)}")
         md = self.begin_step(request_ids, seq_lens, num_contexts)
         try:
-            outs = [layer.forward(q, k, v, md) for layer, (q, k, v) in zip(self.layers, layer_inputs)]
+            outs = [layer.forward(q, k, v, md, model_inputs=extra)
+                    for layer, (q, k, v), extra in zip(self.layers, layer_inputs, model_inputs)]
         except BaseException:
             self.abort_step()
             raise

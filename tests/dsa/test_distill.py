@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from kvsieve import SparseAttentionConfig
@@ -35,3 +36,49 @@ def test_distill_command_and_selector(tmp_path):
     frac = session.attended_fraction("generation")
     assert all(f is not None and f < 1.0 for f in frac)
     assert session.layers[0].plan.selector.stats.indexed_steps > 0
+
+
+def test_session_hands_indexer_inputs_down_with_each_forward_only():
+    """The pre-hook's IndexerInputs reach the layer through the attention call; once the hooks are
+    removed the next forward is refused by name (nothing was kept from the previous one)."""
+    from kvsieve.integrations.transformers import KvsieveSession
+    from kvsieve.selectors.dsa_projections import IndexerProjections
+
+    model = tiny_random_llama()
+    cfg = SparseAttentionConfig("dsa", dict(n_heads=2, head_dim=16, rope_dim=8, index_topk=8))
+    session = KvsieveSession(model, cfg, max_tokens=128)
+    torch.manual_seed(0)
+    session.layers[0].plan.selector.set_projections({i: IndexerProjections(64, 2, 16, 8) for i in range(2)})
+    handles = attach_dsa_indexer(session)
+    ids = torch.tensor([ByteTokenizer().encode("the quick brown fox jumps over the lazy dog")])
+    session.generate(ids, max_new_tokens=2)
+    assert session.layers[0].plan.selector.stats.indexed_steps > 0
+    for h in handles:
+        h.remove()
+    before = (session.cache.valid_len(0), session.num_cached_positions)
+    with pytest.raises(ValueError, match="layer 0: selector 'dsa' needs this step's IndexerInputs.*got none"):
+        session.decode(torch.tensor([65]))
+    assert (session.cache.valid_len(0), session.num_cached_positions) == before  # the refused step was undone
+    attach_dsa_indexer(session)
+    session.decode(torch.tensor([65]))  # and the session goes on from where it was
+    assert (session.cache.valid_len(0), session.num_cached_positions) == (before[0] + 1, before[1] + 1)
+
+
+def test_transformers_driven_refusal_leaves_no_step_open():
+    """``model.generate`` (transformers' own cache) with the hooks removed is refused at layer 0 and
+    the step it opened is undone, so the next ``generate`` starts cleanly."""
+    from kvsieve.integrations.transformers import KvsieveSession
+    from kvsieve.selectors.dsa_projections import IndexerProjections
+
+    model = tiny_random_llama()
+    cfg = SparseAttentionConfig("dsa", dict(n_heads=2, head_dim=16, rope_dim=8, index_topk=8))
+    session = KvsieveSession(model, cfg, max_tokens=128)
+    torch.manual_seed(0)
+    session.layers[0].plan.selector.set_projections({i: IndexerProjections(64, 2, 16, 8) for i in range(2)})
+    ids = torch.tensor([ByteTokenizer().encode("the quick brown fox jumps over the lazy dog")])
+    with pytest.raises(ValueError, match="layer 0: selector 'dsa' needs this step's IndexerInputs"):
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert session.cache.request_ids == []  # the failed prefill left no request behind
+    attach_dsa_indexer(session)
+    out = model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 2) and session.layers[0].plan.selector.stats.indexed_steps > 0

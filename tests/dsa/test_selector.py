@@ -36,10 +36,9 @@ class Rig:
         t = sum(lens)
         q, k, w = torch.randn(t, H, D, generator=self.g), torch.randn(t, D, generator=self.g), \
             torch.rand(t, H, generator=self.g)
-        self.selector.set_indexer_inputs(0, IndexerInputs(q_index=q, k_index=k, weights=w))
         md = self.engine.begin_step(rids, lens, num_contexts)
         qkv = [torch.randn(t, *s, generator=self.g) for s in ((4, 16), (2, 16), (2, 16))]
-        self.layer.forward(*qkv, md)
+        self.layer.forward(*qkv, md, model_inputs=IndexerInputs(q_index=q, k_index=k, weights=w))
         self.engine.end_step()
         t0 = 0
         for rid, n in zip(rids, lens):
@@ -115,8 +114,13 @@ def test_short_sequence_fast_path_selects_everything():
 def test_missing_inputs_and_bad_config():
     rig = Rig()
     md = rig.engine.begin_step([0], [4], 1)
-    with pytest.raises(RuntimeError, match="set_indexer_inputs"):
+    with pytest.raises(ValueError, match="layer 0: selector 'dsa' needs this step's IndexerInputs.*got none"):
         rig.layer.forward(torch.zeros(4, 4, 16), torch.zeros(4, 2, 16), torch.zeros(4, 2, 16), md)
+    with pytest.raises(ValueError, match="needs this step's IndexerInputs.*got dict"):
+        rig.layer.forward(torch.zeros(4, 4, 16), torch.zeros(4, 2, 16), torch.zeros(4, 2, 16), md,
+                          model_inputs={"hidden": torch.zeros(4, 8)})
+    assert rig.cache.aux_pools.get(INDEX_K_POOL) is None  # refused before anything was written
+    rig.engine.abort_step()
     with pytest.raises(ValueError, match="index_k_dtype"):
         create_selector("dsa", index_k_dtype="int4")
     with pytest.raises(ValueError, match="compress_ratio"):
@@ -130,7 +134,48 @@ def test_missing_inputs_and_bad_config():
     sel = create_selector("dsa", n_heads=H, head_dim=D, rope_dim=R, index_topk=TOPK)
     with pytest.raises(RuntimeError, match="IndexerProjections"):
         rig2 = Rig()
-        rig2.selector.set_indexer_inputs(0, IndexerInputs(hidden=torch.zeros(4, 8)))
         rig2.layer.forward(torch.zeros(4, 4, 16), torch.zeros(4, 2, 16), torch.zeros(4, 2, 16),
-                           rig2.engine.begin_step([0], [4], 1))
+                           rig2.engine.begin_step([0], [4], 1), model_inputs=IndexerInputs(hidden=torch.zeros(4, 8)))
     assert sel.topk_engine == "torch"
+
+
+def _snapshot(rig):
+    return (rig.cache.valid_len(0), rig.cache.aux_pools[INDEX_K_POOL][0].clone())
+
+
+def test_model_inputs_do_not_leak_into_the_next_step():
+    """Inputs go with one step only: a later step without them is refused (the old per-selector
+    stash handed a failed step's inputs to the next one), and the refusal changes nothing."""
+    rig = Rig()
+    rig.step([0], [20], 1)
+    t = 3
+    qkv = [(torch.randn(t, 4, 16), torch.randn(t, 2, 16), torch.randn(t, 2, 16))]
+    ii = IndexerInputs(q_index=torch.randn(t, H, D), k_index=torch.randn(t, D), weights=torch.rand(t, H))
+    bad_q = [(torch.zeros(t, 4, 16, dtype=torch.int32), *qkv[0][1:])]
+    before = _snapshot(rig)
+    with pytest.raises(TypeError, match="q must be a floating-point tensor"):
+        rig.engine.step([0], [t], 0, bad_q, [ii])  # the step fails before the layer ran
+    for extra in (None, [None]):
+        with pytest.raises(ValueError, match="layer 0: selector 'dsa' needs this step's IndexerInputs"):
+            rig.engine.step([0], [t], 0, qkv, extra)
+        after = _snapshot(rig)
+        assert after[0] == before[0] and torch.equal(after[1], before[1])
+    (res,) = rig.engine.step([0], [t], 0, qkv, [ii])  # given with its own step, it is used
+    assert res.params.sparse_attn_offsets.numel() == t + 1 and rig.cache.valid_len(0) == before[0] + t
+
+
+def test_model_inputs_for_a_selector_that_reads_none_are_refused():
+    spec = KVCacheSpec(num_layers=1, num_blocks=16, tokens_per_block=16, num_kv_heads=2, head_dim=16, max_requests=1,
+                       max_blocks_per_seq=8)
+    cache = KVCacheManager(spec)
+    plan = lower_config(SparseAttentionConfig("streaming", {"budget": 8}), num_layers=1)[0]
+    qkv = [(torch.randn(4, 4, 16), torch.randn(4, 2, 16), torch.randn(4, 2, 16))]
+    ii = IndexerInputs(q_index=torch.randn(4, H, D), k_index=torch.randn(4, D), weights=torch.rand(4, H))
+    for layer_plan, who in ((plan, "selector 'streaming' reads none"), (None, "the layer is dense")):
+        layer = SparseAttention(layer_idx=0, num_q_heads=4, num_kv_heads=2, head_dim=16, plan=layer_plan)
+        engine = Engine(cache, [layer], max_num_requests=1, max_num_tokens=64)
+        with pytest.raises(ValueError, match=f"layer 0: model_inputs \\(IndexerInputs\\) were given but {who}"):
+            engine.step([0], [4], 1, qkv, [ii])
+        assert cache.request_ids == []  # the refused step left no request behind
+    with pytest.raises(ValueError, match="expected model_inputs for 1 layers"):
+        engine.step([0], [4], 1, qkv, [None, None])

@@ -143,10 +143,9 @@ def test_selection_and_attention_match_transformers(topk_engine, logits_kernel):
         for i, layer in enumerate(layers):
             r = rec[i]
             attn = model.model.layers[i].self_attn
-            selector.set_indexer_inputs(i, IndexerInputs(hidden=r["hidden"], q_input=r["q_resid"], cos=r["cos"],
-                                                         sin=r["sin"]))
             q_mla, latent, w_uv = _mla_inputs(attn, r["hidden"], r["cos"], r["sin"])
-            res = layer.forward(q_mla, latent, None, md)
+            res = layer.forward(q_mla, latent, None, md, model_inputs=IndexerInputs(
+                hidden=r["hidden"], q_input=r["q_resid"], cos=r["cos"], sin=r["sin"]))
             out_lat, _ = res.out, res.lse
             out = attn.o_proj(torch.einsum("thr,hvr->thv", out_lat, w_uv).reshape(SEQ, -1))
             params = layer.last.params

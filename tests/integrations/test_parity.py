@@ -59,8 +59,8 @@ def test_features_matter(family: str) -> None:
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "gpt_oss"])
 def test_selector_on_windowed_layers_sees_only_the_window(family: str) -> None:
-    """A selector that keeps everything, run on every layer (sliding ones included): its
-    selection is cut to the window, so the logits still match; the reported attended fraction of
+    """A selector that keeps everything, run on every layer (sliding ones included): it keeps
+    the whole window and nothing else, so the logits still match; the reported attended fraction of
     a sliding layer is the window's, not the whole context's."""
     model, ref = build(family)
     cfg = SparseAttentionConfig("oracle_topk", {"budget": 4096}, layer_types=("full_attention", "sliding_attention"))

@@ -131,13 +131,13 @@ def test_budget_above_the_context_means_everything(name, params):
     sparse, dense = make_rig(name, params, num_layers=1), make_rig(None, num_layers=1)
     for i, (r, n, c) in enumerate(steps):
         inputs = sparse.inputs(sum(n), seed=i)
+        extra = None
         if name == "dsa":
-            sel = sparse.engine.layers[0].plan.selector
             gen = torch.Generator().manual_seed(i)
-            sel.set_indexer_inputs(0, kvsieve.selectors.dsa_projections.IndexerInputs(
+            extra = kvsieve.selectors.dsa_projections.IndexerInputs(
                 q_index=torch.randn(sum(n), 2, 8, generator=gen), k_index=torch.randn(sum(n), 8, generator=gen),
-                weights=torch.rand(sum(n), 2, generator=gen)))
-        got = sparse.engine.step(r, n, c, inputs)
+                weights=torch.rand(sum(n), 2, generator=gen))
+        got = sparse.engine.step(r, n, c, inputs, [extra])
         want = dense.engine.step(r, n, c, inputs)
         torch.testing.assert_close(got[0].out, want[0].out, rtol=1e-5, atol=1e-5)
         stats = sparse.engine.layers[0].last.stats

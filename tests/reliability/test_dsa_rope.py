@@ -41,10 +41,8 @@ def test_index_keys_use_the_configured_theta(theta):
         q = torch.cat([apply_rope(q[..., :4], cos, sin, False), q[..., 4:]], -1)
         k = torch.cat([apply_rope(k[..., :4], cos, sin, False), k[..., 4:]], -1)
     inputs = hidden_rig.inputs(24, seed=4)
-    hidden_rig.engine.layers[0].plan.selector.set_indexer_inputs(0, IndexerInputs(hidden=hidden))
-    finished_rig.engine.layers[0].plan.selector.set_indexer_inputs(0, IndexerInputs(q_index=q, k_index=k, weights=w))
-    got = hidden_rig.engine.step([1], [24], 1, inputs)[0].out
-    want = finished_rig.engine.step([1], [24], 1, inputs)[0].out
+    got = hidden_rig.engine.step([1], [24], 1, inputs, [IndexerInputs(hidden=hidden)])[0].out
+    want = finished_rig.engine.step([1], [24], 1, inputs, [IndexerInputs(q_index=q, k_index=k, weights=w)])[0].out
     p_got, p_want = (r.engine.layers[0].last.params for r in (hidden_rig, finished_rig))
     assert torch.equal(p_got.sparse_attn_indices, p_want.sparse_attn_indices)
     torch.testing.assert_close(got, want)

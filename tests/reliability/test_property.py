@@ -128,11 +128,11 @@ def run(case: dict, backend: str):
             k, v = torch.randn(n, d, generator=gen), None
         else:
             k, v = torch.randn(n, case["hkv"], d, generator=gen), torch.randn(n, case["hkv"], d, generator=gen)
+        extra = None
         if case["selector"] == "dsa":
-            layer.plan.selector.set_indexer_inputs(0, IndexerInputs(
-                q_index=torch.randn(n, 2, 8, generator=gen), k_index=torch.randn(n, 8, generator=gen),
-                weights=torch.rand(n, 2, generator=gen)))
-        res = eng.step(rids, lens, nctx, [(q, k, v)])[0]
+            extra = IndexerInputs(q_index=torch.randn(n, 2, 8, generator=gen), k_index=torch.randn(n, 8, generator=gen),
+                                  weights=torch.rand(n, 2, generator=gen))
+        res = eng.step(rids, lens, nctx, [(q, k, v)], [extra])[0]
         page = eng.cache.tokens_per_block if layer.backend.kv_page_granular else 1
         read = positions_read(res.params, layer, eng.metadata, page)
         outs.append((res.out, res.lse, res.stats.attended, read))

@@ -14,14 +14,14 @@ class Harness:
 
     def __init__(self, selector: str | None, params: dict | None = None, *, hkv: int = 2, g: int = 2, d: int = 32,
                  tpb: int = 16, num_blocks: int = 2048, max_tokens: int = 8192, num_layers: int = 1,
-                 backend: str = "vanilla", phases: tuple[str, ...] | None = None) -> None:
+                 backend: str = "vanilla", phases: tuple[str, ...] | None = None, window: int | None = None) -> None:
         spec = KVCacheSpec(num_layers=num_layers, num_blocks=num_blocks, tokens_per_block=tpb, num_kv_heads=hkv,
                            head_dim=d, max_requests=8, max_blocks_per_seq=1024)
         self.cache = KVCacheManager(spec)
         cfg = None if selector is None else SparseAttentionConfig(selector, params or {}, phases=phases)
         plans = lower_config(cfg, num_layers=num_layers)
         self.layers = [SparseAttention(layer_idx=i, num_q_heads=hkv * g, num_kv_heads=hkv, head_dim=d, plan=p,
-                                       backend=backend)
+                                       backend=backend, window=window)
                        for i, p in enumerate(plans)]
         self.engine = Engine(self.cache, self.layers, max_num_requests=8, max_num_tokens=max_tokens)
         self.hkv, self.g, self.d = hkv, g, d

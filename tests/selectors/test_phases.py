@@ -41,13 +41,12 @@ def test_every_builtin_selector_is_covered():
 
 def _step(eng, layer, rids, lens, n_ctx, gen):
     t = sum(lens)
-    sel = layer.plan.selector
-    if sel.name == "dsa":
-        sel.set_indexer_inputs(0, IndexerInputs(q_index=torch.randn(t, 2, 16, generator=gen),
-                                                k_index=torch.randn(t, 16, generator=gen),
-                                                weights=torch.rand(t, 2, generator=gen)))
+    extra = None
+    if layer.plan.selector.name == "dsa":
+        extra = IndexerInputs(q_index=torch.randn(t, 2, 16, generator=gen), k_index=torch.randn(t, 16, generator=gen),
+                              weights=torch.rand(t, 2, generator=gen))
     q, k, v = (torch.randn(t, h, D, generator=gen) for h in (HKV * G, HKV, HKV))
-    (res,) = eng.step(rids, lens, n_ctx, [(q, k, v)])
+    (res,) = eng.step(rids, lens, n_ctx, [(q, k, v)], [extra])
     return q, res
 
 

@@ -1,5 +1,6 @@
 """Every registered selector that declares ``predict_attn_reference`` agrees with it on a mixed batch
-(a fresh prompt, a chunked-prefill continuation and decodes), at its default configuration."""
+(a fresh prompt, a chunked-prefill continuation and decodes), at its default configuration, and
+on a sliding-window layer where it declares window support."""
 from __future__ import annotations
 
 import pytest
@@ -17,9 +18,10 @@ def test_the_page_and_block_selectors_declare_a_reference():
     assert {"block_select", "quest", "rocketkv"} <= set(WITH_REFERENCE)
 
 
-@pytest.mark.parametrize("name", WITH_REFERENCE)
-def test_fast_path_equals_reference(name):
-    h = Harness(name, {}, hkv=2, g=2, d=32)
+@pytest.mark.parametrize("name, window", [(n, None) for n in WITH_REFERENCE] + [
+    (n, 100) for n in WITH_REFERENCE if get_selector_class(n).capabilities.sliding_window])
+def test_fast_path_equals_reference(name, window):
+    h = Harness(name, {}, hkv=2, g=2, d=32, window=window)
     gen = torch.Generator().manual_seed(11)
     for rids, lens, ctx in (([1, 2], [300, 170], 2), ([3, 1, 2], [90, 1, 1], 1), ([3, 1, 2], [40, 1, 1], 1)):
         q, k, v = h.qkv(sum(lens), gen)
@@ -31,4 +33,10 @@ def test_fast_path_equals_reference(name):
             assert fast.selected_phases == ref.selected_phases
             assert torch.equal(fast.sparse_attn_offsets, ref.sparse_attn_offsets)
             assert torch.equal(fast.sparse_attn_indices, ref.sparse_attn_indices)
+            if window is not None:  # every chosen unit overlaps its row's window
+                unit, idx, off = fast.sparse_attn_indices_block_size, fast.sparse_attn_indices, fast.sparse_attn_offsets
+                lens = inputs.metadata.token_kv_lens
+                for t in range(len(off) - 1):
+                    u = idx[:, int(off[t]): int(off[t + 1])]
+                    assert bool((((u + 1) * unit > int(lens[t]) - window) | (u < 0)).all())
         h.engine.end_step()

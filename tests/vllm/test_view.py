@@ -151,6 +151,7 @@ def test_cpu_layout_view_reads_transposed_k():
 @pytest.mark.parametrize("spec,message", [
     ("snapkv", "evicts prompt tokens"),
     ("rocketkv", "evicts prompt tokens"),
+    ("dsa:index_topk=8", "'dsa' needs per-step model inputs \\(IndexerInputs"),
     ("skip_softmax:threshold_scale_factor_generation=1.0", "only the 'triton' backend"),
 ])
 def test_refused_selectors(spec, message):

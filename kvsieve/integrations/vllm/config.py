@@ -138,8 +138,9 @@ def read_plugin_config(environ: dict[str, str] | None = None) -> PluginConfig | 
 def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, device: str = "cpu"
                 ) -> list[LayerPlan | None]:
     """One plan per layer (``None`` = dense), refusing what vLLM's attention layer cannot serve:
-    selectors that evict prompt tokens (vLLM's block manager owns the blocks and lengths) and
-    kernel hints the chosen kvsieve backend does not implement."""
+    selectors that evict prompt tokens (vLLM's block manager owns the blocks and lengths),
+    selectors that need per-step model inputs (``model_inputs_type``; vLLM hands the attention
+    backend only q, k, v and the cache) and kernel hints the chosen kvsieve backend does not implement."""
     plans = lower_config(config.sparse, num_layers=num_layers, attention_kind="gqa", device=device)
     plan = next((p for p in plans if p is not None), None)
     if plan is None:
@@ -150,6 +151,11 @@ def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, dev
             f"kvsieve vLLM plug-in: selector {sel.name!r} evicts prompt tokens (predict_kv), which vLLM's block "
             "manager cannot be told about (it owns the blocks and the sequence lengths); use a selection-only "
             "selector (streaming, oracle_topk, quest, block_select or a third-party one without evicts=True)")
+    if sel.model_inputs_type is not None:
+        raise ValueError(
+            f"kvsieve vLLM plug-in: selector {sel.name!r} needs per-step model inputs "
+            f"({sel.model_inputs_type.__name__}, its model_inputs_type), which vLLM's attention backend never "
+            "receives (only q, k, v and the cache)")
     # the one built-in that only gives kernel hints; a third-party selector's thresholds are refused
     # by the backend's forward (every backend without skip-softmax raises on a factor > 0)
     if sel.name == "skip_softmax" and backend_name != "triton":

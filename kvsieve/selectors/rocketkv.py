@@ -57,7 +57,7 @@ class RocketKVSelector(PageSelectorBase):
     def page_knobs(self, head_dim: int) -> PageKnobs:
         c = self.config
         topr = head_dim if c.topr is None else min(c.topr, head_dim)
-        return PageKnobs(c.page_size, c.topk, topr, c.summary_dtype)
+        return PageKnobs(c.page_size, c.topk, topr, c.summary_dtype, None)
 
     def _budget(self) -> PromptBudget:
         c = self.config

@@ -6,7 +6,7 @@ entry::
     selectors:
       quest:                      # label used in run folders and plots
         selector: quest           # registry name (default: the label)
-        budgets: [64, 256]        # tokens per query; or sparsities: [...] or compression_ratios: [...]
+        budgets: [64, 256]        # tokens per query; or sparsities: [...] or reduction_factors: [...]
         budget_params: [budget]   # config fields that receive the token budget; a mapping
                                   # {topk_blocks: 16} passes budget // 16 (budgets in blocks)
         budget_multiple: 16       # round the budget down to a multiple (page-granular selectors)
@@ -16,9 +16,11 @@ entry::
         layer_types: [full_attention]  # or layers: [2, 3]; default: the full-attention layers of
                                        # an interleaved model (Gemma 3), else every layer
 
-Budget conventions, all three logged per run: ``budget`` (tokens attended per query and KV head),
-``sparsity = 1 - budget / L`` and ``compression_ratio = L / budget`` (the "400x" of RocketKV), with
-``L`` the context length of the cell.
+Budget vocabulary (docs/eval.md, "Budget vocabulary"), all logged per run: ``budget`` (tokens
+attended per query and KV head), ``sparsity = 1 - budget / L`` (the fraction not attended; what
+kvpress calls ``compression_ratio``) and ``reduction_factor = L / budget`` (the "400x" of RocketKV),
+with ``L`` the context length of the cell. The key ``compression_ratios`` is refused: kvsieve once
+used that name for ``L / budget``, kvpress uses it for the fraction removed.
 """
 from __future__ import annotations
 
@@ -42,7 +44,12 @@ __all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "l
 
 QUICK = "quick"
 DEFAULT = "default"
-_BUDGET_FORMS = ("budgets", "sparsities", "compression_ratios")
+_BUDGET_FORMS = ("budgets", "sparsities", "reduction_factors")
+#: selector keys refused by name, with what to write instead
+_REFUSED_SELECTOR_KEYS = {
+    "compression_ratios": "refused: the name is ambiguous (kvpress means the fraction of the context removed, "
+                          "1 - budget / L; kvsieve once meant L / budget). Write sparsities: [...] for the fraction "
+                          "removed (kvpress's compression_ratio) or reduction_factors: [...] for L / budget"}
 #: EvalConfig fields that do not change a run's results; every other field (model, backend, seed and
 #: any field added later) is part of each run's identity (see ``kvsieve.eval.runner.run_identity``)
 RESULT_NEUTRAL = ("output_dir", "threads", "tasks", "selectors", "check")
@@ -59,7 +66,7 @@ class Budget:
     label: str
     tokens: int
     sparsity: float
-    compression_ratio: float
+    reduction_factor: float
 
 
 @dataclass
@@ -70,7 +77,7 @@ class SelectorSpec:
     selector: str
     budgets: list[float] = field(default_factory=list)
     sparsities: list[float] = field(default_factory=list)
-    compression_ratios: list[float] = field(default_factory=list)
+    reduction_factors: list[float] = field(default_factory=list)
     budget_params: list[str] | dict[str, int] = field(default_factory=lambda: ["budget"])
     budget_multiple: int = 1
     params: dict[str, Any] = field(default_factory=dict)
@@ -88,9 +95,10 @@ class SelectorSpec:
         for s in self.sparsities:
             if not 0 <= s < 1:
                 raise ConfigError(f"selectors.{self.label}.sparsities entries must be in [0, 1), got {s}")
-        for r in self.compression_ratios:
+        for r in self.reduction_factors:
             if r < 1:
-                raise ConfigError(f"selectors.{self.label}.compression_ratios entries must be >= 1, got {r}")
+                raise ConfigError(f"selectors.{self.label}.reduction_factors entries (L / budget) must be >= 1, "
+                                  f"got {r}")
         if isinstance(self.budget_params, dict) and any(u < 1 for u in self.budget_params.values()):
             raise ConfigError(f"selectors.{self.label}.budget_params units must be >= 1, got {self.budget_params}")
         for b in self.budgets:
@@ -107,7 +115,7 @@ class SelectorSpec:
             elif form == "sparsities":
                 tokens, label = math.ceil(length * (1 - x)), f"s{x:g}"
             else:
-                tokens, label = math.ceil(length / x), f"cr{x:g}"
+                tokens, label = math.ceil(length / x), f"x{x:g}"
             m = self.budget_multiple
             tokens = max(m, tokens // m * m)
             out.append(Budget(label, tokens, max(0.0, 1 - tokens / length), length / tokens))
@@ -275,6 +283,9 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
         tasks.append(TaskSpec(name=name, **_fields(TaskSpec, f"tasks.{name}", v, skip=("name",))))
     sels = []
     for label, v in _mapping("selectors", top.pop("selectors", None), "{quest: {budgets: [64]}}").items():
+        for key, why in _REFUSED_SELECTOR_KEYS.items():
+            if isinstance(v, dict) and key in v:
+                raise ConfigError(f"selectors.{label}.{key}: {why}")
         v = _fields(SelectorSpec, f"selectors.{label}", v, skip=("label",))
         v.setdefault("selector", label)
         _named(f"selectors.{label}.selector", v["selector"], available_selectors())

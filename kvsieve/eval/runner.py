@@ -49,7 +49,7 @@ __all__ = ["RunSpec", "SweepResult", "SweepInterrupted", "plan_runs", "run_sweep
 
 DENSE = "dense"
 SUMMARY_FIELDS = ("task", "length", "model", "selector", "budget_label", "budget_tokens", "target_sparsity",
-                  "compression_ratio", "achieved_sparsity", "score", "ci95_low", "ci95_high", "n", "partial",
+                  "reduction_factor", "achieved_sparsity", "score", "ci95_low", "ci95_high", "n", "partial",
                   "mass_recall", "rel_error", "topk_overlap", "kl", "status", "error", "run_id", "folder")
 _STATELESS_HOOKS = ("on_append", "predict_kv", "on_compacted")
 _OPTIONAL_METRICS = ("partial", "mass_recall", "rel_error", "topk_overlap", "kl")
@@ -86,7 +86,7 @@ class RunSpec:
         b = self.budget
         return {"task": self.task.name, "length": self.length, "model": self.model, "selector": self.label,
                 "budget_label": b.label if b else "full", "budget_tokens": b.tokens if b else self.length,
-                "target_sparsity": b.sparsity if b else 0.0, "compression_ratio": b.compression_ratio if b else 1.0}
+                "target_sparsity": b.sparsity if b else 0.0, "reduction_factor": b.reduction_factor if b else 1.0}
 
 
 def run_identity(cfg: EvalConfig, run: RunSpec) -> dict[str, Any]:
@@ -96,7 +96,7 @@ def run_identity(cfg: EvalConfig, run: RunSpec) -> dict[str, Any]:
     task = {k: v for k, v in asdict(run.task).items() if k != "lengths"}
     selector = None
     if run.selector is not None:
-        axis = ("budgets", "sparsities", "compression_ratios")
+        axis = ("budgets", "sparsities", "reduction_factors")
         selector = {k: v for k, v in asdict(run.selector).items() if k not in axis}
         selector["budget"] = asdict(run.budget)
     return {"kvsieve_version": __version__, **top, "model_name": run.model,

@@ -11,6 +11,9 @@ entry::
                                   # {topk_blocks: 16} passes budget // 16 (budgets in blocks)
         budget_multiple: 16       # round the budget down to a multiple (page-granular selectors)
         params: {page_size: 16}   # fixed config fields
+        sparsity_params: []       # config fields that receive the budget's target sparsity (a float)
+        prepare: null             # a model-specific step run before the sweep (kvsieve/eval/prepare.py:
+        prepare_params: {}        # distill_indexer for dsa, calibrate_skip_softmax), and its options
         phases: [generation]      # where the selector acts (dense elsewhere)
         dense_layers: [0, 1]
         layer_types: [full_attention]  # or layers: [2, 3]; default: the full-attention layers of
@@ -40,10 +43,12 @@ import yaml
 from ..sparse import SparseAttentionConfig
 
 __all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "load_config", "apply_overrides",
-           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT"]
+           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "PRESETS"]
 
 QUICK = "quick"
 DEFAULT = "default"
+RECIPES = "recipes"
+PRESETS = (QUICK, DEFAULT, RECIPES)  # kvsieve/eval/configs/<name>.yaml
 _BUDGET_FORMS = ("budgets", "sparsities", "reduction_factors")
 #: selector keys refused by name, with what to write instead
 _REFUSED_SELECTOR_KEYS = {
@@ -81,6 +86,9 @@ class SelectorSpec:
     budget_params: list[str] | dict[str, int] = field(default_factory=lambda: ["budget"])
     budget_multiple: int = 1
     params: dict[str, Any] = field(default_factory=dict)
+    sparsity_params: list[str] = field(default_factory=list)
+    prepare: str | None = None
+    prepare_params: dict[str, Any] = field(default_factory=dict)
     phases: list[str] = field(default_factory=lambda: ["generation"])
     dense_layers: list[int] = field(default_factory=list)
     layers: list[int] | None = None
@@ -125,6 +133,7 @@ class SelectorSpec:
         params = dict(self.params)
         units = self.budget_params if isinstance(self.budget_params, dict) else dict.fromkeys(self.budget_params, 1)
         params.update({p: budget.tokens // unit for p, unit in units.items()})
+        params.update({p: budget.sparsity for p in self.sparsity_params})
         return SparseAttentionConfig(self.selector, params, dense_layers=tuple(self.dense_layers),
                                      phases=tuple(self.phases) if self.phases else None,
                                      layers=None if self.layers is None else tuple(self.layers),
@@ -274,6 +283,7 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
     """Validate a raw mapping (as read from YAML) into an :class:`EvalConfig`; a :class:`ConfigError`
     names the offending key, the expected type and the valid values."""
     from ..sparse import available_backends, available_selectors, create_selector
+    from .prepare import check_prepare
     from .tasks import available_tasks
 
     top = _fields(EvalConfig, "config", raw, skip=(), nested=("tasks", "selectors"))
@@ -300,6 +310,9 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
         if s.label == "dense" or len(set(labels)) != len(labels):
             raise ConfigError(f"selectors.{s.label}: run folders must be distinct: the label 'dense' is the "
                               f"dense run's and budgets must not repeat (got budgets {labels})")
+        check_prepare(s)
+        if s.prepare is not None:  # its config is complete, and checked, once the model is prepared
+            continue
         try:
             for budget in s.resolve(shortest):
                 create_selector(s.selector, **s.sparse_config(budget).params)
@@ -310,7 +323,7 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
 
 def load_config(path: str | Path | None = None, *, preset: str | None = None,
                 overrides: list[str] | None = None) -> EvalConfig:
-    """A YAML file, or a built-in preset (``quick``/``default``), then the overrides."""
+    """A YAML file, or a built-in preset (:data:`PRESETS`), then the overrides."""
     if path is not None and preset is not None:
         raise ConfigError("give a config path or a preset, not both")
     if path:
@@ -319,5 +332,6 @@ def load_config(path: str | Path | None = None, *, preset: str | None = None,
         except (OSError, yaml.YAMLError) as err:
             raise ConfigError(f"config file {path}: {str(err).splitlines()[0]}") from None
     else:
+        _named("preset", preset or DEFAULT, list(PRESETS))
         raw = _builtin(preset or DEFAULT)
     return from_dict(apply_overrides(raw or {}, overrides or []))

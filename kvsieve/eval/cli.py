@@ -11,7 +11,7 @@ import shlex
 import sys
 from typing import Any
 
-from .config import DEFAULT, QUICK, load_config
+from .config import DEFAULT, PRESETS, QUICK, load_config
 
 __all__ = ["main", "list_main", "LIST_KINDS"]
 
@@ -22,6 +22,7 @@ _EVAL_EPILOG = """examples:
   kvsieve eval --quick
   kvsieve eval --quick --set tasks.passkey.lengths=[4096] --set selectors.snapkv=null
   kvsieve eval --config my_sweep.yaml --output-dir out/
+  kvsieve eval --preset recipes   (every selector at its published recipe; dsa/skip_softmax prepared per model)
   kvsieve list selectors          (what a selectors entry can name, with config defaults)
 exit status: 0 all runs ok, 1 some run failed (see its error.txt), 2 bad input, 130 interrupted.
 --debug (anywhere on the line) shows the traceback of an error."""
@@ -52,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--quick", action="store_true",
                      help="the built-in quick preset: 3 cells at 1K tokens, 33 runs; about 6 CPU-minutes, so under "
                           "10 min on 2 free CPU cores (docs/eval.md has the measured figure and load)")
+    src.add_argument("--preset", choices=PRESETS, help="a built-in preset by name (kvsieve/eval/configs/<name>.yaml); "
+                                                       "'recipes': every selector at its published recipe")
     p.add_argument("--model", help="a built-in ('smollm2' default, 'gemma3-270m', 'tiny-random'), a .gguf file, "
                                    "or a transformers checkpoint folder (kvsieve list models)")
     p.add_argument("--output-dir", help="where run folders, summary.csv, plots and report.md go")
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, key)
         if value is not None:
             overrides.append(f"{key}={value}")
-    cfg = load_config(args.config, preset=QUICK if args.quick else None, overrides=overrides)
+    cfg = load_config(args.config, preset=QUICK if args.quick else args.preset, overrides=overrides)
     from .runner import SweepInterrupted, run_sweep
 
     resume = f"cd {shlex.quote(os.getcwd())} && " + shlex.join(["kvsieve", "eval", *argv])

@@ -6,19 +6,24 @@ entry::
     selectors:
       quest:                      # label used in run folders and plots
         selector: quest           # registry name (default: the label)
-        budgets: [64, 256]        # tokens per query; or sparsities: [...] or compression_ratios: [...]
+        budgets: [64, 256]        # tokens per query; or sparsities: [...] or reduction_factors: [...]
         budget_params: [budget]   # config fields that receive the token budget; a mapping
                                   # {topk_blocks: 16} passes budget // 16 (budgets in blocks)
         budget_multiple: 16       # round the budget down to a multiple (page-granular selectors)
         params: {page_size: 16}   # fixed config fields
+        sparsity_params: []       # config fields that receive the budget's target sparsity (a float)
+        prepare: null             # a model-specific step run before the sweep (kvsieve/eval/prepare.py:
+        prepare_params: {}        # distill_indexer for dsa, calibrate_skip_softmax), and its options
         phases: [generation]      # where the selector acts (dense elsewhere)
         dense_layers: [0, 1]
         layer_types: [full_attention]  # or layers: [2, 3]; default: the full-attention layers of
                                        # an interleaved model (Gemma 3), else every layer
 
-Budget conventions, all three logged per run: ``budget`` (tokens attended per query and KV head),
-``sparsity = 1 - budget / L`` and ``compression_ratio = L / budget`` (the "400x" of RocketKV), with
-``L`` the context length of the cell.
+Budget vocabulary (docs/eval.md, "Budget vocabulary"), all logged per run: ``budget`` (tokens
+attended per query and KV head), ``sparsity = 1 - budget / L`` (the fraction not attended; what
+kvpress calls ``compression_ratio``) and ``reduction_factor = L / budget`` (the "400x" of RocketKV),
+with ``L`` the context length of the cell. The key ``compression_ratios`` is refused: kvsieve once
+used that name for ``L / budget``, kvpress uses it for the fraction removed.
 """
 from __future__ import annotations
 
@@ -38,11 +43,18 @@ import yaml
 from ..sparse import SparseAttentionConfig
 
 __all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "load_config", "apply_overrides",
-           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT"]
+           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "PRESETS"]
 
 QUICK = "quick"
 DEFAULT = "default"
-_BUDGET_FORMS = ("budgets", "sparsities", "compression_ratios")
+RECIPES = "recipes"
+PRESETS = (QUICK, DEFAULT, RECIPES)  # kvsieve/eval/configs/<name>.yaml
+_BUDGET_FORMS = ("budgets", "sparsities", "reduction_factors")
+#: selector keys refused by name, with what to write instead
+_REFUSED_SELECTOR_KEYS = {
+    "compression_ratios": "refused: the name is ambiguous (kvpress means the fraction of the context removed, "
+                          "1 - budget / L; kvsieve once meant L / budget). Write sparsities: [...] for the fraction "
+                          "removed (kvpress's compression_ratio) or reduction_factors: [...] for L / budget"}
 #: EvalConfig fields that do not change a run's results; every other field (model, backend, seed and
 #: any field added later) is part of each run's identity (see ``kvsieve.eval.runner.run_identity``)
 RESULT_NEUTRAL = ("output_dir", "threads", "tasks", "selectors", "check")
@@ -59,7 +71,7 @@ class Budget:
     label: str
     tokens: int
     sparsity: float
-    compression_ratio: float
+    reduction_factor: float
 
 
 @dataclass
@@ -70,10 +82,13 @@ class SelectorSpec:
     selector: str
     budgets: list[float] = field(default_factory=list)
     sparsities: list[float] = field(default_factory=list)
-    compression_ratios: list[float] = field(default_factory=list)
+    reduction_factors: list[float] = field(default_factory=list)
     budget_params: list[str] | dict[str, int] = field(default_factory=lambda: ["budget"])
     budget_multiple: int = 1
     params: dict[str, Any] = field(default_factory=dict)
+    sparsity_params: list[str] = field(default_factory=list)
+    prepare: str | None = None
+    prepare_params: dict[str, Any] = field(default_factory=dict)
     phases: list[str] = field(default_factory=lambda: ["generation"])
     dense_layers: list[int] = field(default_factory=list)
     layers: list[int] | None = None
@@ -88,9 +103,10 @@ class SelectorSpec:
         for s in self.sparsities:
             if not 0 <= s < 1:
                 raise ConfigError(f"selectors.{self.label}.sparsities entries must be in [0, 1), got {s}")
-        for r in self.compression_ratios:
+        for r in self.reduction_factors:
             if r < 1:
-                raise ConfigError(f"selectors.{self.label}.compression_ratios entries must be >= 1, got {r}")
+                raise ConfigError(f"selectors.{self.label}.reduction_factors entries (L / budget) must be >= 1, "
+                                  f"got {r}")
         if isinstance(self.budget_params, dict) and any(u < 1 for u in self.budget_params.values()):
             raise ConfigError(f"selectors.{self.label}.budget_params units must be >= 1, got {self.budget_params}")
         for b in self.budgets:
@@ -107,7 +123,7 @@ class SelectorSpec:
             elif form == "sparsities":
                 tokens, label = math.ceil(length * (1 - x)), f"s{x:g}"
             else:
-                tokens, label = math.ceil(length / x), f"cr{x:g}"
+                tokens, label = math.ceil(length / x), f"x{x:g}"
             m = self.budget_multiple
             tokens = max(m, tokens // m * m)
             out.append(Budget(label, tokens, max(0.0, 1 - tokens / length), length / tokens))
@@ -117,6 +133,7 @@ class SelectorSpec:
         params = dict(self.params)
         units = self.budget_params if isinstance(self.budget_params, dict) else dict.fromkeys(self.budget_params, 1)
         params.update({p: budget.tokens // unit for p, unit in units.items()})
+        params.update({p: budget.sparsity for p in self.sparsity_params})
         return SparseAttentionConfig(self.selector, params, dense_layers=tuple(self.dense_layers),
                                      phases=tuple(self.phases) if self.phases else None,
                                      layers=None if self.layers is None else tuple(self.layers),
@@ -266,6 +283,7 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
     """Validate a raw mapping (as read from YAML) into an :class:`EvalConfig`; a :class:`ConfigError`
     names the offending key, the expected type and the valid values."""
     from ..sparse import available_backends, available_selectors, create_selector
+    from .prepare import check_prepare
     from .tasks import available_tasks
 
     top = _fields(EvalConfig, "config", raw, skip=(), nested=("tasks", "selectors"))
@@ -275,6 +293,9 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
         tasks.append(TaskSpec(name=name, **_fields(TaskSpec, f"tasks.{name}", v, skip=("name",))))
     sels = []
     for label, v in _mapping("selectors", top.pop("selectors", None), "{quest: {budgets: [64]}}").items():
+        for key, why in _REFUSED_SELECTOR_KEYS.items():
+            if isinstance(v, dict) and key in v:
+                raise ConfigError(f"selectors.{label}.{key}: {why}")
         v = _fields(SelectorSpec, f"selectors.{label}", v, skip=("label",))
         v.setdefault("selector", label)
         _named(f"selectors.{label}.selector", v["selector"], available_selectors())
@@ -289,6 +310,9 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
         if s.label == "dense" or len(set(labels)) != len(labels):
             raise ConfigError(f"selectors.{s.label}: run folders must be distinct: the label 'dense' is the "
                               f"dense run's and budgets must not repeat (got budgets {labels})")
+        check_prepare(s)
+        if s.prepare is not None:  # its config is complete, and checked, once the model is prepared
+            continue
         try:
             for budget in s.resolve(shortest):
                 create_selector(s.selector, **s.sparse_config(budget).params)
@@ -299,7 +323,7 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
 
 def load_config(path: str | Path | None = None, *, preset: str | None = None,
                 overrides: list[str] | None = None) -> EvalConfig:
-    """A YAML file, or a built-in preset (``quick``/``default``), then the overrides."""
+    """A YAML file, or a built-in preset (:data:`PRESETS`), then the overrides."""
     if path is not None and preset is not None:
         raise ConfigError("give a config path or a preset, not both")
     if path:
@@ -308,5 +332,6 @@ def load_config(path: str | Path | None = None, *, preset: str | None = None,
         except (OSError, yaml.YAMLError) as err:
             raise ConfigError(f"config file {path}: {str(err).splitlines()[0]}") from None
     else:
+        _named("preset", preset or DEFAULT, list(PRESETS))
         raw = _builtin(preset or DEFAULT)
     return from_dict(apply_overrides(raw or {}, overrides or []))

@@ -37,7 +37,9 @@ from ..integrations.transformers import KvsieveSession
 from ..sparse import SparseAttentionConfig, SparseSelector
 from .config import RESULT_NEUTRAL, Budget, EvalConfig, SelectorSpec, TaskSpec
 from .metrics import mean_ci95
+from .distill_indexer import attach_dsa_indexer
 from .model import LoadedModel, load_model
+from .prepare import prepare_selectors
 from .plots import write_plots
 from .report import format_table, write_report
 from .store import (CONFIG, ERROR, METRICS, PARTIAL, PREDICTIONS, RunState, atomic_write_text, clear_run,
@@ -49,7 +51,7 @@ __all__ = ["RunSpec", "SweepResult", "SweepInterrupted", "plan_runs", "run_sweep
 
 DENSE = "dense"
 SUMMARY_FIELDS = ("task", "length", "model", "selector", "budget_label", "budget_tokens", "target_sparsity",
-                  "compression_ratio", "achieved_sparsity", "score", "ci95_low", "ci95_high", "n", "partial",
+                  "reduction_factor", "achieved_sparsity", "score", "ci95_low", "ci95_high", "n", "partial",
                   "mass_recall", "rel_error", "topk_overlap", "kl", "status", "error", "run_id", "folder")
 _STATELESS_HOOKS = ("on_append", "predict_kv", "on_compacted")
 _OPTIONAL_METRICS = ("partial", "mass_recall", "rel_error", "topk_overlap", "kl")
@@ -86,7 +88,7 @@ class RunSpec:
         b = self.budget
         return {"task": self.task.name, "length": self.length, "model": self.model, "selector": self.label,
                 "budget_label": b.label if b else "full", "budget_tokens": b.tokens if b else self.length,
-                "target_sparsity": b.sparsity if b else 0.0, "compression_ratio": b.compression_ratio if b else 1.0}
+                "target_sparsity": b.sparsity if b else 0.0, "reduction_factor": b.reduction_factor if b else 1.0}
 
 
 def run_identity(cfg: EvalConfig, run: RunSpec) -> dict[str, Any]:
@@ -96,7 +98,7 @@ def run_identity(cfg: EvalConfig, run: RunSpec) -> dict[str, Any]:
     task = {k: v for k, v in asdict(run.task).items() if k != "lengths"}
     selector = None
     if run.selector is not None:
-        axis = ("budgets", "sparsities", "compression_ratios")
+        axis = ("budgets", "sparsities", "reduction_factors")
         selector = {k: v for k, v in asdict(run.selector).items() if k not in axis}
         selector["budget"] = asdict(run.budget)
     return {"kvsieve_version": __version__, **top, "model_name": run.model,
@@ -186,6 +188,7 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     lm = loaded if loaded is not None else load_model(cfg.model)
+    cfg = prepare_selectors(cfg, lm, log)
     cells = plan_runs(cfg, lm.name)
     runs = [r for cell in cells for r in cell]
     ids = {r.folder: _run_id(run_identity(cfg, r)) for r in runs}
@@ -333,22 +336,28 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
 
 def _execute(session: KvsieveSession, task: Task, run: RunSpec, ids: torch.Tensor, prefix: int, sample: Sample,
              reference: Any, shared: list[torch.Tensor], tokenizer: Any) -> tuple[dict[str, Any], list[float | None]]:
-    """One run on one sample; ``shared`` holds the dense prefill's logits once a sharing run made it."""
-    if run.shares_prefill:
-        if not shared:
-            session.set_config(None)
-            shared.append(session.prefill(ids[:, :prefix]))
+    """One run on one sample; ``shared`` holds the dense prefill's logits once a sharing run made it.
+    A ``dsa`` run feeds its indexer each layer's hidden state (hooks attached for the run only)."""
+    handles = attach_dsa_indexer(session) if run.sparse is not None and run.sparse.selector == "dsa" else []
+    try:
+        if run.shares_prefill:
+            if not shared:
+                session.set_config(None)
+                shared.append(session.prefill(ids[:, :prefix]))
+            else:
+                session.rewind(prefix)
+            session.set_config(run.sparse)
+            logits = shared[0]
         else:
-            session.rewind(prefix)
-        session.set_config(run.sparse)
-        logits = shared[0]
-    else:
-        shared.clear()  # this prefill replaces the cached prompt
-        session.set_config(run.sparse)
-        logits = session.prefill(ids[:, :prefix])
-    session.reset_stats()
-    row = task.run(session, logits, ids, sample, reference, tokenizer)
-    return row, session.attended_fraction("generation")
+            shared.clear()  # this prefill replaces the cached prompt
+            session.set_config(run.sparse)
+            logits = session.prefill(ids[:, :prefix])
+        session.reset_stats()
+        row = task.run(session, logits, ids, sample, reference, tokenizer)
+        return row, session.attended_fraction("generation")
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _mean(xs: list[float]) -> float:

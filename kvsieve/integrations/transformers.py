@@ -188,7 +188,7 @@ class KvsieveSession:
         self._next_pos = 0
         self._step_open = False
         self._driven = False
-        self._stats = {p: np.zeros((self.num_layers, 2), dtype=np.int64) for p in ("context", "generation")}
+        self._stats = {p: np.zeros((self.num_layers, 2), dtype=np.float64) for p in ("context", "generation")}
         self._phase = "context"
         self.set_config(config)
         register_attention()
@@ -379,7 +379,8 @@ class KvsieveSession:
         # dense = every position each new token has seen, eviction notwithstanding
         first = self._next_pos - s + 1
         dense = b * g.num_kv_heads * (s * first + s * (s - 1) // 2)
-        self._stats[self._phase][layer_idx] += (res.stats.attended, dense)
+        # positions computed: skip-softmax's skipped tiles are attended in name only
+        self._stats[self._phase][layer_idx] += (res.stats.computed_fraction * res.stats.dense, dense)
         for observer in self.observers:
             observer(layer_idx, q, out, md, layer)
         if not self._driven and layer_idx == self.num_layers - 1:
@@ -389,8 +390,9 @@ class KvsieveSession:
     # ---- reporting ----------------------------------------------------------------------
     def attended_fraction(self, phase: str = "generation") -> list[float | None]:
         """Per layer: positions attended / positions seen (all history, so evicted tokens count as
-        skipped), summed over the steps of ``phase`` since the last :meth:`reset_stats` (``None``
-        for a layer that saw no such step)."""
+        skipped; positions in KV tiles that skip-softmax skipped count as skipped too), summed over
+        the steps of ``phase`` since the last :meth:`reset_stats` (``None`` for a layer that saw no
+        such step)."""
         if phase not in self._stats:
             raise ValueError(f"phase must be one of {sorted(self._stats)}, got {phase!r}")
         acc = self._stats[phase]

@@ -17,12 +17,14 @@ __all__ = ["PageKnobs", "PageSelectorBase", "check_page_knobs"]
 @dataclass(frozen=True)
 class PageKnobs:
     """A page selector's settings for one head dim: ``page_size`` tokens per page, ``topk`` pages
-    per query, ``topr`` query channels scored, ``summary_dtype`` of the min/max summaries."""
+    per query, ``topr`` query channels scored, ``summary_dtype`` of the min/max summaries,
+    ``top_p`` the adaptive budget (``None`` = always ``topk`` pages)."""
 
     page_size: int
     topk: int
     topr: int
     summary_dtype: str
+    top_p: float | None
 
 
 def check_page_knobs(owner: str, page_size: int, topk: int, summary_dtype: str) -> None:
@@ -68,10 +70,11 @@ class PageSelectorBase(SparseSelector):
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams | None:
         knobs = self.page_knobs(inputs.q.shape[-1])
-        return select_pages(inputs, self.summaries(inputs), mode=self.mode, topk=knobs.topk, topr=knobs.topr)
+        return select_pages(inputs, self.summaries(inputs), mode=self.mode, topk=knobs.topk, topr=knobs.topr,
+                            top_p=knobs.top_p)
 
     def predict_attn_reference(self, inputs: SelectorInputs) -> SparseRuntimeParams | None:
         """The plain-PyTorch per-request reference of :meth:`predict_attn`."""
         knobs = self.page_knobs(inputs.q.shape[-1])
         return select_pages_golden(inputs, page_size=knobs.page_size, dtype=SUMMARY_DTYPES[knobs.summary_dtype],
-                                   mode=self.mode, topk=knobs.topk, topr=knobs.topr)
+                                   mode=self.mode, topk=knobs.topk, topr=knobs.topr, top_p=knobs.top_p)

@@ -20,7 +20,9 @@ Then softmax over the query's valid pages, mean over the group's query heads, th
 forced in, and the top ``min(topk, pages)`` pages per (query token, KV head) are kept (ties to
 the lower page). Indices are page ids (block granularity ``page_size``). On a sliding-window layer
 the pages lying wholly before a query's window are not candidates (they get no softmax share and
-are never picked; :meth:`~kvsieve.sparse.SelectorInputs.mask_outside_window`).
+are never picked; :meth:`~kvsieve.sparse.SelectorInputs.mask_outside_window`). With ``top_p`` the
+list (newest page first, then by score) is cut where the scores before the next page reach
+``top_p`` (:func:`._paged.top_p_cut`; the scores are each query's page distribution, summing to 1).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import torch
 
 from ..metadata import KVCacheManager
 from ..sparse import SelectorInputs, SparseRuntimeParams
-from ._paged import pack_generation_rows, top_units
+from ._paged import drop_empty_columns, pack_generation_rows, top_p_count, top_p_cut, top_units
 
 __all__ = ["SUMMARY_DTYPES", "SCORE_MODES", "PageSummaries", "page_scores", "select_pages", "select_pages_golden"]
 
@@ -127,15 +129,19 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: 
     return torch.softmax(logits, dim=-1).mean(dim=2).masked_fill(~valid[:, None, :], float("-inf"))
 
 
-def _finish(scores: torch.Tensor, n_pages: torch.Tensor, topk: int) -> torch.Tensor:
-    """Force the newest page (scores are <= 1, so 2 wins) and take the top pages: ``[T, Hkv, k]``."""
+def _finish(scores: torch.Tensor, n_pages: torch.Tensor, topk: int, top_p: float | None) -> torch.Tensor:
+    """Force the newest page (scores are <= 1, so 2 wins) and take the top pages: ``[T, Hkv, k]``
+    (``scores [T, Hkv, Np]``, ``-inf`` on invalid pages); with ``top_p`` cut at that mass."""
     newest = (n_pages - 1).clamp(min=0)[:, None, None].expand(-1, scores.shape[1], 1)
-    scores = scores.scatter(-1, newest, 2.0)
-    return top_units(scores, min(topk, scores.shape[-1]))
+    sel = top_units(scores.scatter(-1, newest, 2.0), min(topk, scores.shape[-1]))
+    if top_p is None:
+        return sel
+    mass = torch.gather(scores, -1, sel.clamp(min=0))
+    return drop_empty_columns(top_p_cut(sel, mass, torch.ones_like(mass[..., 0]), top_p))
 
 
-def select_pages(inputs: SelectorInputs, summaries: PageSummaries, *, mode: str, topk: int, topr: int
-                 ) -> SparseRuntimeParams | None:
+def select_pages(inputs: SelectorInputs, summaries: PageSummaries, *, mode: str, topk: int, topr: int,
+                 top_p: float | None) -> SparseRuntimeParams | None:
     """Fast path: batched over every generation token; context rows (mixed batch) stay dense."""
     md = inputs.metadata
     if "generation" not in inputs.phases:
@@ -156,11 +162,11 @@ def select_pages(inputs: SelectorInputs, summaries: PageSummaries, *, mode: str,
     valid = torch.arange(kmin.shape[1], device=kmin.device) < n_pages[g0:].unsqueeze(1)  # [T', Np]
     valid = inputs.mask_outside_window(valid, token_lens[g0:], unit=ps, fill=False)
     scores = page_scores(inputs.q[g0:], kmin, kmax, valid, mode=mode, topr=topr, sm_scale=inputs.sm_scale)
-    return pack_generation_rows(_finish(scores, n_pages[g0:], topk), inputs, ps)
+    return pack_generation_rows(_finish(scores, n_pages[g0:], topk, top_p), inputs, ps)
 
 
 def select_pages_golden(inputs: SelectorInputs, *, page_size: int, dtype: torch.dtype, mode: str, topk: int,
-                        topr: int) -> SparseRuntimeParams | None:
+                        topr: int, top_p: float | None) -> SparseRuntimeParams | None:
     """Plain-PyTorch reference: per request summarize the gathered keys page by page, then per
     generation token and KV head score, softmax, average and pick. Same output as :func:`select_pages`."""
     md = inputs.metadata
@@ -192,11 +198,15 @@ def select_pages_golden(inputs: SelectorInputs, *, page_size: int, dtype: torch.
                 else:
                     logits = torch.stack([torch.maximum(qg * kmin[p], qg * kmax[p]).sum(-1) for p in range(n)], -1)
                 logits[:, :first] = float("-inf")  # pages wholly before the window
-                score = torch.softmax(logits * inputs.sm_scale, dim=-1).mean(0)
+                mass = torch.softmax(logits * inputs.sm_scale, dim=-1).mean(0)
+                score = mass.clone()
                 score[:first] = float("-inf")
                 score[n - 1] = 2.0
-                per_head.append(top_units(score, min(topk, n)))
-            width = max(width, min(topk, n))
+                picked = top_units(score, min(topk, n))
+                if top_p is not None:  # newest page first, then by mass, until top_p is reached
+                    picked = picked[: top_p_count(mass[picked], top_p)]
+                per_head.append(picked)
+                width = max(width, picked.numel())
             rows.append(per_head)
     sel = torch.full((len(rows), hkv, width), -1, dtype=torch.int64)
     for t, per_head in enumerate(rows):

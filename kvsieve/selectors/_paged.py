@@ -1,5 +1,6 @@
 """Shared plumbing of the built-in selectors: batched reads of the paged cache, deterministic
-top-k, and packing the generation rows' selections into :class:`SparseRuntimeParams`."""
+top-k, the top-p cut of the adaptive budget, and packing the generation rows' selections into
+:class:`SparseRuntimeParams`."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -9,8 +10,10 @@ import torch
 
 from ..metadata import KVCacheManager
 from ..sparse import SelectorInputs, SparseRuntimeParams
+from ..sparse.knobs import knob
 
-__all__ = ["gather_padded_keys", "top_units", "pack_generation_rows", "check_power_of_two"]
+__all__ = ["gather_padded_keys", "top_units", "top_p_knob", "top_p_cut", "top_p_count", "drop_empty_columns",
+           "pack_generation_rows", "check_power_of_two"]
 
 
 def check_power_of_two(owner: str, field: str, value: int) -> None:
@@ -46,6 +49,44 @@ def top_units(scores: torch.Tensor, k: int) -> torch.Tensor:
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     picked = torch.gather(scores, -1, order)
     return torch.where(torch.isneginf(picked), -1, order)
+
+
+def top_p_knob() -> float | None:
+    """The ``top_p`` field of a top-p capable selector's config (``None`` = fixed budget)."""
+    return knob(None, gt=0.0, le=1.0, doc="estimated attention mass to keep; None = fixed budget")
+
+
+def top_p_cut(sel: torch.Tensor, mass: torch.Tensor, total: torch.Tensor, p: float) -> torch.Tensor:
+    """The adaptive budget (Twilight, arXiv 2502.02770): ``sel [..., k]`` unit ids in rank order
+    (``-1`` = none, only at the tail) with ``-1`` written past the shortest prefix whose mass
+    reaches ``p * total [...]``. ``mass [..., k]`` fp32 is each entry's (estimated) mass, ignored
+    where ``sel`` is ``-1``; an entry is kept while the mass of the entries before it is below
+    ``p * total``, so the first is always kept and a row whose ``k`` entries fall short keeps all.
+    ``p = 1`` keeps every entry (rounding of the sums never cuts the tail)."""
+    if p >= 1.0:
+        return sel
+    m = torch.where(sel >= 0, mass, torch.zeros_like(mass))
+    before = torch.cat([torch.zeros_like(m[..., :1]), m.cumsum(-1)[..., :-1]], dim=-1)
+    return torch.where(before < p * total.unsqueeze(-1), sel, torch.full_like(sel, -1))
+
+
+def top_p_count(mass: torch.Tensor, p: float) -> int:
+    """How many of the units with masses ``mass [k]`` (in rank order) :func:`top_p_cut` keeps,
+    one unit at a time: the plain reference of the per-row cut."""
+    if p >= 1.0:
+        return mass.numel()
+    before = 0.0
+    for j, m in enumerate(mass.tolist()):
+        if before >= p:
+            return j
+        before += m
+    return mass.numel()
+
+
+def drop_empty_columns(sel: torch.Tensor) -> torch.Tensor:
+    """``sel [..., k]`` (kept entries first, ``-1`` after) without the trailing columns no row
+    keeps; at least one column stays."""
+    return sel[..., : max(int((sel >= 0).sum(-1).amax()) if sel.numel() else 0, 1)]
 
 
 def pack_generation_rows(sel: torch.Tensor, inputs: SelectorInputs, block_size: int) -> SparseRuntimeParams:

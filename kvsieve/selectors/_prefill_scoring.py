@@ -1,9 +1,18 @@
 """Stage 1 of RocketKV, i.e. SnapKV-style prompt eviction, shared by ``rocketkv`` and ``snapkv``.
 
-For a prompt of ``L >= budget`` tokens: the last ``window`` queries score the ``L - window``
-prefix keys (softmax over the prefix keys, in fp32, scale ``sm_scale``), the probabilities are
-summed over the window queries and over the query heads of each KV group, smoothed with a 1-D
-max-pool of odd width ``kernel`` (stride 1, padding ``kernel // 2``), and the top
+For a prompt of ``L >= budget`` tokens, the last ``window`` queries vote for the ``L - window``
+prefix keys (fp32, scale ``sm_scale``):
+
+* ``softmax_over``: ``"prefix"`` = softmax over the prefix keys only; ``"all"`` = softmax over
+  every key the window query sees (the prefix and the window up to itself, causally), then the
+  prefix part is kept;
+* the probabilities are summed over the window queries;
+* ``group_sum``: ``"before_pool"`` = summed over the query heads of each KV group, then pooled;
+  ``"after_pool"`` = each query head pooled, then summed over the group;
+* ``pooling``: a 1-D ``"max"`` or ``"avg"`` pool of odd width ``kernel`` (stride 1, padding
+  ``kernel // 2``; the average counts the zero padding, as ``F.avg_pool1d`` does by default).
+
+(A sum where a reference takes a mean only scales every score by the same factor.) The top
 ``budget - window`` prefix positions (ties to the lower position) plus the window are kept,
 ascending. Shorter prompts keep everything. Output per context request: int32 ``[Hkv, n_keep]``.
 """
@@ -18,15 +27,24 @@ import torch.nn.functional as F
 from ..sparse import SelectorInputs
 from ._paged import gather_padded_keys, top_units
 
-__all__ = ["PromptBudget", "check_prompt_budget", "snap_keep_golden", "snap_keep", "pack_kept"]
+__all__ = ["PromptBudget", "POOLINGS", "SOFTMAX_OVER", "GROUP_SUMS", "check_prompt_budget", "snap_keep_golden",
+           "snap_keep", "pack_kept"]
+
+POOLINGS = ("max", "avg")
+SOFTMAX_OVER = ("prefix", "all")
+GROUP_SUMS = ("before_pool", "after_pool")
 
 
 class PromptBudget(NamedTuple):
-    """The three stage-1 knobs (validated by the owning config with :func:`check_prompt_budget`)."""
+    """The stage-1 knobs (the first three validated by the owning config with
+    :func:`check_prompt_budget`, the others by its knob choices; module docstring)."""
 
     window: int
     kernel: int
     budget: int
+    pooling: str
+    softmax_over: str
+    group_sum: str
 
 
 def check_prompt_budget(owner: str, window_size: int, kernel_size: int, prompt_budget: int) -> None:
@@ -50,11 +68,11 @@ def _context_lengths(inputs: SelectorInputs) -> np.ndarray:
     return lens
 
 
-def _pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
-    """1-D max-pool over the last dim of ``[..., P]`` (odd ``kernel``, stride 1, same length)."""
-    shape = scores.shape
-    pooled = F.max_pool1d(scores.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2)
-    return pooled.reshape(shape)
+def _pool(scores: torch.Tensor, cfg: PromptBudget) -> torch.Tensor:
+    """1-D max- or average-pool over the last dim of ``[..., P]`` (odd kernel, stride 1, same length)."""
+    shape, k = scores.shape, cfg.kernel
+    pool = F.max_pool1d if cfg.pooling == "max" else F.avg_pool1d
+    return pool(scores.reshape(-1, 1, shape[-1]), k, stride=1, padding=k // 2).reshape(shape)
 
 
 def snap_keep_golden(inputs: SelectorInputs, cfg: PromptBudget) -> list[torch.Tensor]:
@@ -67,16 +85,22 @@ def snap_keep_golden(inputs: SelectorInputs, cfg: PromptBudget) -> list[torch.Te
             continue
         _, t1 = inputs.query_range(i)
         prefix = n - cfg.window
-        keys = inputs.request_keys(i)[:prefix].float()  # [P, Hkv, D]
+        keys = inputs.request_keys(i).float()  # [n, Hkv, D]
         q_win = inputs.q[t1 - cfg.window: t1].float()  # [W, Hq, D]
         rows = []
         for h in range(hkv):
-            score = torch.zeros(prefix, device=keys.device)
+            votes = []  # per query head of the group: [P]
             for g in range(inputs.group_size):
+                score = torch.zeros(prefix, device=keys.device)
                 for w in range(cfg.window):
-                    logits = keys[:, h] @ q_win[w, h * inputs.group_size + g] * inputs.sm_scale
-                    score += torch.softmax(logits, dim=0)
-            pooled = _pool(score, cfg.kernel)
+                    seen = prefix + w + 1 if cfg.softmax_over == "all" else prefix
+                    logits = keys[:seen, h] @ q_win[w, h * inputs.group_size + g] * inputs.sm_scale
+                    score += torch.softmax(logits, dim=0)[:prefix]
+                votes.append(score)
+            if cfg.group_sum == "before_pool":
+                pooled = _pool(torch.stack(votes).sum(0), cfg)
+            else:
+                pooled = torch.stack([_pool(v, cfg) for v in votes]).sum(0)
             top = top_units(pooled, cfg.budget - cfg.window).sort().values
             rows.append(torch.cat([top, torch.arange(prefix, n, device=top.device)]))
         kept.append(torch.stack(rows).to(torch.int32))
@@ -93,14 +117,22 @@ def snap_keep(inputs: SelectorInputs, cfg: PromptBudget) -> list[torch.Tensor]:
         return kept
     md = inputs.metadata
     prefix = lens[long] - cfg.window
-    keys, valid = gather_padded_keys(inputs.cache, inputs.layer_idx, md.slots[long], prefix)  # [B, P, Hkv, D]
+    seen = lens[long] if cfg.softmax_over == "all" else prefix
+    keys, valid = gather_padded_keys(inputs.cache, inputs.layer_idx, md.slots[long], seen)  # [B, S, Hkv, D]
     ends = torch.as_tensor(md.query_start_host[long + 1].astype(np.int64), device=dev)
     rows = ends.unsqueeze(1) - cfg.window + torch.arange(cfg.window, device=dev)  # [B, W]
     q_win = inputs.q[rows].float().view(len(long), cfg.window, hkv, g, -1)  # [B, W, Hkv, G, D]
     logits = torch.einsum("bwhgd,bphd->bhgwp", q_win, keys.float()) * inputs.sm_scale
-    logits = logits.masked_fill(~valid[:, None, None, None, :], float("-inf"))
-    score = torch.softmax(logits, dim=-1).sum(dim=(2, 3))  # [B, Hkv, P]
-    pooled = _pool(score, cfg.kernel).masked_fill(~valid.unsqueeze(1), float("-inf"))
+    pos = torch.arange(keys.shape[1], device=dev)
+    pre = torch.as_tensor(prefix, device=dev)  # [B]
+    in_prefix = pos < pre.unsqueeze(1)  # [B, S]
+    # window query w (request position prefix + w) sees the prefix, and with "all" the window up to itself
+    last = pre[:, None] + (torch.arange(cfg.window, device=dev) if cfg.softmax_over == "all" else -1)  # [B, W]
+    visible = valid.unsqueeze(1) & (pos <= last.unsqueeze(-1))  # [B, W, S]
+    probs = torch.softmax(logits.masked_fill(~visible[:, None, None], float("-inf")), dim=-1)
+    votes = probs.sum(dim=3).masked_fill(~in_prefix[:, None, None], 0.0)  # [B, Hkv, G, S]
+    pooled = _pool(votes.sum(dim=2), cfg) if cfg.group_sum == "before_pool" else _pool(votes, cfg).sum(dim=2)
+    pooled = pooled.masked_fill(~in_prefix.unsqueeze(1), float("-inf"))  # [B, Hkv, S]
     top = top_units(pooled, cfg.budget - cfg.window).sort(dim=-1).values  # [B, Hkv, budget - W]
     for b, i in enumerate(long.tolist()):
         window = torch.arange(int(prefix[b]), int(lens[i]), device=dev).expand(hkv, cfg.window)

@@ -21,6 +21,13 @@ sliding-window layer the blocks lying wholly before a query's window are not can
   up to the query only (complete pages from the pool, its own page from the cache), so several
   query tokens of one request in a step choose what one-token steps would. Reads ``O(context /
   page)`` summaries per query row instead of every key.
+
+Adaptive budget (``top_p``, beyond NSA/MiniMax-M3; Twilight, arXiv 2502.02770): a block's
+estimated mass is the softmax, over the query's visible blocks, of its group-max block score
+(the score it is ranked by, already scaled by ``sm_scale``). Per (query token, KV head) the
+forced blocks come first, then blocks in descending score, and the list stops once the mass
+before the next block reaches ``top_p`` (the forced blocks are always kept, their mass counted);
+never more than ``topk_blocks`` blocks.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, register
 from ..sparse.knobs import check_knobs, knob
 from ._page_selector import PageSelectorBase
 from ._page_summary import PageSummaries
-from ._paged import gather_padded_keys, top_units
+from ._paged import drop_empty_columns, gather_padded_keys, top_p_count, top_p_cut, top_p_knob, top_units
 
 __all__ = ["BlockSelectConfig", "BlockSelectSelector", "SCORE_TYPES", "SCORINGS"]
 
@@ -52,7 +59,8 @@ class BlockSelectConfig:
 
     ``scoring`` defaults to ``"exact"``: MiniMax-M3's and NSA's definition of the block score, the
     one the recall figures were measured with; ``"summary"`` (min/max key summaries, Quest's
-    bound) is the cheaper opt-in approximation, for ``score_type="max"`` only."""
+    bound) is the cheaper opt-in approximation, for ``score_type="max"`` only. ``top_p``
+    (``None``) turns ``topk_blocks`` into a cap (module docstring)."""
 
     block_size: int = knob(128, ge=1)
     topk_blocks: int = knob(16, ge=1)
@@ -60,6 +68,7 @@ class BlockSelectConfig:
     local_blocks: int = knob(1, ge=0)
     score_type: str = knob("max", choices=SCORE_TYPES)
     scoring: str = knob("exact", choices=SCORINGS, doc="where block scores come from")
+    top_p: float | None = top_p_knob()
 
     def __post_init__(self) -> None:
         check_knobs(self, "block_select")
@@ -105,9 +114,16 @@ def block_select_golden(inputs: SelectorInputs, cfg: BlockSelectConfig) -> Spars
                     else:
                         per_head = qg @ keys[j * bs: min((j + 1) * bs, n), h].mean(dim=0) * inputs.sm_scale
                     score[j] = per_head.max()
-                score = inputs.mask_outside_window(_force(score, torch.tensor(n), cfg), torch.tensor(n), unit=bs)
-                picked = top_units(score, min(width, n_blocks))
+                forced_scores = inputs.mask_outside_window(_force(score, torch.tensor(n), cfg), torch.tensor(n),
+                                                           unit=bs)
+                mass = torch.softmax(score.masked_fill(torch.isneginf(forced_scores), float("-inf")), dim=0)
+                picked = top_units(forced_scores, min(width, n_blocks))
+                if cfg.top_p is not None:  # forced blocks (always kept) first, then by score, until top_p
+                    forced = int(torch.isposinf(forced_scores[picked.clamp(min=0)]).sum())
+                    picked = picked[: max(forced, top_p_count(mass[picked], cfg.top_p))]
                 sel[t - inputs.rows.start, h, : picked.numel()] = picked
+    if cfg.top_p is not None:
+        sel = drop_empty_columns(sel)
     return SparseRuntimeParams.from_topk(sel.to(inputs.q.device), block_size=bs)
 
 
@@ -182,10 +198,19 @@ def _select(inputs: SelectorInputs, cfg: BlockSelectConfig, nb: int, padded: tup
     for c0 in range(0, t_max, chunk):
         c1 = min(c0 + chunk, t_max)
         lens = row_lens[:, c0:c1, None].expand(-1, -1, hkv)
-        scores = inputs.mask_outside_window(_force(score_rows(c0, c1), lens, cfg), lens, unit=cfg.block_size)
+        raw = score_rows(c0, c1)
+        scores = inputs.mask_outside_window(_force(raw, lens, cfg), lens, unit=cfg.block_size)
         picked[:, c0:c1] = top_units(scores, width)
+        if cfg.top_p is not None:
+            prob = torch.softmax(raw.masked_fill(torch.isneginf(scores), float("-inf")), dim=-1).nan_to_num(0.0)
+            sel = picked[:, c0:c1]
+            cut = top_p_cut(sel, torch.gather(prob, -1, sel.clamp(min=0)), torch.ones_like(prob[..., 0]), cfg.top_p)
+            forced = torch.isposinf(torch.gather(scores, -1, sel.clamp(min=0))) & (sel >= 0)
+            picked[:, c0:c1] = torch.where(forced, sel, cut)  # forced blocks are always kept
     sel = torch.empty(inputs.num_rows, hkv, width, dtype=torch.int64, device=dev)
     sel[rows[live] - inputs.rows.start] = picked[live]
+    if cfg.top_p is not None:
+        sel = drop_empty_columns(sel)
     return SparseRuntimeParams.from_topk(sel, block_size=cfg.block_size)
 
 

@@ -15,6 +15,14 @@ fixed at configuration time by ``kernels.triton.topk.dispatch.choose_topk_engine
 skips both and selects everything (short-sequence fast path, counted in :attr:`stats`). On a
 sliding-window layer the logits before each query's window are ``-inf`` and such positions are
 never selected (:meth:`~kvsieve.sparse.SelectorInputs.mask_outside_window`, ``clip_to_window``).
+
+Adaptive budget (``top_p``, beyond DeepSeek-V3.2; Twilight, arXiv 2502.02770): a token's
+estimated mass is ``softmax(I[t, :])`` over the query's visible tokens, the distribution the
+indexer is trained to match (DeepSeek-V3.2's indexer loss ``KL(p || softmax(I))``, also the loss
+of ``kvsieve distill-indexer``). Per query token the ``index_topk`` best tokens are taken in
+descending ``I`` (ties to the lower position) and the list stops once the mass before the next
+token reaches ``top_p``; the indexer is per token, so every KV head keeps the same set. The
+short-sequence fast path is off with ``top_p`` (the cut needs the logits).
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import torch
 
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ..sparse.knobs import check_knobs, knob
+from ._paged import drop_empty_columns, top_p_cut, top_p_knob
 from .dsa_projections import IndexerInputs, IndexerProjections, load_projections, rope_cos_sin
 
 __all__ = ["DSAConfig", "DSASelector", "IndexerInputs", "INDEX_K_POOL", "INDEX_K_SCALE_POOL"]
@@ -45,7 +54,8 @@ class DSAConfig:
     per-(token, head) scale folded into the weights); ``topk_engine`` (``auto``, ``torch``,
     ``radix``, ``gvr``, ``cute_gvr``) and ``logits_kernel`` (``auto``: Triton on CUDA, reference
     on CPU) are decided for ``device``; ``projections``: a file from ``kvsieve distill-indexer``;
-    ``max_logits_elems`` bounds one logits chunk (rows x width fp32)."""
+    ``max_logits_elems`` bounds one logits chunk (rows x width fp32); ``top_p`` (``None``) turns
+    ``index_topk`` into a cap (module docstring)."""
 
     index_topk: int = knob(2048, ge=1)
     n_heads: int = knob(64, ge=1)
@@ -60,6 +70,7 @@ class DSAConfig:
     device: str = "cpu"
     projections: str | None = None
     max_logits_elems: int = knob(1 << 26, ge=1)
+    top_p: float | None = top_p_knob()
 
     def __post_init__(self) -> None:
         check_knobs(self, "dsa")
@@ -194,7 +205,7 @@ class DSASelector(SparseSelector):
         dev = lens.device
         if torch.device(self.config.device).type != dev.type:
             raise ValueError(f"dsa: configured for device {self.config.device!r} but the cache is on {dev}")
-        if inputs.num_rows == 0 or int(lens_host.max()) <= kk:
+        if inputs.num_rows == 0 or (int(lens_host.max()) <= kk and self.config.top_p is None):
             self.stats.short_path_steps += 1
             self.stats.last_short_path[layer] = True
             pos = torch.arange(min(kk, int(lens_host.max(initial=1))), device=dev, dtype=torch.int32)
@@ -219,8 +230,11 @@ class DSASelector(SparseSelector):
         out = torch.empty(inputs.num_rows, self.config.index_topk, dtype=torch.int32, device=lens.device)
         for rows, logits in self._logits_chunks(inputs, q, w, k_pool, s_pool):
             logits = inputs.mask_outside_window(logits, lens[rows])
-            out[rows.start - r0: rows.stop - r0] = run_topk(self._workspace, logits, lens[rows].contiguous())
-        return out
+            picked = run_topk(self._workspace, logits, lens[rows].contiguous())
+            if self.config.top_p is not None:
+                picked = _top_p_tokens(picked, logits, lens[rows], self.config.top_p)
+            out[rows.start - r0: rows.stop - r0] = picked
+        return out if self.config.top_p is None else drop_empty_columns(out)
 
     def _logits_chunks(self, inputs: SelectorInputs, q: torch.Tensor, w: torch.Tensor, k_pool: torch.Tensor,
                        s_pool: torch.Tensor | None):
@@ -259,3 +273,17 @@ class DSASelector(SparseSelector):
                     logits = impl.indexer_logits_decode(q[c0:c1], k_pool, s_pool, w[c0:c1], md.block_table,
                                                         md.token_to_req[c0:c1], lens[c0:c1], w_c)
                 yield slice(c0, c1), logits
+
+
+def _top_p_tokens(picked: torch.Tensor, logits: torch.Tensor, lens: torch.Tensor, p: float) -> torch.Tensor:
+    """int32 ``[n, k]``: the top-k ``picked [n, k]`` (any order, ``-1`` padded) of index logits
+    ``logits [n, width]`` (``lens [n]`` visible each) in descending logit (ties to the lower
+    position), cut where ``softmax`` mass over the visible tokens reaches ``p``, ``-1`` after."""
+    valid = torch.arange(logits.shape[1], device=logits.device) < lens.unsqueeze(1)
+    logp = torch.log_softmax(logits.float().masked_fill(~valid, float("-inf")), dim=-1)
+    ids = torch.where(picked >= 0, picked.to(torch.int64), torch.iinfo(torch.int32).max).sort(dim=-1).values
+    val = torch.gather(logp, 1, ids.clamp(max=logits.shape[1] - 1)).masked_fill(ids >= logits.shape[1], float("-inf"))
+    order = torch.sort(val, dim=-1, descending=True, stable=True).indices
+    ranked = torch.gather(torch.where(ids < logits.shape[1], ids, -1), 1, order)
+    mass = torch.gather(val, 1, order).exp()
+    return top_p_cut(ranked, mass, torch.ones_like(mass[:, 0]), p).to(torch.int32)

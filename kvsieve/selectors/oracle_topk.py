@@ -17,8 +17,9 @@ import torch
 
 from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ..sparse.knobs import check_knobs, knob
+from ._paged import drop_empty_columns, top_p_cut, top_p_knob
 
-__all__ = ["OracleTopKConfig", "OracleTopKSelector", "attention_mass", "top_p_prefix"]
+__all__ = ["OracleTopKConfig", "OracleTopKSelector", "attention_mass"]
 
 _ROW_CHUNK = 256
 
@@ -30,7 +31,7 @@ class OracleTopKConfig:
 
     budget: int = knob(256, ge=1)
     block_size: int = knob(1, ge=1)
-    top_p: float | None = knob(None, gt=0.0, le=1.0, doc="attention mass to keep; None = fixed budget")
+    top_p: float | None = top_p_knob()
 
     def __post_init__(self) -> None:
         check_knobs(self, "oracle_topk")
@@ -54,15 +55,6 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, sm_s
         valid &= pos >= starts.to(q.device).unsqueeze(1)
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     return torch.softmax(s, dim=-1).nan_to_num(0.0).sum(dim=2)
-
-
-def top_p_prefix(val: torch.Tensor, total: torch.Tensor, p: float) -> torch.Tensor:
-    """``val [..., k]`` masses in descending order (``-1`` = invalid) with ``-1`` written past the
-    shortest prefix whose mass reaches ``p * total [...]`` (an entry is kept while the mass
-    before it is below that); a row whose ``k`` entries fall short keeps all of them."""
-    mass = val.clamp(min=0.0)
-    before = mass.cumsum(-1) - mass
-    return torch.where(before < p * total.unsqueeze(-1), val, torch.full_like(val, -1.0))
 
 
 @register_selector
@@ -97,9 +89,10 @@ class OracleTopKSelector(SparseSelector):
                 score = mass.masked_fill(~valid, -1.0)
                 kk = min(k_sel, score.shape[-1])
                 val, idx = score.topk(kk, dim=-1)
+                idx = torch.where(val >= 0, idx, -1)
                 if self.config.top_p is not None:
-                    val = top_p_prefix(val, mass.masked_fill(~valid, 0.0).sum(-1), self.config.top_p)
-                out[c0 - r0:c1 - r0, :, :kk] = torch.where(val >= 0, idx, -1).to(torch.int32)
+                    idx = top_p_cut(idx, val, mass.masked_fill(~valid, 0.0).sum(-1), self.config.top_p)
+                out[c0 - r0:c1 - r0, :, :kk] = idx.to(torch.int32)
         if self.config.top_p is not None:  # drop the columns no query kept
-            out = out[..., : max(int((out >= 0).sum(-1).amax()) if out.numel() else 0, 1)]
+            out = drop_empty_columns(out)
         return SparseRuntimeParams.from_topk(out, block_size=bs)

@@ -6,6 +6,12 @@ the top ``budget // page_size`` pages per (query token, KV head) are attended, t
 page always among them. For GQA the per-head bounds are turned into a softmax over pages and
 averaged over the group (with one query head per KV head this is exactly Quest's ranking).
 Nothing is evicted; prefill stays dense.
+
+Adaptive budget (``top_p``, beyond Quest; Twilight, arXiv 2502.02770): the estimated mass of a
+page is that same group-averaged softmax over the valid pages (it sums to 1 and ranks the pages
+as Quest does). Per (query token, KV head) the newest page comes first, then pages in
+descending mass, and the list stops once the mass before the next page reaches ``top_p``;
+never more than ``budget // page_size`` pages.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from ..sparse import Capabilities, register_selector
 from ..sparse.knobs import check_knobs, knob
 from ._page_selector import PageKnobs, PageSelectorBase, check_page_knobs
 from ._page_summary import SUMMARY_DTYPES
+from ._paged import top_p_knob
 
 __all__ = ["QuestConfig", "QuestSelector"]
 
@@ -23,11 +30,13 @@ __all__ = ["QuestConfig", "QuestSelector"]
 class QuestConfig:
     """``page_size`` (16) and ``budget`` (256) are the defaults of Quest's
     ``scripts/bench_textgen.py``; ``summary_dtype`` ``"bfloat16"`` (Quest keeps its metadata in
-    the KV dtype), or ``"float8_e5m2"``/``"float32"``."""
+    the KV dtype), or ``"float8_e5m2"``/``"float32"``; ``top_p`` (``None``) turns ``budget`` into
+    a cap (module docstring)."""
 
     budget: int = knob(256, ge=1)
     page_size: int = knob(16, ge=1)
     summary_dtype: str = knob("bfloat16", choices=SUMMARY_DTYPES)
+    top_p: float | None = top_p_knob()
 
     def __post_init__(self) -> None:
         check_knobs(self, "quest")
@@ -50,4 +59,4 @@ class QuestSelector(PageSelectorBase):
 
     def page_knobs(self, head_dim: int) -> PageKnobs:
         c = self.config
-        return PageKnobs(c.page_size, c.topk, head_dim, c.summary_dtype)
+        return PageKnobs(c.page_size, c.topk, head_dim, c.summary_dtype, c.top_p)

@@ -1,8 +1,10 @@
 """RocketKV (arXiv 2502.14051; TensorRT-LLM ``rocket``): two-stage KV selection for GQA.
 
 * Stage 1, prefill (``predict_kv``): SnapKV-style permanent eviction of prompt tokens down to
-  ``prompt_budget`` per KV head (:mod:`._prefill_scoring`); the layer compacts the cache after the
-  (dense) prompt attention and the engine commits the shorter length.
+  ``prompt_budget`` per KV head (:mod:`._prefill_scoring`, max pooling, softmax over the prefix,
+  the query group summed before pooling: kvsieve's definition, not checked against RocketKV's
+  code); the layer compacts the cache after the (dense) prompt attention and the engine commits
+  the shorter length.
 * Stage 2, decode (``predict_attn``): page-level top-k over K min/max page summaries with the
   sign trick and an optional top-``topr`` query-channel filter (:mod:`._page_summary`); indices
   at block granularity ``page_size``.
@@ -57,11 +59,11 @@ class RocketKVSelector(PageSelectorBase):
     def page_knobs(self, head_dim: int) -> PageKnobs:
         c = self.config
         topr = head_dim if c.topr is None else min(c.topr, head_dim)
-        return PageKnobs(c.page_size, c.topk, topr, c.summary_dtype)
+        return PageKnobs(c.page_size, c.topk, topr, c.summary_dtype, None)
 
     def _budget(self) -> PromptBudget:
         c = self.config
-        return PromptBudget(c.window_size, c.kernel_size, c.prompt_budget)
+        return PromptBudget(c.window_size, c.kernel_size, c.prompt_budget, "max", "prefix", "before_pool")
 
     def predict_kv(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         return pack_kept(snap_keep(inputs, self._budget()))

@@ -40,7 +40,7 @@ def test_sweep_outputs_and_resume(tmp_path, tiny, monkeypatch):
         assert all((f / name).is_file() for name in RUN_FILES)
         m = json.loads((f / "metrics.json").read_text())
         for key in ("score", "ci95", "n", "achieved_sparsity", "wall_time_s", "budget_tokens", "target_sparsity",
-                    "compression_ratio", "attended_fraction_per_layer"):
+                    "reduction_factor", "attended_fraction_per_layer"):
             assert key in m, (f.name, key)
         if m["task"] == "fidelity":  # one continuous value: no interval
             assert m["n"] == 1 and all(math.isnan(x) for x in m["ci95"])
@@ -54,7 +54,7 @@ def test_sweep_outputs_and_resume(tmp_path, tiny, monkeypatch):
     small = json.loads((tmp_path / "passkey__400__tiny-random-llama__oracle_topk__b8" / "metrics.json").read_text())
     assert small["achieved_sparsity"] > 0.8 and small["budget_tokens"] == 8
     stream = json.loads((tmp_path / "passkey__400__tiny-random-llama__streaming__s0.9" / "metrics.json").read_text())
-    assert stream["budget_tokens"] == 40 and stream["compression_ratio"] == pytest.approx(10.0)
+    assert stream["budget_tokens"] == 40 and stream["reduction_factor"] == pytest.approx(10.0)
     fid = json.loads((tmp_path / "fidelity__160__tiny-random-llama__oracle_topk__b32" / "metrics.json").read_text())
     assert 0 < fid["mass_recall"] <= 1 and fid["kl"] >= 0 and fid["topk_overlap"] == pytest.approx(1.0)
     with (tmp_path / "summary.csv").open() as fh:
@@ -84,9 +84,9 @@ def test_budget_forms_and_validation():
     s = SelectorSpec(label="q", selector="oracle_topk", sparsities=[0.9, 0.5], budget_multiple=16)
     b = s.resolve(1000)
     assert [x.tokens for x in b] == [96, 496] and b[0].label == "s0.9"
-    assert b[0].sparsity == pytest.approx(0.904) and b[0].compression_ratio == pytest.approx(1000 / 96)
-    c = SelectorSpec(label="q", selector="oracle_topk", compression_ratios=[8]).resolve(1024)[0]
-    assert c.tokens == 128 and c.label == "cr8"
+    assert b[0].sparsity == pytest.approx(0.904) and b[0].reduction_factor == pytest.approx(1000 / 96)
+    c = SelectorSpec(label="q", selector="oracle_topk", reduction_factors=[8]).resolve(1024)[0]
+    assert c.tokens == 128 and c.label == "x8" and c.sparsity == pytest.approx(0.875)
     cfg = s.sparse_config(b[0])
     assert cfg.params == {"budget": 96} and cfg.phases == ("generation",)
     with pytest.raises(ValueError, match="exactly one"):
@@ -95,6 +95,21 @@ def test_budget_forms_and_validation():
         SelectorSpec(label="q", selector="x", sparsities=[1.5])
     with pytest.raises(ValueError, match="unknown key"):
         from_dict({"modle": "x"})
+    with pytest.raises(ValueError, match="reduction_factors entries"):
+        SelectorSpec(label="q", selector="x", reduction_factors=[0.5])
+
+
+@pytest.mark.parametrize("value", [[8], [0.75]])
+def test_compression_ratios_is_refused_by_name(tmp_path, value):
+    """Either meaning (kvsieve's old L / budget, kvpress's fraction removed) is refused, naming both
+    replacements; the raw mapping is left as it was."""
+    raw = _raw(tmp_path)
+    raw["selectors"]["oracle_topk"] = {"compression_ratios": value}
+    before = json.dumps(raw, sort_keys=True)
+    with pytest.raises(ValueError, match=r"selectors\.oracle_topk\.compression_ratios: refused.*sparsities.*"
+                                         r"reduction_factors"):
+        from_dict(raw)
+    assert json.dumps(raw, sort_keys=True) == before
     with pytest.raises(ValueError, match="lengths"):
         from_dict({"tasks": {"passkey": {"lengths": []}}})
 

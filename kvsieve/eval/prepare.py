@@ -1,0 +1,189 @@
+"""Model-specific preparation of a selector entry, run once per model before the sweep.
+
+A selectors entry may name ``prepare`` (with options in ``prepare_params``); the sweep then runs
+that step for the eval model and merges its result into the entry's ``params``:
+
+* ``distill_indexer`` (``dsa``): the DSA indexer distilled for the model
+  (:func:`kvsieve.eval.distill_indexer.distill`); gives ``projections`` (the file) and the
+  indexer geometry ``n_heads``/``head_dim``/``rope_dim``/``rope_theta``.
+* ``calibrate_skip_softmax`` (``skip_softmax``): the decode-phase coefficients ``(a, b)`` of
+  ``factor = a * exp(b * sparsity)``, fitted by :func:`kvsieve.selectors.skip_softmax.fit_threshold_formula`
+  on the model's own attention (the last query of each layer over the whole context, on essay
+  text); gives ``calibration: {generation: [a, b]}``.
+
+Each result is cached under ``$KVSIEVE_CACHE/prepared/`` (default ``~/.cache/kvsieve``), keyed
+by a sha256 of the model's weights and of the step's options, and reused; the sweep prints
+whether it trained/calibrated or reused, and where the file is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ConfigError, EvalConfig, SelectorSpec
+from .model import LoadedModel, cache_dir
+
+__all__ = ["PREPARE_OPTIONS", "check_prepare", "model_hash", "prepare_selectors", "prepared_dir"]
+
+#: each step's options and their defaults (``prepare_params`` may set any of them, nothing else)
+PREPARE_OPTIONS: dict[str, dict[str, Any]] = {
+    "distill_indexer": {"n_heads": 8, "head_dim": 32, "rope_dim": 16, "seq_len": 512, "num_seqs": 8, "epochs": 8,
+                        "lr": 3e-3, "seed": 0},
+    "calibrate_skip_softmax": {"length": 2048, "num_texts": 2,
+                               "factors": [10.0 ** e for e in range(-1, 7)]},
+}
+_SELECTOR_OF = {"distill_indexer": "dsa", "calibrate_skip_softmax": "skip_softmax"}
+_CAPTURE = "kvsieve_capture"
+
+
+def check_prepare(spec: SelectorSpec) -> None:
+    """Raise :class:`ConfigError` naming the key unless ``spec.prepare`` is a known step for its
+    selector and ``spec.prepare_params`` holds only that step's options."""
+    where = f"selectors.{spec.label}"
+    if spec.prepare is None:
+        if spec.prepare_params:
+            raise ConfigError(f"{where}.prepare_params: given without prepare; valid prepare: {list(PREPARE_OPTIONS)}")
+        return
+    if spec.prepare not in PREPARE_OPTIONS:
+        raise ConfigError(f"{where}.prepare: unknown step {spec.prepare!r}; valid: {list(PREPARE_OPTIONS)}")
+    if _SELECTOR_OF[spec.prepare] != spec.selector:
+        raise ConfigError(f"{where}.prepare: {spec.prepare!r} prepares selector {_SELECTOR_OF[spec.prepare]!r}, "
+                          f"not {spec.selector!r}")
+    unknown = set(spec.prepare_params) - set(PREPARE_OPTIONS[spec.prepare])
+    if unknown:
+        raise ConfigError(f"{where}.prepare_params: unknown option(s) {sorted(unknown)}; valid: "
+                          f"{sorted(PREPARE_OPTIONS[spec.prepare])}")
+
+
+def prepared_dir() -> Path:
+    """``$KVSIEVE_CACHE/prepared`` (or ``~/.cache/kvsieve/prepared``)."""
+    return cache_dir().parent / "prepared"
+
+
+def model_hash(model: torch.nn.Module) -> str:
+    """sha256 (16 hex digits) of every parameter and buffer: name, dtype, shape and bytes."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def prepare_selectors(cfg: EvalConfig, lm: LoadedModel, log: Callable[[str], None] = print) -> EvalConfig:
+    """``cfg`` with each entry that names ``prepare`` completed for ``lm`` (module docstring); the
+    completed entry's selector config is checked before any run."""
+    from ..sparse import create_selector
+
+    if not any(s.prepare for s in cfg.selectors):
+        return cfg
+    digest = model_hash(lm.model)
+    specs = []
+    for s in cfg.selectors:
+        if s.prepare is not None:
+            options = PREPARE_OPTIONS[s.prepare] | s.prepare_params
+            key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
+            step = _distill if s.prepare == "distill_indexer" else _calibrate
+            try:
+                extra = step(lm, options, prepared_dir() / f"{s.prepare}-{lm.name}-{digest}-{key}", s.label, log)
+            except ValueError as err:
+                raise ConfigError(f"selectors.{s.label}.prepare ({s.prepare}) failed for {lm.name}: {err}") from None
+            s = dataclasses.replace(s, params=s.params | extra)
+            try:
+                for budget in s.resolve(min(n for t in cfg.tasks for n in t.lengths)):
+                    create_selector(s.selector, **s.sparse_config(budget).params)
+            except (TypeError, ValueError) as err:
+                raise ConfigError(f"selectors.{s.label}: {err}") from None
+        specs.append(s)
+    return dataclasses.replace(cfg, selectors=specs)
+
+
+def _distill(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
+             log: Callable[[str], None]) -> dict[str, Any]:
+    from ..selectors.dsa_projections import load_projections, save_projections
+    from .distill_indexer import _rope_theta, distill
+
+    path = stem.with_suffix(".pt")
+    geometry = {k: options[k] for k in ("n_heads", "head_dim", "rope_dim")}
+    geometry["rope_theta"] = _rope_theta(lm.model.config)
+    if path.is_file():
+        _, meta = load_projections(str(path))
+        log(f"kvsieve eval: {label}: reused the DSA indexer distilled for {lm.name} ({path}; KL "
+            f"{meta['kl_history'][0]:.3f} -> {meta['kl_history'][-1]:.3f})")
+        return {"projections": str(path), **geometry}
+    t0 = time.perf_counter()
+    train = {k: options[k] for k in ("seq_len", "num_seqs", "epochs", "lr", "seed")}
+    projs, history = distill(lm.model, lm.tokenizer, n_heads=options["n_heads"], head_dim=options["head_dim"],
+                             rope_dim=options["rope_dim"], progress=False, **train)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_projections(str(tmp), projs, {"model": lm.name, **options, "kl_history": history})
+    tmp.rename(path)
+    log(f"kvsieve eval: {label}: trained a DSA indexer for {lm.name} in {time.perf_counter() - t0:.0f} s "
+        f"(KL {history[0]:.3f} -> {history[-1]:.3f}), saved to {path}")
+    return {"projections": str(path), **geometry}
+
+
+def _calibrate(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
+               log: Callable[[str], None]) -> dict[str, Any]:
+    from ..selectors.skip_softmax import fit_threshold_formula
+
+    path = stem.with_suffix(".json")
+    if path.is_file():
+        fit = json.loads(path.read_text(encoding="utf-8"))
+        log(f"kvsieve eval: {label}: reused the skip-softmax calibration of {lm.name} ({path}; "
+            f"a={fit['a']:.4g}, b={fit['b']:.4g})")
+        return {"calibration": {"generation": (fit["a"], fit["b"])}}
+    t0 = time.perf_counter()
+    samples, scale = _decode_samples(lm, options["length"], options["num_texts"])
+    fit = fit_threshold_formula(samples, factors=tuple(options["factors"]), sm_scale=scale)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"model": lm.name, **options, "a": fit.a, "b": fit.b,
+                               "points": [list(p) for p in fit.points]}, indent=2), encoding="utf-8")
+    tmp.rename(path)
+    log(f"kvsieve eval: {label}: calibrated skip-softmax for {lm.name} in {time.perf_counter() - t0:.0f} s "
+        f"(a={fit.a:.4g}, b={fit.b:.4g} from {len(samples)} layer samples), saved to {path}")
+    return {"calibration": {"generation": (fit.a, fit.b)}}
+
+
+def _decode_samples(lm: LoadedModel, length: int, num_texts: int
+                    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], float]:
+    """Per layer and text, the last query over the whole context: ``(q [1, Hq, D], k [L, Hkv, D],
+    v [L, Hkv, D])`` as the model's attention function receives them (after RoPE and any norm);
+    and the layers' softmax scale (one value; a model whose layers differ is refused)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from .distill_indexer import _sequences
+
+    samples, scales = [], set()
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        samples.append((query[0, :, -1:].transpose(0, 1).float(), key[0].transpose(0, 1).float(),
+                        value[0].transpose(0, 1).float()))
+        scales.add(float(kwargs["scaling"]) if kwargs.get("scaling") is not None else query.shape[-1] ** -0.5)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(_CAPTURE, capture)
+    AttentionMaskInterface.register(_CAPTURE, sdpa_mask)
+    model = lm.model
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(_CAPTURE)
+    try:
+        with torch.no_grad():
+            for ids in _sequences(lm.tokenizer, num_texts, length):
+                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(previous)
+    if len(scales) != 1:
+        raise ValueError(f"calibrate_skip_softmax: the layers use different softmax scales {sorted(scales)}")
+    return samples, scales.pop()

@@ -1,0 +1,120 @@
+"""The ``recipes`` preset (every selector at its published recipe) and the model-specific
+preparation of its dsa (distilled indexer) and skip_softmax (calibrated factors) entries: cached by
+model hash and reused, with the sweep saying which."""
+from __future__ import annotations
+
+import copy
+from importlib import resources
+
+import pytest
+import yaml
+
+from kvsieve.eval import prepare
+from kvsieve.eval.config import RECIPES, ConfigError, from_dict, load_config
+from kvsieve.eval.model import load_model
+from kvsieve.eval.runner import plan_runs, run_identity, run_sweep
+from kvsieve.integrations.transformers import KvsieveSession
+from kvsieve.selectors.dsa_projections import load_projections
+
+TINY = ["model=tiny-random", "selectors.dsa.prepare_params={seq_len: 64, num_seqs: 2, epochs: 1}",
+        # the tiny random model's attention is nearly flat: tiles start to be skipped near factor = kv_len
+        "selectors.skip_softmax.prepare_params={length: 512, num_texts: 1, factors: [490, 500, 505, 510]}"]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare, "prepared_dir", lambda: tmp_path / "prepared")
+    return tmp_path / "prepared"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-random")
+
+
+def test_preset_names_every_selector_cites_its_sources_and_spans_the_densities():
+    cfg = load_config(preset=RECIPES)
+    assert {s.selector for s in cfg.selectors} == {"oracle_topk", "streaming", "quest", "rocketkv", "dsa",
+                                                   "block_select", "snapkv", "skip_softmax"}
+    text = resources.files("kvsieve.eval").joinpath("configs", "recipes.yaml").read_text(encoding="utf-8")
+    for source in ("arXiv 2406.10774", "arXiv 2502.14051", "arXiv 2404.14469", "arXiv 2309.17453",
+                   "arXiv 2512.12087", "DeepSeek-V3.2", "kvpress", "minimax_m3"):
+        assert source in text, source
+    spec = {s.label: s for s in cfg.selectors}
+    assert spec["quest"].dense_layers == [0, 1] and spec["quest"].params["page_size"] == 16
+    assert spec["streaming"].params == {"num_sink": 4}
+    assert spec["dsa"].prepare == "distill_indexer" and spec["skip_softmax"].prepare == "calibrate_skip_softmax"
+    for task in cfg.tasks:
+        for length in task.lengths:
+            densities = {s.label: [b.tokens / length for b in s.resolve(length)] for s in cfg.selectors}
+            assert max(max(d) for d in densities.values()) == pytest.approx(1 / 4)
+            assert min(min(d) for d in densities.values()) == pytest.approx(1 / 64)
+            full = [d for d in densities.values() if len(d) == 3]
+            assert len(full) >= 8 and all(d == pytest.approx([1 / 4, 1 / 16, 1 / 64]) for d in full)
+
+
+def test_prepared_for_tiny_random_then_reused_and_every_run_lowers(cache, tiny):
+    cfg = load_config(preset=RECIPES, overrides=TINY)
+    logs: list[str] = []
+    first = prepare.prepare_selectors(cfg, tiny, logs.append)
+    assert len(logs) == 2
+    assert "dsa: trained a DSA indexer for tiny-random-llama" in logs[0] and str(cache) in logs[0]
+    assert "skip_softmax: calibrated skip-softmax for tiny-random-llama" in logs[1]
+    spec = {s.label: s for s in first.selectors}
+    layers, meta = load_projections(spec["dsa"].params["projections"])
+    assert sorted(layers) == [0, 1] and meta["epochs"] == 1
+    a, b = spec["skip_softmax"].params["calibration"]["generation"]
+    assert a > 0 and b > 0  # more skipping needs a larger factor
+    logs.clear()
+    again = prepare.prepare_selectors(cfg, tiny, logs.append)
+    assert logs[0].startswith("kvsieve eval: dsa: reused the DSA indexer distilled for tiny-random-llama")
+    assert logs[1].startswith("kvsieve eval: skip_softmax: reused the skip-softmax calibration of tiny-random-llama")
+    assert spec["dsa"].params["projections"] in logs[0]
+    assert again.selectors == first.selectors
+    runs = [r for cell in plan_runs(first, tiny.name) for r in cell]
+    again_runs = [r for cell in plan_runs(again, tiny.name) for r in cell]
+    assert [run_identity(first, r) for r in runs] == [run_identity(again, r) for r in again_runs]
+    with KvsieveSession(tiny.model, None, max_tokens=4096 + 256) as session:
+        for run in runs:
+            session.set_config(run.sparse)  # lower_config with the model's layers, support checks
+    assert {r.sparse.selector for r in runs if r.sparse} == {s.selector for s in first.selectors}
+
+
+@pytest.mark.parametrize("entry,message", [
+    ({"selector": "dsa", "budgets": [8], "prepare": "train"}, r"selectors\.x\.prepare: unknown step 'train'"),
+    ({"selector": "quest", "budgets": [16], "prepare": "distill_indexer"},
+     r"'distill_indexer' prepares selector 'dsa', not 'quest'"),
+    ({"selector": "dsa", "budgets": [8], "prepare": "distill_indexer", "prepare_params": {"epoch": 1}},
+     r"unknown option\(s\) \['epoch'\]"),
+    ({"selector": "dsa", "budgets": [8], "prepare_params": {"epochs": 1}}, r"prepare_params: given without prepare"),
+])
+def test_bad_prepare_is_refused_by_name(entry, message):
+    raw = {"model": "tiny-random", "tasks": {"passkey": {"lengths": [200]}}, "selectors": {"x": entry}}
+    before = copy.deepcopy(raw)
+    with pytest.raises(ConfigError, match=message):
+        from_dict(raw)
+    assert raw == before
+
+
+def test_unknown_preset_is_refused():
+    with pytest.raises(ConfigError, match=r"preset: unknown name 'recipe' \(did you mean 'recipes'\?\)"):
+        load_config(preset="recipe")
+
+
+def test_a_sweep_runs_prepared_dsa_and_skip_softmax(cache, tiny, tmp_path):
+    """Through run_sweep: dsa's indexer is fed each layer's hidden state; both runs finish."""
+    recipes = yaml.safe_load(resources.files("kvsieve.eval").joinpath("configs", "recipes.yaml").read_text())
+    entries = {k: recipes["selectors"][k] for k in ("dsa", "skip_softmax")}
+    for e in entries.values():
+        e["sparsities"] = [0.75]
+    entries["dsa"]["prepare_params"] |= {"seq_len": 64, "num_seqs": 2, "epochs": 1}
+    entries["skip_softmax"]["prepare_params"] = {"length": 512, "num_texts": 1, "factors": [490, 500, 505, 510]}
+    raw = {"model": "tiny-random", "output_dir": str(tmp_path / "out"),
+           "tasks": {"passkey": {"lengths": [300], "depths": [50], "samples": 1}}, "selectors": entries}
+    logs: list[str] = []
+    result = run_sweep(from_dict(raw), loaded=tiny, progress=False, log=logs.append)
+    assert {r["selector"]: r["status"] for r in result.rows} == {"dense": "ok", "dsa": "ok", "skip_softmax": "ok"}
+    assert any("trained a DSA indexer" in line for line in logs)
+    row = {r["selector"]: r for r in result.rows}
+    assert float(row["dsa"]["achieved_sparsity"]) > 0.5  # 75 of 300 tokens per decode query
+    assert float(row["skip_softmax"]["achieved_sparsity"]) > 0.0  # skipped tiles count as not computed

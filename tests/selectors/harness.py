@@ -34,12 +34,14 @@ class Harness:
         return (torch.randn(n, self.hkv * self.g, self.d, generator=gen),
                 torch.randn(n, self.hkv, self.d, generator=gen), torch.randn(n, self.hkv, self.d, generator=gen))
 
-    def hook_inputs(self, rids, seq_lens, num_contexts, q, k, v, layer_idx: int = 0) -> SelectorInputs:
-        """Begin a step and write K/V as the layer would, without running the layer; calls ``on_append``."""
+    def hook_inputs(self, rids, seq_lens, num_contexts, q, k, v, layer_idx: int = 0,
+                    model_inputs: object = None) -> SelectorInputs:
+        """Begin a step and write K/V as the layer would, without running the layer; calls ``on_append``.
+        ``model_inputs``: the step's per-layer model inputs, as ``SparseAttention.forward`` takes them."""
         md = self.engine.begin_step(rids, seq_lens, num_contexts)
         slots = md.slots[md.token_to_req_host[: md.num_tokens]]
         self.cache.write(layer_idx, slots, md.positions_host[: md.num_tokens], k, v)
-        inputs = self.layers[layer_idx].selector_inputs(q, k, v, md)
+        inputs = self.layers[layer_idx].selector_inputs(q, k, v, md, model_inputs)
         if self.layers[layer_idx].plan is not None:
             self.selector.on_append(inputs)
         return inputs

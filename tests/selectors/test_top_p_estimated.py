@@ -145,9 +145,9 @@ def test_dsa_keeps_the_smallest_token_prefix_reaching_p():
     gen = torch.Generator().manual_seed(9)
     qi, ki, wi = torch.randn(n, nh, dh, generator=gen) * 2, torch.randn(n, dh, generator=gen), \
         torch.rand(n, nh, generator=gen)
-    h.selector.set_indexer_inputs(0, IndexerInputs(q_index=qi, k_index=ki, weights=wi))
     q, k, v = h.qkv(n, gen)
-    got = selection_sets(h.selector.predict_attn(h.hook_inputs([0], [n], 1, q, k, v)), n, HKV)
+    inputs = h.hook_inputs([0], [n], 1, q, k, v, model_inputs=IndexerInputs(q_index=qi, k_index=ki, weights=wi))
+    got = selection_sets(h.selector.predict_attn(inputs), n, HKV)
     logits = torch.einsum("th,ths->ts", wi, torch.einsum("thd,sd->ths", qi, ki).relu())
     sizes = set()
     for t in range(n):

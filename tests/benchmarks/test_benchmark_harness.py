@@ -162,3 +162,69 @@ def test_docs_rewritten_only_when_asked(tmp_path, monkeypatch, update_docs):
 def test_default_out_is_gitignored():
     from benchmarks.__main__ import DEFAULT_OUT
     assert f"/{DEFAULT_OUT}/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_e2e_section(quick_run):
+    """The e2e group: every length and the floor, the three configurations side by side, their
+    ratios, the stage profile and the memory figures."""
+    from benchmarks.e2e import QUICK
+    from benchmarks.e2e_profile import STAGES
+    res, md = quick_run
+    e = res["e2e"]
+    names = {*QUICK.selectors, "kvsieve_dense", "plain"}
+    assert [r["length"] for r in e["rows"]] == sorted({QUICK.floor_length, *QUICK.lengths})
+    assert e["prefill"]["length"] == max(QUICK.lengths) and e["prefill"]["seconds"] > 0
+    floor = next(r for r in e["rows"] if r["length"] == QUICK.floor_length)
+    assert e["floor_tokens_per_s"] == floor["tokens_per_s"]["plain"]
+    for r in e["rows"]:
+        assert set(r["step"]) == set(r["tokens_per_s"]) == names
+        assert all(_is_timing(t) and t["reps"] == QUICK.steps for t in r["step"].values())
+        for name in names:
+            assert r["tokens_per_s"][name] == pytest.approx(1 / r["step"][name]["median_s"])
+            assert r["vs_plain"][name] == pytest.approx(r["tokens_per_s"][name] / r["tokens_per_s"]["plain"])
+            assert r["vs_floor"][name] == pytest.approx(r["tokens_per_s"][name] / e["floor_tokens_per_s"])
+        assert 0 < r["attended_fraction"]["quest"] < 1 and r["attended_fraction"]["kvsieve_dense"] == 1.0
+        assert set(r["profile"]) == names
+        for stages in r["profile"].values():
+            assert set(stages) == {*STAGES, "step"} and stages["step"] > 0
+        assert r["profile"]["quest"]["selector"] > 0 and r["profile"]["plain"]["selector"] == 0
+        assert r["peak_rss_mb"] >= r["rss_mb"] > 0
+    targets = [t for t in res["targets"] if "plain transformers" in t["target"] or "floor" in t["target"]
+               or "never slower" in t["target"]]
+    assert len(targets) == 1 + 2 * len(QUICK.selectors)
+    assert all(t["met"] is None for t in targets if "32K" in t["target"] or "4K" in t["target"])  # not measured
+    assert "## End to end: greedy decode" in md and "### Per-layer profile at" in md
+
+
+def test_e2e_config_refusals():
+    from benchmarks.e2e import E2EConfig
+    with pytest.raises(ValueError, match="selectors"):
+        E2EConfig(selectors=("streaming",))
+    with pytest.raises(ValueError, match="lengths"):
+        E2EConfig(lengths=(8,))
+    with pytest.raises(ValueError, match="steps"):
+        E2EConfig(steps=0)
+    with pytest.raises(ValueError, match="warmup"):
+        E2EConfig(warmup=True)
+
+
+def test_update_docs_with_some_sections_keeps_the_others(tmp_path, monkeypatch):
+    """``--update-docs --only X`` replaces X in the docs and keeps every other section, naming the run
+    that measured it."""
+    import benchmarks.__main__ as entry
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    docs.mkdir()
+    old_meta = {**_META, "command": "python -m benchmarks --old", "date": "old-date"}
+    overhead = {"config": {"batch": 1, "context": 8, "hq": 1, "hkv": 1, "d": 1, "page": 1, "budget_inv": 2},
+                "dense_attention": None, "selectors": [], "skipped": {"x": "why"}}
+    (docs / "performance.json").write_text(json.dumps({"meta": old_meta, "selector_overhead": overhead,
+                                                       "targets": []}))
+    monkeypatch.setattr(entry, "DOCS_DIR", docs)
+    monkeypatch.setattr(entry, "run", lambda *a, **k: {"meta": {**_META, "command": a[-1]}, "targets": []})
+    entry.main(["--only", "e2e", "--out", str(out), "--update-docs"])
+    kept = json.loads((docs / "performance.json").read_text())
+    assert kept["selector_overhead"] == overhead and kept["earlier"]["selector_overhead"] == old_meta
+    assert "selector_overhead" not in json.loads((out / "performance.json").read_text())  # the run's own output
+    md = (docs / "performance.md").read_text()
+    assert "from an earlier run:* `python -m benchmarks --old` on old-date" in md
+    assert md.index("earlier run") < md.index("## Selector host overhead")

@@ -59,8 +59,20 @@ class SdpaBackend(AttentionBackend):
 def gather_blocks(pool: torch.Tensor, layout: str, block_ids: list[int], kv_len: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's valid K and V, head-major ``[Hkv, kv_len, D]`` each, copied whole block by
-    whole block (one ``index_select`` over its block list, not a per-position gather)."""
-    sel = pool.index_select(0, torch.as_tensor(block_ids, dtype=torch.long, device=pool.device))
+    whole block (one ``index_select`` over its block list, not a per-position gather).
+
+    A contiguous HND pool ``[blocks, 2, Hkv, P, D]`` is read as rows of ``P * D`` (one per block,
+    K/V half and head) gathered straight into head-major order: one copy. NHD gathers the blocks,
+    then reorders them (a second copy)."""
+    ids = torch.as_tensor(block_ids, dtype=torch.long, device=pool.device)
+    if layout == "HND" and pool.is_contiguous():
+        _, _, hkv, page, d = pool.shape
+        half = torch.arange(2, device=pool.device).view(2, 1, 1)
+        head = torch.arange(hkv, device=pool.device).view(1, hkv, 1)
+        rows = (ids.view(1, 1, -1) * 2 + half) * hkv + head  # [2, Hkv, n]: row of (K/V, head, block)
+        kv = pool.view(-1, page * d).index_select(0, rows.flatten()).view(2, hkv, -1, d)[:, :, :kv_len]
+        return kv[0], kv[1]
+    sel = pool.index_select(0, ids)
     # HND [n, 2, Hkv, P, D] / NHD [n, 2, P, Hkv, D] -> [2, Hkv, n, P, D]
     sel = sel.permute(1, 3, 0, 2, 4) if layout == "NHD" else sel.permute(1, 2, 0, 3, 4)
     kv = sel.reshape(2, sel.shape[1], -1, sel.shape[-1])[:, :, :kv_len]

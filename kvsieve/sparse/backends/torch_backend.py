@@ -127,6 +127,8 @@ class TorchBackend(AttentionBackend):
         n_tok, hq = q.shape[0], q.shape[1]
         out = torch.zeros(n_tok, hq, geometry.value_dim, dtype=torch.float32, device=q.device)
         lse = torch.full((n_tok, hq), torch.inf, dtype=torch.float32, device=q.device)
+        # what the gather read, counted from its valid masks (exact tokens, as the base class counts)
+        attended = torch.zeros(n_tok, geometry.num_kv_heads, dtype=torch.int64, device=q.device)
         paths = {}
         skipped = walked = 0
         for phase in metadata.phases():
@@ -135,11 +137,11 @@ class TorchBackend(AttentionBackend):
                 o, l, sk, wk, paths[phase] = self._skip_softmax(q, metadata, layer_idx, geometry, params, phase, rows)
                 out[rows], lse[rows] = o.to(q.device), l.to(q.device)
                 skipped, walked = skipped + sk, walked + wk
+                attended[rows] = self.effective_attended_tokens(params, metadata, geometry)[rows].to(q.device)
                 continue
             sel = params if params is not None and params.selects_positions(phase) else None
-            paths[phase] = self._attend(q, metadata, layer_idx, geometry, sel, rows, out, lse)
-        return AttentionResult(out.to(q.dtype), lse, self.effective_attended_tokens(params, metadata, geometry), paths,
-                               skipped, walked)
+            paths[phase] = self._attend(q, metadata, layer_idx, geometry, sel, rows, out, lse, attended)
+        return AttentionResult(out.to(q.dtype), lse, attended.cpu(), paths, skipped, walked)
 
     def _skip_softmax(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                       params: SparseRuntimeParams, phase: str, rows: slice
@@ -175,8 +177,10 @@ class TorchBackend(AttentionBackend):
                                   self.max_gather_bytes)
 
     def _attend(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
-                params: SparseRuntimeParams | None, phase_rows: slice, out: torch.Tensor, lse: torch.Tensor) -> str:
-        """Attention of query rows ``phase_rows`` (one phase) into ``out``/``lse``; returns the path."""
+                params: SparseRuntimeParams | None, phase_rows: slice, out: torch.Tensor, lse: torch.Tensor,
+                attended: torch.Tensor) -> str:
+        """Attention of query rows ``phase_rows`` (one phase) into ``out``/``lse`` and the positions each
+        (row, KV head) read into ``attended [T, Hkv]``; returns the path."""
         mgr = metadata.kv_cache_manager
         hq = q.shape[1]
         if geometry.kind == "mla":
@@ -211,6 +215,7 @@ class TorchBackend(AttentionBackend):
                 k = k_cache[blk, heads, p % page].float()  # [Hkv, n, K, D]
                 v = v_cache[blk, heads, p % page].float()
             n = valid.shape[1]
+            attended[rows] = valid.sum(-1).T
             g = hq // hkv
             qs = q[rows].float().view(n, hkv, g, -1).permute(1, 0, 2, 3) * geometry.sm_scale  # [Hkv, n, g, D]
             if groups is None:

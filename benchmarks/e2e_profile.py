@@ -9,8 +9,8 @@ stage                     what (kvsieve)
 ========================  =====================================================================
 ``selector``              ``on_append`` + ``predict_kv`` + ``predict_attn`` of every layer's selector
 ``place+validate``        :func:`kvsieve.sparse.attention.place_rows` + ``SparseRuntimeParams.validate``
-``gather``                the backend's K/V gather (torch backend ``_gather_runs``, the SDPA fast
-                          path's ``gather_request_kv``)
+``gather``                the backend's K/V copies (torch backend ``_rows``, the SDPA fast path's
+                          ``gather_blocks``); the index arithmetic around them counts as attention
 ``attention``             the backend's ``forward`` minus its gather
 ``cache write``           ``KVCacheManager.write`` (plain: ``DynamicCache.update``, a concatenation)
 ``kvsieve python``        the integration's attention function minus the stages above
@@ -101,8 +101,8 @@ def profile_kvsieve(session, tok: torch.Tensor, steps: int) -> dict[str, float]:
         t.wrap(session.engine, "end_step", "metadata")
         t.wrap(session.cache, "write", "write")
         t.wrap(session.backend, "forward", "backend")
-        t.wrap(session.backend.inner, "_gather_runs", "gather")
-        t.wrap(fb, "gather_request_kv", "gather")
+        t.wrap(session.backend.inner, "_rows", "gather")
+        t.wrap(fb, "gather_blocks", "gather")
         t.wrap(sa, "place_rows", "place")
         t.wrap(SparseRuntimeParams, "validate", "place")
         for sel in {id(layer.plan.selector): layer.plan.selector for layer in session.layers if layer.plan}.values():

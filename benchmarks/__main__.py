@@ -173,9 +173,12 @@ def _provenance(res: dict, section: str) -> list[str]:
     m = res.get("earlier", {}).get(section)
     if m is None:
         return []
-    return ["", f"*The next section ({section}) is from an earlier run:* `{m['command']}` on {m['date']}, torch threads "
-                f"{m['torch_threads']}, load average {_load(m['loadavg_start'])} at start and "
-                f"{_load(m['loadavg_end'])} at the end."]
+    # runs before schema 2 recorded neither the command nor the 5/15-minute load averages
+    command = f"`{m['command']}`" if "command" in m else "`python -m benchmarks` (command not recorded)"
+    start, end = ((_load(m["loadavg_start"]), _load(m["loadavg_end"])) if "loadavg_start" in m
+                  else (f"{m['load_1m_start']:.2f} (1 min)", f"{m['load_1m_end']:.2f} (1 min)"))
+    return ["", f"*The next section ({section}) is from an earlier run:* {command} on {m['date']}, torch threads "
+                f"{m['torch_threads']}, load average {start} at start and {end} at the end."]
 
 
 def merge_into_docs(res: dict, old: dict | None) -> dict:
@@ -185,7 +188,7 @@ def merge_into_docs(res: dict, old: dict | None) -> dict:
     merged = dict(res)
     earlier = {}
     if old is not None:
-        for section in SECTIONS:
+        for section in (*SECTIONS, "gpu"):
             if section not in res and section in old:
                 merged[section] = old[section]
                 earlier[section] = old.get("earlier", {}).get(section, old["meta"])

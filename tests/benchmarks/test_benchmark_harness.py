@@ -227,4 +227,8 @@ def test_update_docs_with_some_sections_keeps_the_others(tmp_path, monkeypatch):
     assert "selector_overhead" not in json.loads((out / "performance.json").read_text())  # the run's own output
     md = (docs / "performance.md").read_text()
     assert "from an earlier run:* `python -m benchmarks --old` on old-date" in md
+    old_v1 = {k: v for k, v in old_meta.items() if k not in ("command", "loadavg_start", "loadavg_end")}
+    old_v1.update(load_1m_start=0.5, load_1m_end=0.7)  # a schema-1 run recorded neither
+    md1 = entry.render_markdown(entry.merge_into_docs({"meta": _META, "targets": []}, {"meta": old_v1, "selector_overhead": overhead}))
+    assert "(command not recorded) on old-date" in md1 and "0.50 (1 min) at start" in md1
     assert md.index("earlier run") < md.index("## Selector host overhead")

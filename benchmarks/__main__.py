@@ -37,6 +37,7 @@ SCHEMA_VERSION = 2
 DEFAULT_OUT = "bench_out"
 SELECTOR_OVERHEAD_MAX = 0.25  # issue #17 target 3: a selector costs at most a quarter of what it saves
 SELECTOR_OVERHEAD_EXEMPT = ("oracle_topk",)
+DECODE_SPARSEST, DECODE_MIN_OF_IDEAL = 64, 0.6  # issue #17 target 4: sparse decode at 1/64 >= 60% of 64x
 DOCS_DIR = Path(__file__).resolve().parents[1] / "docs"
 
 
@@ -135,6 +136,18 @@ def _targets(res: dict) -> list[dict]:
         out.append({"target": f"torch sparse decode >= {t['min_speedup']:.0f}x dense SDPA at "
                               f"{t['context'] // 1024}K context, density 1/{t['density']}",
                     "value": t.get("speedup"), "met": t.get("met") if t.get("measured") else None})
+        for r in res["cpu_attention"]["prefill"]:  # issue #17 target 2: at FlexAttention's level
+            compiled = r["flex_mode"] == "compiled" and r["speedup_vs_flex"] is not None
+            out.append({"target": f"torch block-sparse prefill >= compiled FlexAttention, {r['length'] // 1024}K, "
+                                  f"density {r['density']} (speed ratio; flex {r['flex_mode']})",
+                        "value": r["speedup_vs_flex"], "met": r["speedup_vs_flex"] >= 1.0 if compiled else None})
+        sparsest = [r for r in res["cpu_attention"]["decode"] if r["density_inv"] == DECODE_SPARSEST]
+        if sparsest:  # issue #17 target 4
+            worst = min(sparsest, key=lambda r: r["fraction_of_ideal"])
+            out.append({"target": f"torch sparse decode at 1/{DECODE_SPARSEST} >= {DECODE_MIN_OF_IDEAL:.0%} of the "
+                                  f"ideal {DECODE_SPARSEST}x over dense SDPA, every context (worst: "
+                                  f"{worst['context'] // 1024}K; fraction of ideal)",
+                        "value": worst["fraction_of_ideal"], "met": worst["fraction_of_ideal"] >= DECODE_MIN_OF_IDEAL})
     if "selector_overhead" in res:
         cfg = res["selector_overhead"]["config"]
         for r in res["selector_overhead"]["selectors"]:

@@ -72,6 +72,21 @@ def test_cpu_attention_section(quick_run):
         if r["flex"] is not None:
             assert r["max_abs_err_vs_flex"] < 1e-4  # same selection as the BlockMask
     assert "measured" in c["target"]
+    prefill_targets = [t for t in quick_run[0]["targets"] if "compiled FlexAttention" in t["target"]]
+    assert len(prefill_targets) == len(c["prefill"])  # one row per (length, density)
+    for t, r in zip(prefill_targets, c["prefill"]):
+        assert t["value"] == r["speedup_vs_flex"]
+        assert t["met"] is None or r["flex_mode"] == "compiled"  # eager flex is no verdict
+
+
+def test_decode_target_at_the_sparsest_density():
+    from benchmarks.__main__ import _targets
+    rows = [{"context": c, "density_inv": d, "fraction_of_ideal": f}
+            for c, d, f in ((8192, 64, 0.7), (131072, 64, 0.5), (8192, 8, 0.1))]
+    res = {"cpu_attention": {"target": {"min_speedup": 10, "context": 65536, "density": 32, "measured": False},
+                             "prefill": [], "decode": rows}}
+    (t,) = [t for t in _targets(res) if "1/64" in t["target"]]
+    assert t["value"] == 0.5 and t["met"] is False and "worst: 128K" in t["target"]
 
 
 def test_selector_section(quick_run):

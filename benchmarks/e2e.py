@@ -21,6 +21,10 @@ of :mod:`.e2e_profile` (the timed rounds run without them). ``peak_rss_mb`` is t
 resident high-water mark (``VmHWM``, reset when the length starts) while that length ran, with
 kvsieve's pool sized for the longest length; ``rss_mb`` the resident set at its end.
 
+Contexts longer than ``prefill_max`` (default 16K) are not prefilled: the prefilled blocks are
+repeated (K/V and the selectors' auxiliary pools) up to the length (:func:`_tile`), which times the
+same work as a real context of that length without its quadratic prefill (minutes at 32K on a CPU).
+
 Speed only: the prompt is random token ids, and the model (SmolLM2-135M, 8K positions trained) is
 run past its trained length at 16K/32K; the tokens it produces are not looked at.
 ``--quick`` runs a tiny random Llama at 32/64 tokens (what the tests run).
@@ -67,9 +71,10 @@ class E2EConfig:
     model: str = "smollm2"
     backend: str = "torch"
     seed: int = 0
+    prefill_max: int = 16384
 
     def __post_init__(self) -> None:
-        for name in ("steps", "warmup", "profile_steps", "density_inv", "page_size", "floor_length"):
+        for name in ("steps", "warmup", "profile_steps", "density_inv", "page_size", "floor_length", "prefill_max"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name in ("warmup", "profile_steps") else 1):
                 raise ValueError(f"E2EConfig.{name} must be an int >= {0 if name in ('warmup', 'profile_steps') else 1}, "
@@ -77,6 +82,9 @@ class E2EConfig:
         if not self.lengths or any(n < self.page_size for n in self.lengths):
             raise ValueError(f"E2EConfig.lengths must be non-empty, each >= page_size={self.page_size}, "
                              f"got {self.lengths}")
+        if self.prefill_max % self.page_size:
+            raise ValueError(f"E2EConfig.prefill_max must be a multiple of page_size={self.page_size} (the tiled "
+                             f"context repeats whole blocks), got {self.prefill_max}")
         unknown = set(self.selectors) - set(SELECTOR_CONFIGS)
         if unknown:
             raise ValueError(f"E2EConfig.selectors: {sorted(unknown)} not timed here; one of {sorted(SELECTOR_CONFIGS)}")
@@ -88,7 +96,8 @@ def _quest(length: int, cfg: E2EConfig) -> dict:
 
 #: selector -> its config at a context length (selectors acting in the generation phase only)
 SELECTOR_CONFIGS = {"quest": _quest}
-QUICK = E2EConfig(lengths=(64,), floor_length=32, steps=2, warmup=1, profile_steps=1, model="tiny-random")
+QUICK = E2EConfig(lengths=(64,), floor_length=32, steps=2, warmup=1, profile_steps=1, model="tiny-random",
+                  prefill_max=32)
 
 
 def _timing(times: list[float]) -> Timing:
@@ -126,6 +135,23 @@ class _Plain:
 
     def reset(self) -> None:
         self.cache.crop(-1)
+
+
+@torch.inference_mode()
+def _tile(session, have: int, want: int) -> None:
+    """Grow the session's one request from ``have`` prefilled positions to ``want`` by repeating its
+    blocks (K/V and every auxiliary pool, e.g. Quest's page summaries) block for block: a context of
+    the right length for timing, without the quadratic prefill (speed only; ``have`` whole blocks)."""
+    cache = session.cache
+    src = cache.block_ids(0)
+    cache.append_tokens(0, want - have)
+    dst = cache.block_ids(0)[len(src):]
+    src_t = torch.tensor([src[j % len(src)] for j in range(len(dst))])
+    dst_t = torch.tensor(dst)
+    for pools in (cache.pools, *cache.aux_pools.values()):
+        for pool in pools:
+            pool[dst_t] = pool[src_t]
+    session._next_pos = want  # the session's next RoPE position (no public setter: it counts its own steps)
 
 
 def _reset_peak_rss() -> None:
@@ -252,9 +278,12 @@ def run(cfg: E2EConfig, profile: bool = True) -> dict:
     # length's freshly lowered plans find again) is built by the prefill
     with KvsieveSession(model, config(cfg.selectors[0], lengths[0]) if cfg.selectors else None, backend=cfg.backend,
                         max_tokens=lengths[0] + 2) as session:
+        real = min(lengths[0], cfg.prefill_max)
         t0 = time.perf_counter()
-        tok = session.prefill(ids).argmax(-1)
-        out["prefill"] = {"length": lengths[0], "seconds": time.perf_counter() - t0}
+        tok = session.prefill(ids[:, :real]).argmax(-1)
+        out["prefill"] = {"length": real, "seconds": time.perf_counter() - t0, "tiled_to": lengths[0]}
+        if lengths[0] > real:
+            _tile(session, real, lengths[0])
         for length in lengths:  # budgets follow the length: each lowers its own plans
             plans = {}
             for s in [*cfg.selectors, DENSE]:
@@ -305,7 +334,9 @@ def render_markdown(res: dict) -> list[str]:
              f"{res['num_layers']} layers, backend `{cfg['backend']}`, one request, {cfg['steps']} timed greedy steps "
              f"after {cfg['warmup']} warm-up per configuration; selectors at budget = length / {cfg['density_inv']} "
              f"(page {cfg['page_size']}). One prefill of {res['prefill']['length']} random tokens "
-             f"({res['prefill']['seconds']:.0f} s), rewound to each length; configurations timed interleaved, a step "
+             f"({res['prefill']['seconds']:.0f} s)" + (f", its blocks repeated up to {res['prefill']['tiled_to']} tokens "
+             "(longer contexts are not prefilled: speed only)" if res['prefill']['tiled_to'] > res['prefill']['length']
+             else "") + ", rewound to each length; configurations timed interleaved, a step "
              "of each in turn, each from the same state (plain transformers decodes from a `DynamicCache` holding the "
              "same K/V). Peak RSS: the process's high-water mark while that length ran (kvsieve's pool is sized "
              "for the longest length). Floor: plain transformers at "

@@ -188,7 +188,8 @@ def test_e2e_section(quick_run):
     e = res["e2e"]
     names = {*QUICK.selectors, "kvsieve_dense", "plain"}
     assert [r["length"] for r in e["rows"]] == sorted({QUICK.floor_length, *QUICK.lengths})
-    assert e["prefill"]["length"] == max(QUICK.lengths) and e["prefill"]["seconds"] > 0
+    assert e["prefill"]["length"] == QUICK.prefill_max < e["prefill"]["tiled_to"] == max(QUICK.lengths)
+    assert e["prefill"]["seconds"] > 0
     floor = next(r for r in e["rows"] if r["length"] == QUICK.floor_length)
     assert e["floor_tokens_per_s"] == floor["tokens_per_s"]["plain"]
     for r in e["rows"]:
@@ -247,3 +248,24 @@ def test_update_docs_with_some_sections_keeps_the_others(tmp_path, monkeypatch):
     md1 = entry.render_markdown(entry.merge_into_docs({"meta": _META, "targets": []}, {"meta": old_v1, "selector_overhead": overhead}))
     assert "(command not recorded) on old-date" in md1 and "0.50 (1 min) at start" in md1
     assert md.index("earlier run") < md.index("## Selector host overhead")
+
+
+def test_e2e_tiles_a_context_longer_than_its_prefill():
+    """Past ``prefill_max`` the context repeats the prefilled blocks, aux pools (Quest's summaries) too."""
+    from benchmarks.e2e import _tile
+    from kvsieve import SparseAttentionConfig
+    from kvsieve.eval.model import tiny_random_llama
+    from kvsieve.integrations.transformers import KvsieveSession, gather_request_kv
+    with KvsieveSession(tiny_random_llama(), SparseAttentionConfig("quest", {"budget": 16}), backend="torch",
+                        max_tokens=96) as session:
+        session.prefill(torch.randint(0, 256, (1, 32)))
+        _tile(session, 32, 80)
+        assert session.num_cached_positions == session.cache.valid_len(0) == 80
+        for layer in range(session.num_layers):
+            k, v = gather_request_kv(session.cache, layer, 0)
+            assert torch.equal(k[32:64], k[:32]) and torch.equal(v[64:], v[:16])
+        (summaries,) = session.cache.aux_pools.values()
+        ids = session.cache.block_ids(0)
+        assert torch.equal(summaries[0][ids[2:4]], summaries[0][ids[:2]])
+        session.decode(torch.tensor([1]))  # the tiled context decodes
+        assert session.cache.valid_len(0) == 81

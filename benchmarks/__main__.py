@@ -118,33 +118,34 @@ def run(quick: bool = False, threads: int = 1, sections: tuple[str, ...] = SECTI
 
 
 def _targets(res: dict) -> list[dict]:
+    """Every target row of the sections in ``res``, each naming the ``section`` that measured it."""
     out = []
     if "prepare" in res:
         t = res["prepare"]["target"]
         for tr, v in t["per_translation"].items():
-            out.append({"target": f"prepare {tr} >= {t['min_speedup']:.0f}x the list baseline at B={t['batch']}, "
+            out.append({"section": "prepare", "target": f"prepare {tr} >= {t['min_speedup']:.0f}x the list baseline at B={t['batch']}, "
                                   f"{t['context'] // 1024}K tokens, page {t['page']}",
                         "value": v["speedup"], "met": v["met"]})
         s = res["prepare"].get("offsets_scaling_summary") or {}
         if s:
             worst = max(s["capped_time_ratio_largest_vs_smallest_capacity"].values())
-            out.append({"target": "capped block-offset copy independent of table capacity (time ratio, "
+            out.append({"section": "prepare", "target": "capped block-offset copy independent of table capacity (time ratio, "
                                   f"capacity {s['capacities'][-1] // 1024}K vs {s['capacities'][0] // 1024}K tokens; <= 1.5)",
                         "value": worst, "met": worst <= 1.5})
     if "cpu_attention" in res:
         t = res["cpu_attention"]["target"]
-        out.append({"target": f"torch sparse decode >= {t['min_speedup']:.0f}x dense SDPA at "
+        out.append({"section": "cpu_attention", "target": f"torch sparse decode >= {t['min_speedup']:.0f}x dense SDPA at "
                               f"{t['context'] // 1024}K context, density 1/{t['density']}",
                     "value": t.get("speedup"), "met": t.get("met") if t.get("measured") else None})
         for r in res["cpu_attention"]["prefill"]:  # issue #17 target 2: at FlexAttention's level
             compiled = r["flex_mode"] == "compiled" and r["speedup_vs_flex"] is not None
-            out.append({"target": f"torch block-sparse prefill >= compiled FlexAttention, {r['length'] // 1024}K, "
+            out.append({"section": "cpu_attention", "target": f"torch block-sparse prefill >= compiled FlexAttention, {r['length'] // 1024}K, "
                                   f"density {r['density']} (speed ratio; flex {r['flex_mode']})",
                         "value": r["speedup_vs_flex"], "met": r["speedup_vs_flex"] >= 1.0 if compiled else None})
         sparsest = [r for r in res["cpu_attention"]["decode"] if r["density_inv"] == DECODE_SPARSEST]
         if sparsest:  # issue #17 target 4
             worst = min(sparsest, key=lambda r: r["fraction_of_ideal"])
-            out.append({"target": f"torch sparse decode at 1/{DECODE_SPARSEST} >= {DECODE_MIN_OF_IDEAL:.0%} of the "
+            out.append({"section": "cpu_attention", "target": f"torch sparse decode at 1/{DECODE_SPARSEST} >= {DECODE_MIN_OF_IDEAL:.0%} of the "
                                   f"ideal {DECODE_SPARSEST}x over dense SDPA, every context (worst: "
                                   f"{worst['context'] // 1024}K; fraction of ideal)",
                         "value": worst["fraction_of_ideal"], "met": worst["fraction_of_ideal"] >= DECODE_MIN_OF_IDEAL})
@@ -154,12 +155,12 @@ def _targets(res: dict) -> list[dict]:
             label = r["selector"] + (f" ({r['config']['scoring']})" if "scoring" in r["config"] else "")
             f = r["overhead_fraction_of_saved"]
             exempt = r["selector"] in SELECTOR_OVERHEAD_EXEMPT
-            out.append({"target": f"{label} selector step <= {SELECTOR_OVERHEAD_MAX} of the attention time it saves "
+            out.append({"section": "selector_overhead", "target": f"{label} selector step <= {SELECTOR_OVERHEAD_MAX} of the attention time it saves "
                                   f"(batch {cfg['batch']}, {cfg['context']} tokens, budget 1/{cfg['budget_inv']})"
                                   + (" [exempt: the upper bound by construction]" if exempt else ""),
                         "value": f, "met": None if f is None or exempt else f <= SELECTOR_OVERHEAD_MAX})
     if "e2e" in res:
-        out += res["e2e"]["targets"]
+        out += [{"section": "e2e", **t} for t in res["e2e"]["targets"]]
     return out
 
 
@@ -225,11 +226,12 @@ def render_markdown(res: dict) -> str:
         "CPU count means other processes were competing for the cores."
         + (" Sections measured in an earlier run (this one ran only some) name that run above their heading."
            if res.get("earlier") else ""), "",
-        "## Targets", "", "| target | measured | verdict |", "|---|---|---|",
+        "## Targets", "", "| target | measured | verdict | measured on |", "|---|---|---|---|",
     ]
     for t in res.get("targets", []):
         v = t["value"]
-        lines.append(f"| {t['target']} | {'n/a' if v is None else f'{v:.2f}'} | {_yes(t['met'])} |")
+        when = res.get("earlier", {}).get(t.get("section"), m)["date"]
+        lines.append(f"| {t['target']} | {'n/a' if v is None else f'{v:.2f}'} | {_yes(t['met'])} | {when} |")
     if "prepare" in res:
         p = res["prepare"]
         lines += _provenance(res, "prepare")

@@ -113,7 +113,7 @@ def test_markdown(quick_run):
     assert f"`{m['command']}` on {m['date']}" in md and f"torch threads {m['torch_threads']}" in md
     assert "/".join(f"{x:.2f}" for x in m["loadavg_end"]) + " at the end" in md
     for heading in ("## Targets", "## `AttentionMetadata.prepare()`", "## CPU sparse decode",
-                    "## CPU block-sparse prefill", "## Selector host overhead", "| load |"):
+                    "## CPU block-sparse prefill", "## Selector host overhead", "| load |", "| measured on |"):
         assert heading in md
 
 
@@ -248,6 +248,7 @@ def test_update_docs_with_some_sections_keeps_the_others(tmp_path, monkeypatch):
     md1 = entry.render_markdown(entry.merge_into_docs({"meta": _META, "targets": []}, {"meta": old_v1, "selector_overhead": overhead}))
     assert "(command not recorded) on old-date" in md1 and "0.50 (1 min) at start" in md1
     assert md.index("earlier run") < md.index("## Selector host overhead")
+    assert all(t["section"] in entry.SECTIONS for t in entry._targets(json.loads((ROOT / "docs" / "performance.json").read_text())))
 
 
 def test_e2e_tiles_a_context_longer_than_its_prefill():

@@ -38,7 +38,7 @@ __all__ = ["run", "main", "copy_bandwidth"]
 FULL = {
     "decode": {"hq": 32, "hkv": 8, "d": 128, "page": 64, "contexts": [8192, 32768, 65536, 131072],
                "densities": [8, 16, 32, 64]},
-    "prefill": {"hq": 8, "hkv": 2, "d": 64, "page": 64, "block": 128, "lengths": [4096, 16384],
+    "prefill": {"hq": 8, "hkv": 2, "d": 64, "page": 64, "block": 128, "lengths": [4096],
                 "densities": [4, 16]},
 }
 QUICK = {

@@ -368,12 +368,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="tiny random Llama at 32/64 tokens (seconds)")
     ap.add_argument("--lengths", type=int, nargs="+", help="context lengths (default 4096 8192 16384 32768)")
     ap.add_argument("--steps", type=int, help="timed decode steps per configuration (default 8)")
+    ap.add_argument("--prefill-max", type=int, help="real prefill at most this long; longer contexts tile it "
+                                                    "(default 16384)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-layer stage profile")
     ap.add_argument("--out", help="write the JSON result here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = config_from(args.quick, args.lengths, args.steps)
+    cfg = config_from(args.quick, args.lengths, args.steps, args.prefill_max)
     res = run(cfg, profile=not args.no_profile)
     print("\n".join(render_markdown(res)))
     if args.out:
@@ -381,10 +383,12 @@ def main(argv: list[str] | None = None) -> dict:
     return res
 
 
-def config_from(quick: bool, lengths: list[int] | None, steps: int | None) -> E2EConfig:
-    """The run's config: :data:`QUICK` or the default, with ``lengths``/``steps`` when given."""
+def config_from(quick: bool, lengths: list[int] | None, steps: int | None, prefill_max: int | None = None
+                ) -> E2EConfig:
+    """The run's config: :data:`QUICK` or the default, with ``lengths``/``steps``/``prefill_max`` when given."""
     base = QUICK if quick else E2EConfig()
-    over = {k: v for k, v in (("lengths", tuple(lengths) if lengths else None), ("steps", steps)) if v is not None}
+    over = {k: v for k, v in (("lengths", tuple(lengths) if lengths else None), ("steps", steps),
+                              ("prefill_max", prefill_max)) if v is not None}
     return E2EConfig(**{**asdict(base), **over})
 
 

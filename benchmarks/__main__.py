@@ -26,17 +26,18 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_attention, prepare, selector_overhead
+from . import cpu_attention, e2e, prepare, selector_overhead
 from ._timing import fmt_ms, load_average, load_averages
 
 __all__ = ["main", "run", "render_markdown", "GPU_MODULES", "SECTIONS"]
 
-SECTIONS = ("prepare", "cpu_attention", "selector_overhead")
+SECTIONS = ("prepare", "cpu_attention", "selector_overhead", "e2e")
 GPU_MODULES = ("triton_kernels", "cute_kernels", "topk")
 SCHEMA_VERSION = 2
 DEFAULT_OUT = "bench_out"
 SELECTOR_OVERHEAD_MAX = 0.25  # issue #17 target 3: a selector costs at most a quarter of what it saves
 SELECTOR_OVERHEAD_EXEMPT = ("oracle_topk",)
+DECODE_SPARSEST, DECODE_MIN_OF_IDEAL = 64, 0.6  # issue #17 target 4: sparse decode at 1/64 >= 60% of 64x
 DOCS_DIR = Path(__file__).resolve().parents[1] / "docs"
 
 
@@ -85,8 +86,9 @@ def _jsonable(x) -> bool:
 
 
 def run(quick: bool = False, threads: int = 1, sections: tuple[str, ...] = SECTIONS, compile_flex: bool = True,
-        gpu: bool = True, command: str = "python -m benchmarks") -> dict:
-    """Run the asked sections; ``command`` is recorded as given (the command line that asked)."""
+        gpu: bool = True, command: str = "python -m benchmarks", e2e_lengths: list[int] | None = None) -> dict:
+    """Run the asked sections; ``command`` is recorded as given (the command line that asked);
+    ``e2e_lengths``: the e2e group's context lengths (default :class:`benchmarks.e2e.E2EConfig`'s)."""
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     meta = {
@@ -104,6 +106,8 @@ def run(quick: bool = False, threads: int = 1, sections: tuple[str, ...] = SECTI
         res["cpu_attention"] = cpu_attention.run(quick, compile_flex and not quick)
     if "selector_overhead" in sections:
         res["selector_overhead"] = selector_overhead.run(quick)
+    if "e2e" in sections:
+        res["e2e"] = e2e.run(e2e.config_from(quick, e2e_lengths, None))
     if gpu:
         res["gpu"] = _gpu_suites(quick)
     meta["load_1m_end"] = load_average()
@@ -114,34 +118,49 @@ def run(quick: bool = False, threads: int = 1, sections: tuple[str, ...] = SECTI
 
 
 def _targets(res: dict) -> list[dict]:
+    """Every target row of the sections in ``res``, each naming the ``section`` that measured it."""
     out = []
     if "prepare" in res:
         t = res["prepare"]["target"]
         for tr, v in t["per_translation"].items():
-            out.append({"target": f"prepare {tr} >= {t['min_speedup']:.0f}x the list baseline at B={t['batch']}, "
+            out.append({"section": "prepare", "target": f"prepare {tr} >= {t['min_speedup']:.0f}x the list baseline at B={t['batch']}, "
                                   f"{t['context'] // 1024}K tokens, page {t['page']}",
                         "value": v["speedup"], "met": v["met"]})
         s = res["prepare"].get("offsets_scaling_summary") or {}
         if s:
             worst = max(s["capped_time_ratio_largest_vs_smallest_capacity"].values())
-            out.append({"target": "capped block-offset copy independent of table capacity (time ratio, "
+            out.append({"section": "prepare", "target": "capped block-offset copy independent of table capacity (time ratio, "
                                   f"capacity {s['capacities'][-1] // 1024}K vs {s['capacities'][0] // 1024}K tokens; <= 1.5)",
                         "value": worst, "met": worst <= 1.5})
     if "cpu_attention" in res:
         t = res["cpu_attention"]["target"]
-        out.append({"target": f"torch sparse decode >= {t['min_speedup']:.0f}x dense SDPA at "
+        out.append({"section": "cpu_attention", "target": f"torch sparse decode >= {t['min_speedup']:.0f}x dense SDPA at "
                               f"{t['context'] // 1024}K context, density 1/{t['density']}",
                     "value": t.get("speedup"), "met": t.get("met") if t.get("measured") else None})
+        for r in res["cpu_attention"]["prefill"]:  # issue #17 target 2: at FlexAttention's level
+            compiled = r["flex_mode"] == "compiled" and r["speedup_vs_flex"] is not None
+            out.append({"section": "cpu_attention", "target": f"torch block-sparse prefill >= compiled FlexAttention, {r['length'] // 1024}K, "
+                                  f"density {r['density']} (speed ratio; flex {r['flex_mode']})",
+                        "value": r["speedup_vs_flex"], "met": r["speedup_vs_flex"] >= 1.0 if compiled else None})
+        sparsest = [r for r in res["cpu_attention"]["decode"] if r["density_inv"] == DECODE_SPARSEST]
+        if sparsest:  # issue #17 target 4
+            worst = min(sparsest, key=lambda r: r["fraction_of_ideal"])
+            out.append({"section": "cpu_attention", "target": f"torch sparse decode at 1/{DECODE_SPARSEST} >= {DECODE_MIN_OF_IDEAL:.0%} of the "
+                                  f"ideal {DECODE_SPARSEST}x over dense SDPA, every context (worst: "
+                                  f"{worst['context'] // 1024}K; fraction of ideal)",
+                        "value": worst["fraction_of_ideal"], "met": worst["fraction_of_ideal"] >= DECODE_MIN_OF_IDEAL})
     if "selector_overhead" in res:
         cfg = res["selector_overhead"]["config"]
         for r in res["selector_overhead"]["selectors"]:
             label = r["selector"] + (f" ({r['config']['scoring']})" if "scoring" in r["config"] else "")
             f = r["overhead_fraction_of_saved"]
             exempt = r["selector"] in SELECTOR_OVERHEAD_EXEMPT
-            out.append({"target": f"{label} selector step <= {SELECTOR_OVERHEAD_MAX} of the attention time it saves "
+            out.append({"section": "selector_overhead", "target": f"{label} selector step <= {SELECTOR_OVERHEAD_MAX} of the attention time it saves "
                                   f"(batch {cfg['batch']}, {cfg['context']} tokens, budget 1/{cfg['budget_inv']})"
                                   + (" [exempt: the upper bound by construction]" if exempt else ""),
                         "value": f, "met": None if f is None or exempt else f <= SELECTOR_OVERHEAD_MAX})
+    if "e2e" in res:
+        out += [{"section": "e2e", **t} for t in res["e2e"]["targets"]]
     return out
 
 
@@ -163,6 +182,36 @@ def _yes(v: bool | None) -> str:
     return "n/a" if v is None else ("met" if v else "MISSED")
 
 
+def _provenance(res: dict, section: str) -> list[str]:
+    """A line naming the earlier run a section kept by :func:`merge_into_docs` comes from (above its heading)."""
+    m = res.get("earlier", {}).get(section)
+    if m is None:
+        return []
+    # runs before schema 2 recorded neither the command nor the 5/15-minute load averages
+    command = f"`{m['command']}`" if "command" in m else "`python -m benchmarks` (command not recorded)"
+    start, end = ((_load(m["loadavg_start"]), _load(m["loadavg_end"])) if "loadavg_start" in m
+                  else (f"{m['load_1m_start']:.2f} (1 min)", f"{m['load_1m_end']:.2f} (1 min)"))
+    return ["", f"*The next section ({section}) is from an earlier run:* {command} on {m['date']}, torch threads "
+                f"{m['torch_threads']}, load average {start} at start and {end} at the end."]
+
+
+def merge_into_docs(res: dict, old: dict | None) -> dict:
+    """``res`` plus the sections of ``old`` (the tracked docs' JSON) that this run did not measure,
+    each keeping the meta of the run that measured it (``res["earlier"][section]``); targets are
+    recomputed over the merged sections."""
+    merged = dict(res)
+    earlier = {}
+    if old is not None:
+        for section in (*SECTIONS, "gpu"):
+            if section not in res and section in old:
+                merged[section] = old[section]
+                earlier[section] = old.get("earlier", {}).get(section, old["meta"])
+    if earlier:
+        merged["earlier"] = earlier
+    merged["targets"] = _targets(merged)
+    return merged
+
+
 def render_markdown(res: dict) -> str:
     m = res["meta"]
     lines = [
@@ -174,14 +223,18 @@ def render_markdown(res: dict) -> str:
         "",
         "Times are medians after a warm-up, `[min, max]` over the timed runs, in milliseconds; the `load` column is "
         "the 1-minute load average (`uptime`) when that row was measured. The machine is shared: a load above the "
-        "CPU count means other processes were competing for the cores.", "",
-        "## Targets", "", "| target | measured | verdict |", "|---|---|---|",
+        "CPU count means other processes were competing for the cores."
+        + (" Sections measured in an earlier run (this one ran only some) name that run above their heading."
+           if res.get("earlier") else ""), "",
+        "## Targets", "", "| target | measured | verdict | measured on |", "|---|---|---|---|",
     ]
     for t in res.get("targets", []):
         v = t["value"]
-        lines.append(f"| {t['target']} | {'n/a' if v is None else f'{v:.2f}'} | {_yes(t['met'])} |")
+        when = res.get("earlier", {}).get(t.get("section"), m)["date"]
+        lines.append(f"| {t['target']} | {'n/a' if v is None else f'{v:.2f}'} | {_yes(t['met'])} | {when} |")
     if "prepare" in res:
         p = res["prepare"]
+        lines += _provenance(res, "prepare")
         lines += ["", "## `AttentionMetadata.prepare()` per translation vs a per-request Python-list baseline", "",
                   "Decode step (one new token per request). The baseline (in `benchmarks/prepare.py`) keeps a Python "
                   "list of block ids per request and builds each table with `list.extend` per request, then "
@@ -204,6 +257,7 @@ def render_markdown(res: dict) -> str:
         c = res["cpu_attention"]
         bw = c["copy_bandwidth"]
         d = c["config"]["decode"]
+        lines += _provenance(res, "cpu_attention")
         lines += ["", "## CPU sparse decode (`torch` backend) vs dense SDPA", "",
                   f"Batch 1, Hq={d['hq']}, Hkv={d['hkv']}, D={d['d']}, fp32 HND cache, page {d['page']}, block-sparse "
                   f"selection at page granularity. Memory-copy bandwidth in this run: {bw['gb_per_s']:.1f} GB/s "
@@ -235,6 +289,7 @@ def render_markdown(res: dict) -> str:
     if "selector_overhead" in res:
         s = res["selector_overhead"]
         cfg = s["config"]
+        lines += _provenance(res, "selector_overhead")
         lines += ["", f"## Selector host overhead per decode step (batch {cfg['batch']}, context {cfg['context']})", "",
                   f"Hq={cfg['hq']}, Hkv={cfg['hkv']}, D={cfg['d']}, page {cfg['page']}, budget ~1/{cfg['budget_inv']} "
                   f"of the context; one layer. Dense torch-backend attention: {_ms(s['dense_attention'])} ms. "
@@ -250,6 +305,8 @@ def render_markdown(res: dict) -> str:
                          f"{r['selector_step']['load_1m']} |")
         for name, why in s["skipped"].items():
             lines.append(f"| {name} | skipped: {why} | | | | | |")
+    if "e2e" in res:
+        lines += _provenance(res, "e2e") + e2e.render_markdown(res["e2e"])
     if "gpu" in res:
         lines += ["", "## GPU kernel scripts", ""]
         g = res["gpu"]
@@ -272,17 +329,27 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run these sections only")
     ap.add_argument("--no-compile", action="store_true", help="FlexAttention eager only")
     ap.add_argument("--no-gpu", action="store_true", help="do not call the GPU kernel scripts")
+    ap.add_argument("--e2e-lengths", type=int, nargs="+",
+                    help="the e2e group's context lengths (default 4096 8192 16384 32768; --quick: tiny)")
     args = ap.parse_args(argv)
     command = " ".join(["python -m benchmarks", *(argv if argv is not None else sys.argv[1:])])
-    res = run(args.quick, args.threads, tuple(args.only), not args.no_compile, not args.no_gpu, command)
+    res = run(args.quick, args.threads, tuple(args.only), not args.no_compile, not args.no_gpu, command,
+              e2e_lengths=args.e2e_lengths)
     md = render_markdown(res)
     print(md)
-    for out in [Path(args.out)] + ([DOCS_DIR] if args.update_docs else []):
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "performance.json").write_text(json.dumps(res, indent=1) + "\n")
-        (out / "performance.md").write_text(md)
-        print(f"wrote {out / 'performance.json'} and {out / 'performance.md'}", file=sys.stderr)
+    _write(Path(args.out), res, md)
+    if args.update_docs:  # sections this run did not measure stay as the docs had them
+        old_json = DOCS_DIR / "performance.json"
+        docs = merge_into_docs(res, json.loads(old_json.read_text()) if old_json.is_file() else None)
+        _write(DOCS_DIR, docs, render_markdown(docs))
     return res
+
+
+def _write(out: Path, res: dict, md: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "performance.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "performance.md").write_text(md)
+    print(f"wrote {out / 'performance.json'} and {out / 'performance.md'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

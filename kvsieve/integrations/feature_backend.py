@@ -136,6 +136,7 @@ class FeatureBackend(AttentionBackend):
         self.name = f"{inner.name}+sdpa_dense" if dense_fast_path else inner.name
         self.required_translations = inner.required_translations
         self.kv_page_granular = inner.kv_page_granular
+        self._scratch: dict[str, torch.Tensor] = {}  # the dense fast path's reused K/V gather buffer
 
     def _params(self, params: SparseRuntimeParams | None, metadata: AttentionMetadata, layer_idx: int,
                 geometry: AttentionGeometry) -> SparseRuntimeParams | None:
@@ -194,7 +195,9 @@ class FeatureBackend(AttentionBackend):
             t0, t1 = (int(x) for x in metadata.query_start_host[i: i + 2])
             if t1 == t0:
                 continue
-            k, v = gather_request_kv(metadata.kv_cache_manager, layer_idx, rid, head_major=True)  # [Hkv, L, D]
+            mgr = metadata.kv_cache_manager
+            k, v = gather_blocks(mgr.pools[layer_idx], mgr.spec.layout, mgr.block_ids(rid), mgr.valid_len(rid),
+                                 self._scratch)  # [Hkv, L, D], views of the scratch buffer
             k, v = k.to(q.dtype), v.to(q.dtype)
             n, kv_len = t1 - t0, k.shape[1]
             if window is None or kv_len <= window:

@@ -100,3 +100,23 @@ def test_a_duplicate_index_is_attended_once_in_every_backend(backend):
     finite = torch.isfinite(ref.lse)
     torch.testing.assert_close(res.lse[finite], ref.lse[finite], rtol=2e-5, atol=2e-5)
     assert torch.equal(res.attended, get_backend(backend).forward(q, md, 0, geo, once).attended)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("block_size,page", [(1, 16), (4, 16), (64, 16), (16, 53), (4, 1)])
+def test_attended_counts_what_the_golden_reads(layout, block_size, page):
+    """The torch backend counts ``attended`` from its own gather masks; it equals the Vanilla
+    golden's count on dense rows, padded/overshooting selections, repeats and phase-narrowed params."""
+    md, q, geo = build(page=page, hq=4, hkv=2, d=16, ctx_lens=[20, 7], gen_hist=[150, 64, 5], seed=block_size,
+                       layout=layout)
+    torch_b, vanilla = get_backend("torch"), get_backend("vanilla")
+    sel = random_selection(md, 2, k=6, block_size=block_size, overshoot=2, seed=page)
+    dup = _ragged(md, 2, block_size, seed=page, duplicate=True)
+    gen_only = SparseRuntimeParams(sparse_attn_indices=sel.sparse_attn_indices,
+                                   sparse_attn_offsets=sel.sparse_attn_offsets,
+                                   sparse_attn_indices_block_size=block_size, selected_phases=frozenset({"generation"}))
+    for params in (None, sel, dup, gen_only):
+        got = torch_b.forward(q, md, 0, geo, params).attended
+        assert got.dtype == torch.int64 and got.device.type == "cpu"
+        assert torch.equal(got, vanilla.forward(q, md, 0, geo, params).attended)
+    assert not torch.equal(torch_b.forward(q, md, 0, geo, sel).attended, torch_b.forward(q, md, 0, geo, None).attended)

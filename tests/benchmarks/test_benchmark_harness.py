@@ -72,6 +72,21 @@ def test_cpu_attention_section(quick_run):
         if r["flex"] is not None:
             assert r["max_abs_err_vs_flex"] < 1e-4  # same selection as the BlockMask
     assert "measured" in c["target"]
+    prefill_targets = [t for t in quick_run[0]["targets"] if "compiled FlexAttention" in t["target"]]
+    assert len(prefill_targets) == len(c["prefill"])  # one row per (length, density)
+    for t, r in zip(prefill_targets, c["prefill"]):
+        assert t["value"] == r["speedup_vs_flex"]
+        assert t["met"] is None or r["flex_mode"] == "compiled"  # eager flex is no verdict
+
+
+def test_decode_target_at_the_sparsest_density():
+    from benchmarks.__main__ import _targets
+    rows = [{"context": c, "density_inv": d, "fraction_of_ideal": f}
+            for c, d, f in ((8192, 64, 0.7), (131072, 64, 0.5), (8192, 8, 0.1))]
+    res = {"cpu_attention": {"target": {"min_speedup": 10, "context": 65536, "density": 32, "measured": False},
+                             "prefill": [], "decode": rows}}
+    (t,) = [t for t in _targets(res) if "1/64" in t["target"]]
+    assert t["value"] == 0.5 and t["met"] is False and "worst: 128K" in t["target"]
 
 
 def test_selector_section(quick_run):
@@ -98,7 +113,7 @@ def test_markdown(quick_run):
     assert f"`{m['command']}` on {m['date']}" in md and f"torch threads {m['torch_threads']}" in md
     assert "/".join(f"{x:.2f}" for x in m["loadavg_end"]) + " at the end" in md
     for heading in ("## Targets", "## `AttentionMetadata.prepare()`", "## CPU sparse decode",
-                    "## CPU block-sparse prefill", "## Selector host overhead", "| load |"):
+                    "## CPU block-sparse prefill", "## Selector host overhead", "| load |", "| measured on |"):
         assert heading in md
 
 
@@ -162,3 +177,96 @@ def test_docs_rewritten_only_when_asked(tmp_path, monkeypatch, update_docs):
 def test_default_out_is_gitignored():
     from benchmarks.__main__ import DEFAULT_OUT
     assert f"/{DEFAULT_OUT}/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_e2e_section(quick_run):
+    """The e2e group: every length and the floor, the three configurations side by side, their
+    ratios, the stage profile and the memory figures."""
+    from benchmarks.e2e import QUICK
+    from benchmarks.e2e_profile import STAGES
+    res, md = quick_run
+    e = res["e2e"]
+    names = {*QUICK.selectors, "kvsieve_dense", "plain"}
+    assert [r["length"] for r in e["rows"]] == sorted({QUICK.floor_length, *QUICK.lengths})
+    assert e["prefill"]["length"] == QUICK.prefill_max < e["prefill"]["tiled_to"] == max(QUICK.lengths)
+    assert e["prefill"]["seconds"] > 0
+    floor = next(r for r in e["rows"] if r["length"] == QUICK.floor_length)
+    assert e["floor_tokens_per_s"] == floor["tokens_per_s"]["plain"]
+    for r in e["rows"]:
+        assert set(r["step"]) == set(r["tokens_per_s"]) == names
+        assert all(_is_timing(t) and t["reps"] == QUICK.steps for t in r["step"].values())
+        for name in names:
+            assert r["tokens_per_s"][name] == pytest.approx(1 / r["step"][name]["median_s"])
+            assert r["vs_plain"][name] == pytest.approx(r["tokens_per_s"][name] / r["tokens_per_s"]["plain"])
+            assert r["vs_floor"][name] == pytest.approx(r["tokens_per_s"][name] / e["floor_tokens_per_s"])
+        assert 0 < r["attended_fraction"]["quest"] < 1 and r["attended_fraction"]["kvsieve_dense"] == 1.0
+        assert set(r["profile"]) == names
+        for stages in r["profile"].values():
+            assert set(stages) == {*STAGES, "step"} and stages["step"] > 0
+        assert r["profile"]["quest"]["selector"] > 0 and r["profile"]["plain"]["selector"] == 0
+        assert r["peak_rss_mb"] >= r["rss_mb"] > 0
+    targets = [t for t in res["targets"] if "plain transformers" in t["target"] or "floor" in t["target"]
+               or "never slower" in t["target"]]
+    assert len(targets) == 1 + 2 * len(QUICK.selectors)
+    assert all(t["met"] is None for t in targets if "32K" in t["target"] or "4K" in t["target"])  # not measured
+    assert "## End to end: greedy decode" in md and "### Per-layer profile at" in md
+
+
+def test_e2e_config_refusals():
+    from benchmarks.e2e import E2EConfig
+    with pytest.raises(ValueError, match="selectors"):
+        E2EConfig(selectors=("streaming",))
+    with pytest.raises(ValueError, match="lengths"):
+        E2EConfig(lengths=(8,))
+    with pytest.raises(ValueError, match="steps"):
+        E2EConfig(steps=0)
+    with pytest.raises(ValueError, match="warmup"):
+        E2EConfig(warmup=True)
+
+
+def test_update_docs_with_some_sections_keeps_the_others(tmp_path, monkeypatch):
+    """``--update-docs --only X`` replaces X in the docs and keeps every other section, naming the run
+    that measured it."""
+    import benchmarks.__main__ as entry
+    docs, out = tmp_path / "docs", tmp_path / "out"
+    docs.mkdir()
+    old_meta = {**_META, "command": "python -m benchmarks --old", "date": "old-date"}
+    overhead = {"config": {"batch": 1, "context": 8, "hq": 1, "hkv": 1, "d": 1, "page": 1, "budget_inv": 2},
+                "dense_attention": None, "selectors": [], "skipped": {"x": "why"}}
+    (docs / "performance.json").write_text(json.dumps({"meta": old_meta, "selector_overhead": overhead,
+                                                       "targets": []}))
+    monkeypatch.setattr(entry, "DOCS_DIR", docs)
+    monkeypatch.setattr(entry, "run", lambda *a, **k: {"meta": {**_META, "command": a[-1]}, "targets": []})
+    entry.main(["--only", "e2e", "--out", str(out), "--update-docs"])
+    kept = json.loads((docs / "performance.json").read_text())
+    assert kept["selector_overhead"] == overhead and kept["earlier"]["selector_overhead"] == old_meta
+    assert "selector_overhead" not in json.loads((out / "performance.json").read_text())  # the run's own output
+    md = (docs / "performance.md").read_text()
+    assert "from an earlier run:* `python -m benchmarks --old` on old-date" in md
+    old_v1 = {k: v for k, v in old_meta.items() if k not in ("command", "loadavg_start", "loadavg_end")}
+    old_v1.update(load_1m_start=0.5, load_1m_end=0.7)  # a schema-1 run recorded neither
+    md1 = entry.render_markdown(entry.merge_into_docs({"meta": _META, "targets": []}, {"meta": old_v1, "selector_overhead": overhead}))
+    assert "(command not recorded) on old-date" in md1 and "0.50 (1 min) at start" in md1
+    assert md.index("earlier run") < md.index("## Selector host overhead")
+    assert all(t["section"] in entry.SECTIONS for t in entry._targets(json.loads((ROOT / "docs" / "performance.json").read_text())))
+
+
+def test_e2e_tiles_a_context_longer_than_its_prefill():
+    """Past ``prefill_max`` the context repeats the prefilled blocks, aux pools (Quest's summaries) too."""
+    from benchmarks.e2e import _tile
+    from kvsieve import SparseAttentionConfig
+    from kvsieve.eval.model import tiny_random_llama
+    from kvsieve.integrations.transformers import KvsieveSession, gather_request_kv
+    with KvsieveSession(tiny_random_llama(), SparseAttentionConfig("quest", {"budget": 16}), backend="torch",
+                        max_tokens=96) as session:
+        session.prefill(torch.randint(0, 256, (1, 32)))
+        _tile(session, 32, 80)
+        assert session.num_cached_positions == session.cache.valid_len(0) == 80
+        for layer in range(session.num_layers):
+            k, v = gather_request_kv(session.cache, layer, 0)
+            assert torch.equal(k[32:64], k[:32]) and torch.equal(v[64:], v[:16])
+        (summaries,) = session.cache.aux_pools.values()
+        ids = session.cache.block_ids(0)
+        assert torch.equal(summaries[0][ids[2:4]], summaries[0][ids[:2]])
+        session.decode(torch.tensor([1]))  # the tiled context decodes
+        assert session.cache.valid_len(0) == 81

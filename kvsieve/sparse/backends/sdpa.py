@@ -63,11 +63,34 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     return o[0].transpose(0, 1)
 
 
-def gather_blocks(pool: torch.Tensor, layout: str, block_ids: list[int], kv_len: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_blocks(pool: torch.Tensor, layout: str, block_ids: list[int], kv_len: int,
+                  scratch: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's valid K and V, head-major ``[Hkv, kv_len, D]`` each, copied whole block by
-    whole block (one ``index_select`` over its block list, not a per-position gather)."""
-    sel = pool.index_select(0, torch.as_tensor(block_ids, dtype=torch.long, device=pool.device))
+    whole block (one ``index_select`` over its block list, not a per-position gather).
+
+    A contiguous HND pool ``[blocks, 2, Hkv, P, D]`` is read as rows of ``P * D`` (one per block,
+    K/V half and head) gathered straight into head-major order: one copy, into
+    ``scratch["kv"]`` when a ``scratch`` dict is given (a grow-only buffer the caller keeps across
+    calls: a fresh multi-MiB tensor per call is a fresh mmap whose page faults cost more than the
+    copy; the result is a view of it, valid until the next call with the same dict). NHD gathers
+    the blocks, then reorders them (a second copy)."""
+    ids = torch.as_tensor(block_ids, dtype=torch.long, device=pool.device)
+    if layout == "HND" and pool.is_contiguous():
+        _, _, hkv, page, d = pool.shape
+        half = torch.arange(2, device=pool.device).view(2, 1, 1)
+        head = torch.arange(hkv, device=pool.device).view(1, hkv, 1)
+        rows = (ids.view(1, 1, -1) * 2 + half) * hkv + head  # [2, Hkv, n]: row of (K/V, head, block)
+        flat, rows = pool.view(-1, page * d), rows.flatten()
+        if scratch is None:
+            kv = flat.index_select(0, rows)
+        else:
+            buf = scratch.get("kv")
+            if buf is None or buf.numel() < rows.numel() * flat.shape[1] or buf.dtype != pool.dtype:
+                buf = scratch["kv"] = torch.empty(rows.numel() * flat.shape[1], dtype=pool.dtype, device=pool.device)
+            kv = torch.index_select(flat, 0, rows, out=buf[: rows.numel() * flat.shape[1]].view(-1, flat.shape[1]))
+        kv = kv.view(2, hkv, -1, d)[:, :, :kv_len]
+        return kv[0], kv[1]
+    sel = pool.index_select(0, ids)
     # HND [n, 2, Hkv, P, D] / NHD [n, 2, P, Hkv, D] -> [2, Hkv, n, P, D]
     sel = sel.permute(1, 3, 0, 2, 4) if layout == "NHD" else sel.permute(1, 2, 0, 3, 4)
     kv = sel.reshape(2, sel.shape[1], -1, sel.shape[-1])[:, :, :kv_len]

@@ -127,6 +127,8 @@ class TorchBackend(AttentionBackend):
         n_tok, hq = q.shape[0], q.shape[1]
         out = torch.zeros(n_tok, hq, geometry.value_dim, dtype=torch.float32, device=q.device)
         lse = torch.full((n_tok, hq), torch.inf, dtype=torch.float32, device=q.device)
+        # what the gather read, counted from its valid masks (exact tokens, as the base class counts)
+        attended = torch.zeros(n_tok, geometry.num_kv_heads, dtype=torch.int64, device=q.device)
         paths = {}
         skipped = walked = 0
         for phase in metadata.phases():
@@ -135,11 +137,11 @@ class TorchBackend(AttentionBackend):
                 o, l, sk, wk, paths[phase] = self._skip_softmax(q, metadata, layer_idx, geometry, params, phase, rows)
                 out[rows], lse[rows] = o.to(q.device), l.to(q.device)
                 skipped, walked = skipped + sk, walked + wk
+                attended[rows] = self.effective_attended_tokens(params, metadata, geometry)[rows].to(q.device)
                 continue
             sel = params if params is not None and params.selects_positions(phase) else None
-            paths[phase] = self._attend(q, metadata, layer_idx, geometry, sel, rows, out, lse)
-        return AttentionResult(out.to(q.dtype), lse, self.effective_attended_tokens(params, metadata, geometry), paths,
-                               skipped, walked)
+            paths[phase] = self._attend(q, metadata, layer_idx, geometry, sel, rows, out, lse, attended)
+        return AttentionResult(out.to(q.dtype), lse, attended.cpu(), paths, skipped, walked)
 
     def _skip_softmax(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                       params: SparseRuntimeParams, phase: str, rows: slice
@@ -152,7 +154,6 @@ class TorchBackend(AttentionBackend):
             k_cache, v_cache = lat, lat[..., : geometry.kv_lora_rank]
         else:
             k_cache, v_cache = mgr.k_cache(layer_idx), mgr.v_cache(layer_idx)
-        rpt = metadata.ragged_page_table
         pages, page_start = rpt.paged_kv_indices.to(torch.int64), rpt.paged_kv_indptr.to(torch.int64)
         page = mgr.tokens_per_block
         heads = torch.arange(geometry.num_kv_heads, device=q.device).view(-1, 1, 1)
@@ -175,16 +176,24 @@ class TorchBackend(AttentionBackend):
                                   self.max_gather_bytes)
 
     def _attend(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
-                params: SparseRuntimeParams | None, phase_rows: slice, out: torch.Tensor, lse: torch.Tensor) -> str:
-        """Attention of query rows ``phase_rows`` (one phase) into ``out``/``lse``; returns the path."""
+                params: SparseRuntimeParams | None, phase_rows: slice, out: torch.Tensor, lse: torch.Tensor,
+                attended: torch.Tensor) -> str:
+        """Attention of query rows ``phase_rows`` (one phase) into ``out``/``lse`` and the positions each
+        (row, KV head) read into ``attended [T, Hkv]``; returns the path."""
         mgr = metadata.kv_cache_manager
         hq = q.shape[1]
+        pool = mgr.pools[layer_idx]
+        rowwise = pool.is_contiguous() and (geometry.kind == "mla" or mgr.spec.layout == "HND")
+        rpt = metadata.ragged_page_table
+        if rowwise and geometry.kind == "gqa" and phase_rows.stop - phase_rows.start == 1:
+            self._attend_token(q, metadata, phase_rows.start, pool, geometry, params, rpt.paged_kv_indices,
+                               rpt.paged_kv_indptr, mgr.tokens_per_block, out, lse, attended)
+            return ("dense" if params is None else "sparse") + "_runs"
         if geometry.kind == "mla":
             lat = mgr.latent_cache(layer_idx).unsqueeze(1)  # [blocks, 1, P, R+rope]
             k_cache, v_cache = lat, lat[..., : geometry.kv_lora_rank]
         else:
             k_cache, v_cache = mgr.k_cache(layer_idx), mgr.v_cache(layer_idx)
-        rpt = metadata.ragged_page_table
         pages, page_start = rpt.paged_kv_indices.to(torch.int64), rpt.paged_kv_indptr.to(torch.int64)
         tok_req = rpt.batch_indices.to(torch.int64)
         lens = metadata.token_kv_lens
@@ -193,12 +202,13 @@ class TorchBackend(AttentionBackend):
         row_bytes = max(width, 1) * hkv * (k_cache.shape[-1] + v_cache.shape[-1]) * 4 * 3
         chunk = max(1, self.max_gather_bytes // row_bytes)
         heads = torch.arange(hkv, device=q.device).view(hkv, 1, 1)
-        pool = mgr.pools[layer_idx]
         bs = 1 if params is None else params.sparse_attn_indices_block_size
-        rowwise = pool.is_contiguous() and (geometry.kind == "mla" or mgr.spec.layout == "HND")
         unit = page if params is None else math.gcd(bs, page)
         for t0 in range(phase_rows.start, phase_rows.stop, chunk):
             rows = slice(t0, min(t0 + chunk, phase_rows.stop))
+            if rowwise and geometry.kind == "gqa" and rows.stop - rows.start == 1:  # a chunk of one token
+                self._attend_token(q, metadata, t0, pool, geometry, params, pages, page_start, page, out, lse, attended)
+                continue
             groups = None
             if rowwise:
                 k, v, valid, groups = self._gather_runs(pool, geometry, params, (pages, page_start), tok_req, lens,
@@ -211,6 +221,7 @@ class TorchBackend(AttentionBackend):
                 k = k_cache[blk, heads, p % page].float()  # [Hkv, n, K, D]
                 v = v_cache[blk, heads, p % page].float()
             n = valid.shape[1]
+            attended[rows] = valid.sum(-1).T
             g = hq // hkv
             qs = q[rows].float().view(n, hkv, g, -1).permute(1, 0, 2, 3) * geometry.sm_scale  # [Hkv, n, g, D]
             if groups is None:
@@ -235,6 +246,49 @@ class TorchBackend(AttentionBackend):
             out[rows] = o.permute(1, 0, 2, 3).reshape(n, hq, -1)
             lse[rows] = torch.where(empty, torch.inf, row_lse).permute(1, 0, 2).reshape(n, hq)
         return ("dense" if params is None else "sparse") + ("_runs" if rowwise else "_gather")
+
+    def _attend_token(self, q: torch.Tensor, metadata: AttentionMetadata, t: int, pool: torch.Tensor,
+                      geometry: AttentionGeometry, params: SparseRuntimeParams | None, pages: torch.Tensor,
+                      page_start: torch.Tensor, page: int, out: torch.Tensor, lse: torch.Tensor,
+                      attended: torch.Tensor) -> None:
+        """Query row ``t`` alone (a phase or chunk of one token: the decode step of one request) over a
+        contiguous HND GQA pool: the same runs, masks and math as the batched path, without padding
+        selections across tokens (about half its ops; a decode step's cost is mostly per-op overhead).
+        ``pages``/``page_start``: the ragged page table's indices and indptr (any int dtype)."""
+        hkv, d = geometry.num_kv_heads, pool.shape[-1]
+        kv_len = int(metadata.positions_host[t]) + 1
+        first = int(page_start[int(metadata.token_to_req_host[t])])
+        if params is None:
+            unit = page
+            starts = torch.arange(0, kv_len, unit, device=q.device).expand(hkv, -1)  # [Hkv, U]
+            ok = None
+        else:
+            bs = params.sparse_attn_indices_block_size
+            unit = math.gcd(bs, page)
+            o0, o1 = params.sparse_attn_offsets[t: t + 2].tolist()
+            sel = params.sparse_attn_indices[:, o0:o1].sort(dim=-1).values.to(torch.int64)  # [Hkv, k], -1 first
+            ok = sel >= 0
+            ok[:, 1:] &= sel[:, 1:] != sel[:, :-1]  # a repeated unit is read once
+            starts = (sel * bs).unsqueeze(-1) + torch.arange(0, bs, unit, device=q.device)  # [Hkv, k, bs/unit]
+            ok = (ok.unsqueeze(-1) & (starts < kv_len)).flatten(1)
+            starts = starts.flatten(1).masked_fill(~ok, 0)
+        per_page = page // unit
+        blk = pages[first + starts // page].long()  # [Hkv, U]
+        k_rows = ((blk * 2) * hkv + torch.arange(hkv, device=q.device).view(hkv, 1)) * per_page + (starts % page) // unit
+        flat = pool.view(-1, unit * d)
+        k = self._rows("k", flat, k_rows.flatten()).view(hkv, -1, d)  # [Hkv, U*unit, D]
+        v = self._rows("v", flat, (k_rows + hkv * per_page).flatten()).view(hkv, -1, d)
+        valid = (starts.unsqueeze(-1) + torch.arange(unit, device=q.device)).flatten(1) < kv_len  # [Hkv, U*unit]
+        if ok is not None:
+            valid &= ok.repeat_interleave(unit, dim=1)
+        attended[t] = valid.sum(-1)
+        qs = q[t].float().view(hkv, -1, d) * geometry.sm_scale  # [Hkv, g, D]
+        s = torch.matmul(k, qs.transpose(-1, -2)).transpose(-1, -2).masked_fill(~valid.unsqueeze(1), float("-inf"))
+        row_lse = torch.logsumexp(s, dim=-1)  # [Hkv, g]
+        empty = torch.isneginf(row_lse)
+        o = torch.matmul(torch.exp(s - torch.where(empty, 0.0, row_lse).unsqueeze(-1)), v)  # [Hkv, g, Dv]
+        out[t] = o.reshape(q.shape[1], -1)
+        lse[t] = torch.where(empty, torch.inf, row_lse).reshape(-1)
 
     def _gather_runs(self, pool: torch.Tensor, geometry: AttentionGeometry, params: SparseRuntimeParams | None,
                      ragged: tuple[torch.Tensor, torch.Tensor], tok_req: torch.Tensor, lens: torch.Tensor, rows: slice, unit: int,

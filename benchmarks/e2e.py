@@ -1,0 +1,396 @@
+"""``e2e``: greedy decode tokens/s through the transformers integration, against plain transformers.
+
+One seeded random prompt of the longest length is prefilled **once** through a
+:class:`~kvsieve.integrations.transformers.KvsieveSession` whose selector keeps its page summaries
+up to date during the prefill (the selectors timed here select in the generation phase only, so
+their prefill is the dense one). Each length (``--lengths``, default 4K, 8K, 16K, 32K, and the
+floor's 128 tokens), longest first, is that cache rewound to the length (a causal prefix is exactly
+its own prefill). From there, side by side:
+
+* ``quest`` (each ``selectors`` entry) at ``budget = length / density_inv``, torch backend;
+* ``kvsieve_dense``: the same session with no selector;
+* ``plain``: plain transformers ``sdpa`` decoding from a ``DynamicCache`` holding exactly the K/V of
+  the kvsieve cache (post-RoPE keys; so the three decode from the same state).
+
+The configurations are timed **interleaved**: a round is one greedy decode step of each
+configuration, every step from the same state (the session rewinds to the length, the plain cache
+is cropped back), so a neighbour's load moves all of them alike. ``warmup`` untimed rounds, then
+``steps`` timed ones; tokens/s = 1 / median step time. The **floor** is plain transformers at the
+floor length (128 tokens: weights-bound). Then ``profile_steps`` rounds run under the stage timers
+of :mod:`.e2e_profile` (the timed rounds run without them). ``peak_rss_mb`` is the process's
+resident high-water mark (``VmHWM``, reset when the length starts) while that length ran, with
+kvsieve's pool sized for the longest length; ``rss_mb`` the resident set at its end.
+
+Contexts longer than ``prefill_max`` (default 16K) are not prefilled: the prefilled blocks are
+repeated (K/V and the selectors' auxiliary pools) up to the length (:func:`_tile`), which times the
+same work as a real context of that length without its quadratic prefill (minutes at 32K on a CPU).
+
+Speed only: the prompt is random token ids, and the model (SmolLM2-135M, 8K positions trained) is
+run past its trained length at 16K/32K; the tokens it produces are not looked at.
+``--quick`` runs a tiny random Llama at 32/64 tokens (what the tests run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvsieve.integrations.transformers import ATTN_IMPLEMENTATION
+
+from ._timing import Timing, load_average, load_averages
+from .e2e_profile import profile_kvsieve, profile_plain
+
+__all__ = ["E2EConfig", "run", "main", "DENSE_MIN_RATIO", "FLOOR_MIN_FRACTION"]
+
+DENSE_MIN_RATIO = 0.95  # issue #17 target 1: kvsieve dense >= 0.95x plain transformers at every length
+FLOOR_MIN_FRACTION = 0.5  # a practical selector at 1/16 reaches >= 50% of the floor's tokens/s at 32K
+PLAIN, DENSE = "plain", "kvsieve_dense"
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    """One e2e run: ``lengths`` (tokens of context), ``floor_length``, ``steps`` timed and ``warmup``
+    untimed decode steps per configuration, ``profile_steps`` under the stage timers, the
+    ``selectors`` at ``budget = length // density_inv`` (``page_size`` tokens per page), the
+    ``model`` (a :func:`kvsieve.eval.model.load_model` spec) and the kvsieve ``backend``."""
+
+    lengths: tuple[int, ...] = (4096, 8192, 16384, 32768)
+    floor_length: int = 128
+    steps: int = 8
+    warmup: int = 2
+    profile_steps: int = 3
+    density_inv: int = 16
+    page_size: int = 16
+    selectors: tuple[str, ...] = ("quest",)
+    model: str = "smollm2"
+    backend: str = "torch"
+    seed: int = 0
+    prefill_max: int = 16384
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "warmup", "profile_steps", "density_inv", "page_size", "floor_length", "prefill_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name in ("warmup", "profile_steps") else 1):
+                raise ValueError(f"E2EConfig.{name} must be an int >= {0 if name in ('warmup', 'profile_steps') else 1}, "
+                                 f"got {v!r}")
+        if not self.lengths or any(n < self.page_size for n in self.lengths):
+            raise ValueError(f"E2EConfig.lengths must be non-empty, each >= page_size={self.page_size}, "
+                             f"got {self.lengths}")
+        if self.prefill_max % self.page_size:
+            raise ValueError(f"E2EConfig.prefill_max must be a multiple of page_size={self.page_size} (the tiled "
+                             f"context repeats whole blocks), got {self.prefill_max}")
+        unknown = set(self.selectors) - set(SELECTOR_CONFIGS)
+        if unknown:
+            raise ValueError(f"E2EConfig.selectors: {sorted(unknown)} not timed here; one of {sorted(SELECTOR_CONFIGS)}")
+
+
+def _quest(length: int, cfg: E2EConfig) -> dict:
+    return {"budget": max(length // cfg.density_inv, cfg.page_size), "page_size": cfg.page_size}
+
+
+#: selector -> its config at a context length (selectors acting in the generation phase only)
+SELECTOR_CONFIGS = {"quest": _quest}
+QUICK = E2EConfig(lengths=(64,), floor_length=32, steps=2, warmup=1, profile_steps=1, model="tiny-random",
+                  prefill_max=32)
+
+
+def _timing(times: list[float]) -> Timing:
+    times = sorted(times)
+    q = statistics.quantiles(times, n=4) if len(times) >= 4 else [times[0], 0.0, times[-1]]
+    return Timing(median_s=statistics.median(times), min_s=times[0], max_s=times[-1], q1_s=q[0], q3_s=q[2],
+                  reps=len(times), warmup=0, load_1m=load_average())
+
+
+def _plain_cache(session, length: int):
+    """A transformers ``DynamicCache`` with the K/V of the session's first request, ``[1, Hkv, L, D]``
+    per layer (copies, so the session's later steps do not change it)."""
+    from transformers import DynamicCache
+
+    from kvsieve.integrations.transformers import gather_request_kv
+
+    cache = DynamicCache()
+    for layer in range(session.num_layers):
+        k, v = gather_request_kv(session.cache, layer, 0, head_major=True)
+        cache.update(k[None, :, :length].clone(), v[None, :, :length].clone(), layer)
+    return cache
+
+
+class _Plain:
+    """Plain transformers (``sdpa``) decoding one token at position ``length`` from ``cache``, which
+    is cropped back to ``length`` tokens after each step."""
+
+    def __init__(self, model, cache, length: int) -> None:
+        self.model, self.cache, self.length = model, cache, length
+
+    @torch.inference_mode()
+    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tok.view(1, 1), position_ids=torch.tensor([[self.length]]),
+                          past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+    def reset(self) -> None:
+        self.cache.crop(-1)
+
+
+@torch.inference_mode()
+def _tile(session, have: int, want: int) -> None:
+    """Grow the session's one request from ``have`` prefilled positions to ``want`` by repeating its
+    blocks (K/V and every auxiliary pool, e.g. Quest's page summaries) block for block: a context of
+    the right length for timing, without the quadratic prefill (speed only; ``have`` whole blocks)."""
+    cache = session.cache
+    src = cache.block_ids(0)
+    cache.append_tokens(0, want - have)
+    dst = cache.block_ids(0)[len(src):]
+    src_t = torch.tensor([src[j % len(src)] for j in range(len(dst))])
+    dst_t = torch.tensor(dst)
+    for pools in (cache.pools, *cache.aux_pools.values()):
+        for pool in pools:
+            pool[dst_t] = pool[src_t]
+    session._next_pos = want  # the session's next RoPE position (no public setter: it counts its own steps)
+
+
+def _reset_peak_rss() -> None:
+    """Reset the kernel's resident high-water mark (``VmHWM``) of this process (Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _rss_mb() -> tuple[float, float]:
+    """(peak resident MiB since the last :func:`_reset_peak_rss`, current resident MiB)."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(status["VmHWM"].split()[0]) / 1024, int(status["VmRSS"].split()[0]) / 1024
+
+
+def _one_length(session, plans: dict[str, list], tok: torch.Tensor, length: int, cfg: E2EConfig,
+                profile: bool) -> dict:
+    """The session rewound to ``length`` (a prefix of the prompt: exactly its own prefill), every
+    configuration timed interleaved from there."""
+    session.rewind(length)
+    row: dict = {"length": length, "load_1m_start": load_average()}
+    _reset_peak_rss()
+    plain = _Plain(session.model, _plain_cache(session, length), length)
+    steps = _Steps(session, plans, plain)
+    times = steps.rounds(tok, cfg.warmup, cfg.steps)
+    row["step"] = {k: _timing(v).as_dict() for k, v in times.items()}
+    row["attended_fraction"] = steps.attended
+    row["profile"] = steps.profile(tok, cfg.profile_steps) if profile and cfg.profile_steps else {}
+    row["tokens_per_s"] = {k: 1.0 / v["median_s"] for k, v in row["step"].items()}
+    row["peak_rss_mb"], row["rss_mb"] = _rss_mb()
+    row["load_1m_end"] = load_average()
+    return row
+
+
+class _Steps:
+    """One decode step of each configuration in turn (a round), every step from the same state: the
+    kvsieve session rewinds to the prompt and the plain cache is cropped back after each step, so
+    the configurations are measured interleaved in time, at the same context length."""
+
+    def __init__(self, session, plans: dict[str, list], plain: _Plain) -> None:
+        self.session, self.plans, self.plain = session, plans, plain
+        self.length = session.num_cached_positions
+        self.attended: dict[str, float | None] = {}
+
+    def _use(self, name: str) -> None:
+        """The plans ``set_config`` lowered for ``name`` (kept, so selectors keep their state)."""
+        for layer, plan in zip(self.session.layers, self.plans[name]):
+            layer.plan = plan
+        self.session.reset_stats()
+
+    def _kvsieve_done(self, name: str) -> None:
+        frac = [f for f in self.session.attended_fraction("generation") if f is not None]
+        self.attended[name] = sum(frac) / len(frac) if frac else None
+        self.session.rewind(self.length)
+
+    def rounds(self, tok: torch.Tensor, warmup: int, steps: int) -> dict[str, list[float]]:
+        """Seconds of each timed step per configuration (``warmup`` untimed rounds first)."""
+        times: dict[str, list[float]] = {name: [] for name in [*self.plans, PLAIN]}
+        for r in range(warmup + steps):
+            for name in self.plans:
+                self._use(name)
+                t0 = time.perf_counter()
+                self.session.decode(tok)
+                dt = time.perf_counter() - t0
+                self._kvsieve_done(name)
+                if r >= warmup:
+                    times[name].append(dt)
+            self.session.model.set_attn_implementation("sdpa")
+            t0 = time.perf_counter()
+            self.plain(tok)
+            dt = time.perf_counter() - t0
+            self.plain.reset()
+            self.session.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            if r >= warmup:
+                times[PLAIN].append(dt)
+        return times
+
+    def profile(self, tok: torch.Tensor, steps: int) -> dict[str, dict[str, float]]:
+        """ms per step per stage (:mod:`.e2e_profile`), one profiled step per configuration per round."""
+        acc: dict[str, dict[str, float]] = {}
+        for _ in range(steps):
+            for name in self.plans:
+                self._use(name)
+                _add(acc, name, profile_kvsieve(self.session, tok, 1))
+                self._kvsieve_done(name)
+            self.session.model.set_attn_implementation("sdpa")
+            _add(acc, PLAIN, profile_plain(self.session.model, self.plain, tok, 1))
+            self.plain.reset()
+            self.session.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        return {name: {k: v / steps for k, v in stages.items()} for name, stages in acc.items()}
+
+
+def _add(acc: dict[str, dict[str, float]], name: str, stages: dict[str, float]) -> None:
+    into = acc.setdefault(name, {})
+    for k, v in stages.items():
+        into[k] = into.get(k, 0.0) + v
+
+
+def _load(cfg: E2EConfig):
+    from kvsieve.eval.model import load_model
+
+    loaded = load_model(cfg.model)
+    model = loaded.model.eval()
+    return model, model.config.vocab_size, loaded.name
+
+
+def run(cfg: E2EConfig, profile: bool = True) -> dict:
+    """Every length of ``cfg`` and the floor from one prefill of the longest (lengths descending, each
+    a rewind); ratios of each configuration to plain transformers at the same length, to the floor
+    and to kvsieve dense."""
+    from kvsieve import SparseAttentionConfig
+    from kvsieve.integrations.transformers import KvsieveSession
+
+    model, vocab, name = _load(cfg)
+    lengths = sorted({cfg.floor_length, *cfg.lengths}, reverse=True)
+    out: dict = {"config": {**asdict(cfg), "lengths": list(cfg.lengths)}, "model_name": name,
+                 "num_layers": model.config.num_hidden_layers, "loadavg_start": load_averages(), "rows": []}
+    gen = torch.Generator().manual_seed(cfg.seed)
+    ids = torch.randint(0, vocab, (1, lengths[0]), generator=gen)
+
+    def config(s: str, length: int) -> SparseAttentionConfig | None:
+        return None if s == DENSE else SparseAttentionConfig(s, SELECTOR_CONFIGS[s](length, cfg))
+
+    # the first selector's state (Quest's page summaries, in the cache's aux pools, which each
+    # length's freshly lowered plans find again) is built by the prefill
+    with KvsieveSession(model, config(cfg.selectors[0], lengths[0]) if cfg.selectors else None, backend=cfg.backend,
+                        max_tokens=lengths[0] + 2) as session:
+        real = min(lengths[0], cfg.prefill_max)
+        t0 = time.perf_counter()
+        tok = session.prefill(ids[:, :real]).argmax(-1)
+        out["prefill"] = {"length": real, "seconds": time.perf_counter() - t0, "tiled_to": lengths[0]}
+        if lengths[0] > real:
+            _tile(session, real, lengths[0])
+        for length in lengths:  # budgets follow the length: each lowers its own plans
+            plans = {}
+            for s in [*cfg.selectors, DENSE]:
+                session.set_config(config(s, length))
+                plans[s] = [layer.plan for layer in session.layers]
+            out["rows"].append(_one_length(session, plans, tok, length, cfg, profile))
+    out["rows"].sort(key=lambda r: r["length"])
+    floor = next(r for r in out["rows"] if r["length"] == cfg.floor_length)
+    out["floor_tokens_per_s"] = floor["tokens_per_s"][PLAIN]
+    for r in out["rows"]:
+        tps = r["tokens_per_s"]
+        r["vs_plain"] = {k: v / tps[PLAIN] for k, v in tps.items()}
+        r["vs_floor"] = {k: v / out["floor_tokens_per_s"] for k, v in tps.items()}
+        r["vs_dense"] = {k: v / tps[DENSE] for k, v in tps.items()}
+    out["loadavg_end"] = load_averages()
+    out["targets"] = targets(out)
+    return out
+
+
+def targets(res: dict) -> list[dict]:
+    """Issue #17 target 1 from one run's side-by-side ratios (``met`` is ``None`` where the run did
+    not measure the length the target names)."""
+    cfg, rows = res["config"], {r["length"]: r for r in res["rows"] if r["length"] != res["config"]["floor_length"]}
+    out = []
+    if rows:
+        worst = min(rows.values(), key=lambda r: r["vs_plain"][DENSE])
+        out.append({"target": f"kvsieve dense >= {DENSE_MIN_RATIO}x plain transformers at every length "
+                              f"(worst: {worst['length']} tokens)",
+                    "value": worst["vs_plain"][DENSE], "met": worst["vs_plain"][DENSE] >= DENSE_MIN_RATIO})
+    for s in cfg["selectors"]:
+        long = rows.get(32768)
+        out.append({"target": f"{s} at 1/{cfg['density_inv']} >= {FLOOR_MIN_FRACTION:.0%} of the floor's "
+                              "tokens/s at 32K (fraction of the floor)",
+                    "value": None if long is None else long["vs_floor"][s],
+                    "met": None if long is None else long["vs_floor"][s] >= FLOOR_MIN_FRACTION})
+        short = rows.get(4096)
+        out.append({"target": f"{s} at 1/{cfg['density_inv']} never slower than kvsieve dense at 4K (ratio)",
+                    "value": None if short is None else short["vs_dense"][s],
+                    "met": None if short is None else short["vs_dense"][s] >= 1.0})
+    return out
+
+
+def render_markdown(res: dict) -> list[str]:
+    """The e2e section's Markdown lines (a heading, the ratio table and the per-layer profile)."""
+    cfg = res["config"]
+    names = [*cfg["selectors"], DENSE, PLAIN]
+    lines = ["", f"## End to end: greedy decode through the transformers integration ({res['model_name']})", "",
+             f"{res['num_layers']} layers, backend `{cfg['backend']}`, one request, {cfg['steps']} timed greedy steps "
+             f"after {cfg['warmup']} warm-up per configuration; selectors at budget = length / {cfg['density_inv']} "
+             f"(page {cfg['page_size']}). One prefill of {res['prefill']['length']} random tokens "
+             f"({res['prefill']['seconds']:.0f} s)" + (f", its blocks repeated up to {res['prefill']['tiled_to']} tokens "
+             "(longer contexts are not prefilled: speed only)" if res['prefill']['tiled_to'] > res['prefill']['length']
+             else "") + ", rewound to each length; configurations timed interleaved, a step "
+             "of each in turn, each from the same state (plain transformers decodes from a `DynamicCache` holding the "
+             "same K/V). Peak RSS: the process's high-water mark while that length ran (kvsieve's pool is sized "
+             "for the longest length). Floor: plain transformers at "
+             f"{cfg['floor_length']} tokens, {res['floor_tokens_per_s']:.2f} tokens/s. Load average (1, 5, 15 min) "
+             f"{'/'.join(f'{x:.2f}' for x in res['loadavg_start'])} at start, "
+             f"{'/'.join(f'{x:.2f}' for x in res['loadavg_end'])} at the end.", "",
+             "| length | " + " | ".join(f"{n} tok/s" for n in names) + " | dense / plain | "
+             + " | ".join(f"{s} / plain | {s} / floor | {s} / dense" for s in cfg["selectors"])
+             + " | peak RSS MiB | load |",
+             "|---:|" + "---:|" * (len(names) + 1 + 3 * len(cfg["selectors"]) + 2)]
+    for r in res["rows"]:
+        t = r["tokens_per_s"]
+        sel = " | ".join(f"{r['vs_plain'][s]:.2f}x | {r['vs_floor'][s]:.0%} | {r['vs_dense'][s]:.2f}x"
+                         for s in cfg["selectors"])
+        lines.append(f"| {r['length']} | " + " | ".join(f"{t[n]:.2f}" for n in names)
+                     + f" | {r['vs_plain'][DENSE]:.2f}x | " + (sel + " | " if sel else "")
+                     + f"{r['peak_rss_mb']:.0f} | {r['load_1m_start']:.1f}-{r['load_1m_end']:.1f} |")
+    longest = max(res["rows"], key=lambda r: r["length"])
+    if longest["profile"]:
+        from .e2e_profile import render_profile
+
+        lines += ["", f"### Per-layer profile at {longest['length']} tokens (ms per decode step)", ""]
+        lines += render_profile(longest["profile"], res["num_layers"])
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny random Llama at 32/64 tokens (seconds)")
+    ap.add_argument("--lengths", type=int, nargs="+", help="context lengths (default 4096 8192 16384 32768)")
+    ap.add_argument("--steps", type=int, help="timed decode steps per configuration (default 8)")
+    ap.add_argument("--prefill-max", type=int, help="real prefill at most this long; longer contexts tile it "
+                                                    "(default 16384)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the per-layer stage profile")
+    ap.add_argument("--out", help="write the JSON result here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = config_from(args.quick, args.lengths, args.steps, args.prefill_max)
+    res = run(cfg, profile=not args.no_profile)
+    print("\n".join(render_markdown(res)))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+def config_from(quick: bool, lengths: list[int] | None, steps: int | None, prefill_max: int | None = None
+                ) -> E2EConfig:
+    """The run's config: :data:`QUICK` or the default, with ``lengths``/``steps``/``prefill_max`` when given."""
+    base = QUICK if quick else E2EConfig()
+    over = {k: v for k, v in (("lengths", tuple(lengths) if lengths else None), ("steps", steps),
+                              ("prefill_max", prefill_max)) if v is not None}
+    return E2EConfig(**{**asdict(base), **over})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

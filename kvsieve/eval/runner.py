@@ -390,6 +390,9 @@ def _write_run(folder: Path, run: RunSpec, cfg: EvalConfig, run_id: str, p: _Pro
     for key in _OPTIONAL_METRICS:
         if p.rows and key in p.rows[0]:
             metrics[key] = _mean([float(r[key]) for r in p.rows])
+    if p.rows and "mass_recall_per_layer" in p.rows[0]:  # fidelity: each layer's recall, mean over samples
+        layers = zip(*([float(x) for x in str(r["mass_recall_per_layer"]).split("|")] for r in p.rows))
+        metrics["mass_recall_per_layer"] = [_mean(list(v)) for v in layers]
     write_csv(folder / PREDICTIONS, p.rows, list(p.rows[0]))
     atomic_write_text(folder / METRICS, json.dumps(metrics, indent=2))
     discard_leftovers(folder)

@@ -154,6 +154,7 @@ class TorchBackend(AttentionBackend):
             k_cache, v_cache = lat, lat[..., : geometry.kv_lora_rank]
         else:
             k_cache, v_cache = mgr.k_cache(layer_idx), mgr.v_cache(layer_idx)
+        rpt = metadata.ragged_page_table
         pages, page_start = rpt.paged_kv_indices.to(torch.int64), rpt.paged_kv_indptr.to(torch.int64)
         page = mgr.tokens_per_block
         heads = torch.arange(geometry.num_kv_heads, device=q.device).view(-1, 1, 1)

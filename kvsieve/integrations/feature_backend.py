@@ -27,7 +27,7 @@ import torch
 from ..metadata import AttentionMetadata, KVCacheManager
 from ..metadata import PHASES
 from ..sparse.backends import AttentionBackend, AttentionGeometry, AttentionResult
-from ..sparse.backends.sdpa import gather_blocks
+from ..sparse.backends.sdpa import causal_sdpa, gather_blocks, sdpa_gqa
 from ..sparse.backends.torch_backend import selected_positions
 from ..sparse.params import SparseRuntimeParams, is_dense
 from ..sparse.selection import selection_mask
@@ -201,10 +201,7 @@ class FeatureBackend(AttentionBackend):
             k, v = k.to(q.dtype), v.to(q.dtype)
             n, kv_len = t1 - t0, k.shape[1]
             if window is None or kv_len <= window:
-                mask = None
-                if 1 < n < kv_len:  # bottom-right aligned causal mask
-                    mask = torch.arange(kv_len, device=q.device) <= (kv_len - n + torch.arange(n, device=q.device))[:, None]
-                out[t0:t1] = _sdpa(q[t0:t1], k, v, mask, mask is None and n == kv_len and n > 1, geometry.sm_scale)
+                out[t0:t1] = causal_sdpa(q[t0:t1], k, v, geometry.sm_scale)
                 continue
             # windowed: query chunks, each against the keys its window spans (a band, not the square)
             step = max(window, _WINDOW_CHUNK)
@@ -214,19 +211,10 @@ class FeatureBackend(AttentionBackend):
                 first = max(0, int(qpos[0]) - window + 1)
                 kpos = torch.arange(first, int(qpos[-1]) + 1, device=q.device)
                 mask = (kpos <= qpos[:, None]) & (kpos > qpos[:, None] - window)
-                out[t0 + c0:t0 + c1] = _sdpa(q[t0 + c0:t0 + c1], k[:, first:int(qpos[-1]) + 1],
-                                             v[:, first:int(qpos[-1]) + 1], mask, False, geometry.sm_scale)
+                out[t0 + c0:t0 + c1] = sdpa_gqa(q[t0 + c0:t0 + c1], k[:, first:int(qpos[-1]) + 1],
+                                                v[:, first:int(qpos[-1]) + 1], mask, False, geometry.sm_scale)
         return out
 
 
 #: query rows per SDPA call on a windowed layer (each call reads its rows' keys plus one window)
 _WINDOW_CHUNK = 1024
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-          scale: float) -> torch.Tensor:
-    """q ``[n, Hq, D]``, k/v ``[Hkv, L, D]`` -> ``[n, Hq, D]`` (torch SDPA, GQA)."""
-    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
-                                                         v.unsqueeze(0), attn_mask=mask, is_causal=causal,
-                                                         scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1)

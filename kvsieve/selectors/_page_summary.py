@@ -2,8 +2,11 @@
 
 *Summaries.* Per page of ``page_size`` tokens and per KV head, the element-wise min and max of K,
 kept in an auxiliary pool of the KV cache manager that shares the main cache's block ids:
-``[num_blocks, 2, Hkv, tokens_per_block // page_size, D]`` (index 0 = min, 1 = max) in the summary
-dtype (bf16, fp8 e5m2 or fp32; values are rounded to nearest). A page is recomputed from the
+``[num_blocks, Hkv, tokens_per_block // page_size, 2, D]`` (index 0 = min, 1 = max) in the summary
+dtype (bf16, fp8 e5m2 or fp32; values are rounded to nearest). One page's ``(min, max)`` of one head
+is a contiguous row of ``2 * D``, so a request's pages are read head-major ``[Hkv, pages, 2 * D]``
+(one block gather, or a slice of the pool when its blocks are contiguous and ascending) and
+scored by one batched GEMV per (query token, KV head). A page is recomputed from the
 cache whenever a token is written into it, and every page of a request after compaction.
 A query token reads its own page's summary over the positions up to itself only (recomputed from
 the cache), so with several query tokens of one request in a step an earlier token's choice never
@@ -31,7 +34,7 @@ import torch
 
 from ..metadata import KVCacheManager
 from ..sparse import SelectorInputs, SparseRuntimeParams
-from ._paged import drop_empty_columns, pack_generation_rows, top_p_count, top_p_cut, top_units
+from ._paged import drop_empty_columns, pack_generation_rows, top_p_count, top_p_cut, top_units, top_units_topk
 
 __all__ = ["SUMMARY_DTYPES", "SCORE_MODES", "PageSummaries", "page_scores", "select_pages", "select_pages_golden"]
 
@@ -49,7 +52,7 @@ class PageSummaries:
         if tpb % page_size:
             raise ValueError(f"page_size={page_size} must divide the KV cache's tokens_per_block={tpb}")
         self.cache, self.page_size, self.dtype = cache, page_size, dtype
-        shape = (2, cache.spec.num_kv_heads, tpb // page_size, cache.spec.head_dim)
+        shape = (cache.spec.num_kv_heads, tpb // page_size, 2, cache.spec.head_dim)
         name = f"page_summary_p{page_size}_{str(dtype).removeprefix('torch.')}"
         self.pools = cache.add_aux_pool(name, shape, dtype)
 
@@ -65,9 +68,7 @@ class PageSummaries:
         page = np.repeat(first, count) + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
         kmin, kmax, page_blk = self._summarize(layer_idx, slots[req], page, lens.astype(np.int64)[req])
         sub = torch.from_numpy((page * ps % tpb) // ps).to(dev)
-        pool = self.pools[layer_idx]
-        pool[page_blk, 0, :, sub] = kmin.to(self.dtype)
-        pool[page_blk, 1, :, sub] = kmax.to(self.dtype)
+        self.pools[layer_idx][page_blk, :, sub] = torch.stack([kmin, kmax], dim=2).to(self.dtype)  # [n, Hkv, 2, D]
 
     def prefix(self, layer_idx: int, slots: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``(kmin, kmax)`` each ``[n, Hkv, D]``: for row ``i``, the summary (rounded to the
@@ -92,39 +93,58 @@ class PageSummaries:
         kmax = keys.masked_fill(~mask, float("-inf")).amax(dim=1)
         return kmin, kmax, blk[:, 0]
 
-    def read(self, layer_idx: int, slots: np.ndarray, lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 ``(kmin, kmax)`` each ``[B, Np, Hkv, D]`` of the first ``ceil(lens/page)`` pages
-        (``Np`` = the longest); pages past a request's length hold arbitrary values."""
+    def gather(self, layer_idx: int, slots: np.ndarray, lens: np.ndarray) -> torch.Tensor:
+        """fp32 ``[B, Hkv, Np, 2, D]`` (``[..., 0, :]`` = min, ``1`` = max): the first
+        ``ceil(lens/page)`` pages of each request (``Np`` = the longest, at least 1); pages past a
+        request's length hold arbitrary values. Reads only those pages' blocks: a slice of the
+        pool when one request's blocks are contiguous and ascending, one block gather otherwise;
+        the upcast to fp32 is of the pages read, in the same copy that makes them head-major."""
         ps, tpb = self.page_size, self.cache.tokens_per_block
+        pool = self.pools[layer_idx]  # [num_blocks, Hkv, S, 2, D]
         n_pages = max(int(-(-int(lens.max()) // ps)), 1)
-        page = torch.arange(n_pages) * ps
-        table = torch.from_numpy(self.cache.block_table[slots].astype(np.int64))  # [B, max_blocks]
-        blk = table[:, page // tpb].to(self.cache.spec.device)  # [B, Np]
-        summ = self.pools[layer_idx][blk, :, :, ((page % tpb) // ps).to(blk.device)]  # [B, Np, 2, Hkv, D]
-        summ = summ.float()
-        return summ[:, :, 0], summ[:, :, 1]
+        n_blk = -(-n_pages * ps // tpb)
+        ids = self.cache.block_table[slots, :n_blk].astype(np.int64)  # [B, n_blk]
+        if len(slots) == 1 and (n_blk == 1 or bool((np.diff(ids[0]) == 1).all())):
+            blocks = pool[int(ids[0, 0]): int(ids[0, 0]) + n_blk].unsqueeze(0)
+        else:
+            blocks = pool.index_select(0, torch.from_numpy(ids.reshape(-1)).to(pool.device))
+            blocks = blocks.view(len(slots), n_blk, *pool.shape[1:])
+        b, _, hkv, sub, _, d = blocks.shape
+        out = torch.empty(b, hkv, n_blk, sub, 2, d, dtype=torch.float32, device=pool.device)
+        out.copy_(blocks.permute(0, 2, 1, 3, 4, 5))
+        return out.view(b, hkv, n_blk * sub, 2, d)[:, :, :n_pages]
+
+    def read(self, layer_idx: int, slots: np.ndarray, lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``(kmin, kmax)`` each ``[B, Np, Hkv, D]`` (views of :meth:`gather`)."""
+        summ = self.gather(layer_idx, slots, lens).transpose(1, 2)  # [B, Np, Hkv, 2, D]
+        return summ[..., 0, :], summ[..., 1, :]
 
 
-def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor, *,
-                mode: str, topr: int, sm_scale: float) -> torch.Tensor:
+def page_scores(q: torch.Tensor, summ: torch.Tensor, valid: torch.Tensor, *, mode: str, topr: int,
+                sm_scale: float) -> torch.Tensor:
     """fp32 ``[T, Hkv, Np]``: softmax-over-pages page scores, averaged over each KV group.
 
-    ``q [T, Hq, D]``; ``kmin``/``kmax [T, Np, Hkv, D]`` (the summaries of each token's request);
-    ``valid [T, Np]`` bool: each token's candidate pages (others score ``-inf``).
+    ``q [T, Hq, D]``; ``summ [T, Hkv, Np, 2, D]`` fp32 (min, max: the summaries of each token's
+    request); ``valid [T, Np]`` bool: each token's candidate pages (others score ``-inf``).
+
+    Both modes are one GEMV of a ``2 * D`` query against each page's ``(min, max)`` row: ``bound``
+    pairs ``min(q, 0)`` with min and ``max(q, 0)`` with max (``max(q_d min_d, q_d max_d)`` term by
+    term); ``sign`` pairs ``q`` with max on the group's positive channels and with min elsewhere.
     """
     t, hq, d = q.shape
-    hkv = kmin.shape[2]
+    hkv, n_pages = summ.shape[1], summ.shape[2]
     qg = q.float().view(t, hkv, hq // hkv, d)
     if topr < d:
         channels = qg.abs().sum(dim=2).topk(topr, dim=-1).indices  # [T, Hkv, topr]
         keep = torch.zeros(t, hkv, d, dtype=torch.bool, device=q.device).scatter_(-1, channels, True)
         qg = qg * keep.unsqueeze(2)
     if mode == "sign":
-        positive = (qg.sum(dim=2) > 0).unsqueeze(1)  # [T, 1, Hkv, D]
-        logits = torch.einsum("thgd,tphd->thgp", qg, torch.where(positive, kmax, kmin))
+        positive = (qg.sum(dim=2) > 0).unsqueeze(2)  # [T, Hkv, 1, D]
+        zero = torch.zeros_like(qg)
+        qcat = torch.cat([torch.where(positive, zero, qg), torch.where(positive, qg, zero)], dim=-1)
     else:
-        logits = (torch.einsum("thgd,tphd->thgp", qg.clamp(min=0), kmax)
-                  + torch.einsum("thgd,tphd->thgp", qg.clamp(max=0), kmin))
+        qcat = torch.cat([qg.clamp(max=0), qg.clamp(min=0)], dim=-1)  # [T, Hkv, G, 2D]
+    logits = torch.matmul(qcat, summ.view(t, hkv, n_pages, 2 * d).transpose(-1, -2))  # [T, Hkv, G, Np]
     logits = (logits * sm_scale).masked_fill(~valid[:, None, None, :], float("-inf"))
     return torch.softmax(logits, dim=-1).mean(dim=2).masked_fill(~valid[:, None, :], float("-inf"))
 
@@ -133,7 +153,7 @@ def _finish(scores: torch.Tensor, n_pages: torch.Tensor, topk: int, top_p: float
     """Force the newest page (scores are <= 1, so 2 wins) and take the top pages: ``[T, Hkv, k]``
     (``scores [T, Hkv, Np]``, ``-inf`` on invalid pages); with ``top_p`` cut at that mass."""
     newest = (n_pages - 1).clamp(min=0)[:, None, None].expand(-1, scores.shape[1], 1)
-    sel = top_units(scores.scatter(-1, newest, 2.0), min(topk, scores.shape[-1]))
+    sel = top_units_topk(scores.scatter(-1, newest, 2.0), min(topk, scores.shape[-1]))
     if top_p is None:
         return sel
     mass = torch.gather(scores, -1, sel.clamp(min=0))
@@ -150,18 +170,21 @@ def select_pages(inputs: SelectorInputs, summaries: PageSummaries, *, mode: str,
     g0 = int(md.query_start_host[c])
     token_lens = md.token_kv_lens.to(torch.int64)
     n_pages = -(-token_lens // ps)  # [T]
-    req = torch.from_numpy(md.token_to_req_host[g0: md.num_tokens].astype(np.int64) - c).to(inputs.q.device)
-    kmin, kmax = summaries.read(inputs.layer_idx, md.slots[c:], md.kv_lens_host[c: md.num_seqs])
-    kmin, kmax = kmin[req], kmax[req]  # [T', Np, Hkv, D]
-    # each token's own page summarized up to itself (not up to the step's last token)
-    positions = md.positions_host[g0: md.num_tokens]
-    own_min, own_max = summaries.prefix(inputs.layer_idx, md.slots[md.token_to_req_host[g0: md.num_tokens]], positions)
-    rows = torch.arange(len(positions), device=kmin.device)
-    own = torch.from_numpy(positions.astype(np.int64) // ps).to(kmin.device)
-    kmin[rows, own], kmax[rows, own] = own_min, own_max
-    valid = torch.arange(kmin.shape[1], device=kmin.device) < n_pages[g0:].unsqueeze(1)  # [T', Np]
+    req_host = md.token_to_req_host[g0: md.num_tokens].astype(np.int64) - c
+    req = torch.from_numpy(req_host).to(inputs.q.device)
+    summ = summaries.gather(inputs.layer_idx, md.slots[c:], md.kv_lens_host[c: md.num_seqs])  # [B', Hkv, Np, 2, D]
+    if not np.array_equal(req_host, np.arange(summ.shape[0])):  # several tokens of a request: own page up to itself
+        summ = summ[req]  # [T', Hkv, Np, 2, D]
+        positions = md.positions_host[g0: md.num_tokens]
+        own_min, own_max = summaries.prefix(inputs.layer_idx, md.slots[md.token_to_req_host[g0: md.num_tokens]],
+                                            positions)
+        rows = torch.arange(len(positions), device=summ.device)
+        own = torch.from_numpy(positions.astype(np.int64) // ps).to(summ.device)
+        summ[rows, :, own] = torch.stack([own_min, own_max], dim=2)
+    # one token per request: it is its request's last position, whose page the pool holds up to it
+    valid = torch.arange(summ.shape[2], device=summ.device) < n_pages[g0:].unsqueeze(1)  # [T', Np]
     valid = inputs.mask_outside_window(valid, token_lens[g0:], unit=ps, fill=False)
-    scores = page_scores(inputs.q[g0:], kmin, kmax, valid, mode=mode, topr=topr, sm_scale=inputs.sm_scale)
+    scores = page_scores(inputs.q[g0:], summ, valid, mode=mode, topr=topr, sm_scale=inputs.sm_scale)
     return pack_generation_rows(_finish(scores, n_pages[g0:], topk, top_p), inputs, ps)
 
 

@@ -12,7 +12,7 @@ from ..metadata import KVCacheManager
 from ..sparse import SelectorInputs, SparseRuntimeParams
 from ..sparse.knobs import knob
 
-__all__ = ["gather_padded_keys", "top_units", "top_p_knob", "top_p_cut", "top_p_count", "drop_empty_columns",
+__all__ = ["gather_padded_keys", "top_units", "top_units_topk", "top_p_knob", "top_p_cut", "top_p_count", "drop_empty_columns",
            "pack_generation_rows", "check_power_of_two"]
 
 
@@ -47,6 +47,23 @@ def top_units(scores: torch.Tensor, k: int) -> torch.Tensor:
     lower index (a stable descending sort, so the golden and the fast path agree on plateaus).
     Entries whose score is ``-inf`` (invalid units) come back as ``-1``; needs ``k <= N``."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    picked = torch.gather(scores, -1, order)
+    return torch.where(torch.isneginf(picked), -1, order)
+
+
+def top_units_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`top_units` through ``torch.topk`` instead of a full sort (fp32 ``scores``, no NaN,
+    ``N < 2**32``; other dtypes take :func:`top_units`): each score's order-preserving int32 image
+    (IEEE bits, negatives flipped; ``-0.0`` as ``+0.0``) is shifted left 32 bits and joined with
+    ``2**32 - 1 - index``, so every key is distinct and ties rank the lower index first — the
+    stable sort's order, found by a partial selection."""
+    n = scores.shape[-1]
+    if scores.dtype != torch.float32 or n >= 2 ** 32:
+        return top_units(scores, k)
+    bits = (scores + 0.0).view(torch.int32)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    keys = (bits << 32) + (2 ** 32 - 1 - torch.arange(n, device=scores.device))
+    order = torch.topk(keys, k, dim=-1, sorted=True).indices
     picked = torch.gather(scores, -1, order)
     return torch.where(torch.isneginf(picked), -1, order)
 

@@ -105,3 +105,26 @@ def test_page_summaries_match_the_cache():
         for p in range(-(-keys.shape[0] // 8)):
             assert torch.equal(kmin[0, p], keys[p * 8: (p + 1) * 8].amin(0))
             assert torch.equal(kmax[0, p], keys[p * 8: (p + 1) * 8].amax(0))
+
+
+def test_page_summaries_read_through_both_paths():
+    """A request whose blocks are not contiguous (another request took the block after its second)
+    is read through the block gather, a contiguous one through the pool slice, and both together
+    through the gather: each against the min/max of its cached keys."""
+    h = Harness("quest", {"budget": 32, "page_size": 8, "summary_dtype": "float32"}, tpb=16)
+    gen = torch.Generator().manual_seed(4)
+    steps = [([1], [21], 1), ([2], [11], 1)] + [([1], [1], 0)] * 12
+    for rids, lens, ctx in steps:
+        q, k, v = h.qkv(lens[0], gen)
+        inputs = h.hook_inputs(rids, lens, ctx, q, k, v)
+        h.engine.end_step()
+    assert h.cache.block_ids(1) == [1, 2, 4] and h.cache.block_ids(2) == [3]
+    summaries = h.selector.summaries(inputs)
+    for rids in ([1], [2], [1, 2]):
+        slots = h.cache.slots(rids)
+        kmin, kmax = summaries.read(0, slots, h.cache.valid_lens[slots])
+        for b, rid in enumerate(rids):
+            keys, _ = h.cache.gather(0, rid)
+            for p in range(-(-keys.shape[0] // 8)):
+                assert torch.equal(kmin[b, p], keys[p * 8: (p + 1) * 8].amin(0))
+                assert torch.equal(kmax[b, p], keys[p * 8: (p + 1) * 8].amax(0))

@@ -8,8 +8,10 @@ that step for the eval model and merges its result into the entry's ``params``:
   indexer geometry ``n_heads``/``head_dim``/``rope_dim``/``rope_theta``.
 * ``calibrate_skip_softmax`` (``skip_softmax``): the decode-phase coefficients ``(a, b)`` of
   ``factor = a * exp(b * sparsity)``, fitted by :func:`kvsieve.selectors.skip_softmax.fit_threshold_formula`
-  on the model's own attention (the last query of each layer over the whole context, on essay
-  text); gives ``calibration: {generation: [a, b]}``.
+  on the model's own attention (the last query of each layer the entry runs on — its ``layers`` /
+  ``layer_types`` / ``dense_layers``, by default the full-attention layers of a model that
+  interleaves layer types — over the whole context, on essay text); gives
+  ``calibration: {generation: [a, b]}``. The layers are part of the cache key.
 
 Each result is cached under ``$KVSIEVE_CACHE/prepared/`` (default ``~/.cache/kvsieve``), keyed
 by a sha256 of the model's weights and of the step's options, and reused; the sweep prints
@@ -89,6 +91,8 @@ def prepare_selectors(cfg: EvalConfig, lm: LoadedModel, log: Callable[[str], Non
     for s in cfg.selectors:
         if s.prepare is not None:
             options = PREPARE_OPTIONS[s.prepare] | s.prepare_params
+            if s.prepare == "calibrate_skip_softmax":
+                options["layers"] = _planned_layers(lm, s)
             key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
             step = _distill if s.prepare == "distill_indexer" else _calibrate
             try:
@@ -142,7 +146,7 @@ def _calibrate(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
             f"a={fit['a']:.4g}, b={fit['b']:.4g})")
         return {"calibration": {"generation": (fit["a"], fit["b"])}}
     t0 = time.perf_counter()
-    samples, scale = _decode_samples(lm, options["length"], options["num_texts"])
+    samples, scale = _decode_samples(lm, options["length"], options["num_texts"], set(options["layers"]))
     fit = fit_threshold_formula(samples, factors=tuple(options["factors"]), sm_scale=scale)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -150,15 +154,26 @@ def _calibrate(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
                                "points": [list(p) for p in fit.points]}, indent=2), encoding="utf-8")
     tmp.rename(path)
     log(f"kvsieve eval: {label}: calibrated skip-softmax for {lm.name} in {time.perf_counter() - t0:.0f} s "
-        f"(a={fit.a:.4g}, b={fit.b:.4g} from {len(samples)} layer samples), saved to {path}")
+        f"(a={fit.a:.4g}, b={fit.b:.4g} from {len(samples)} layer samples of layers {options['layers']}), "
+        f"saved to {path}")
     return {"calibration": {"generation": (fit.a, fit.b)}}
 
 
-def _decode_samples(lm: LoadedModel, length: int, num_texts: int
+def _planned_layers(lm: LoadedModel, spec: SelectorSpec) -> list[int]:
+    """The layers ``spec`` runs its selector on in ``lm``, as the session's plan resolves them."""
+    from ..sparse.layer_plan import sparse_layers
+
+    cfg = lm.model.config
+    cfg = getattr(cfg, "text_config", cfg)
+    return sorted(sparse_layers(num_layers=cfg.num_hidden_layers, model_layer_types=getattr(cfg, "layer_types", None),
+                                layers=spec.layers, layer_types=spec.layer_types, dense_layers=spec.dense_layers))
+
+
+def _decode_samples(lm: LoadedModel, length: int, num_texts: int, layers: set[int]
                     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], float]:
-    """Per layer and text, the last query over the whole context: ``(q [1, Hq, D], k [L, Hkv, D],
-    v [L, Hkv, D])`` as the model's attention function receives them (after RoPE and any norm);
-    and the layers' softmax scale (one value; a model whose layers differ is refused)."""
+    """Per layer in ``layers`` and text, the last query over the whole context: ``(q [1, Hq, D],
+    k [L, Hkv, D], v [L, Hkv, D])`` as the model's attention function receives them (after RoPE
+    and any norm); and those layers' softmax scale (one value; layers that differ are refused)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -168,6 +183,10 @@ def _decode_samples(lm: LoadedModel, length: int, num_texts: int
     samples, scales = [], set()
 
     def capture(module, query, key, value, attention_mask, **kwargs):
+        if getattr(module, "layer_idx", None) is None:
+            raise ValueError(f"calibrate_skip_softmax: attention module {type(module).__name__} has no layer_idx")
+        if module.layer_idx not in layers:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         samples.append((query[0, :, -1:].transpose(0, 1).float(), key[0].transpose(0, 1).float(),
                         value[0].transpose(0, 1).float()))
         scales.add(float(kwargs["scaling"]) if kwargs.get("scaling") is not None else query.shape[-1] ** -0.5)

@@ -118,3 +118,15 @@ def test_a_sweep_runs_prepared_dsa_and_skip_softmax(cache, tiny, tmp_path):
     row = {r["selector"]: r for r in result.rows}
     assert float(row["dsa"]["achieved_sparsity"]) > 0.5  # 75 of 300 tokens per decode query
     assert float(row["skip_softmax"]["achieved_sparsity"]) > 0.0  # skipped tiles count as not computed
+
+
+def test_skip_softmax_is_calibrated_on_the_layers_it_runs_on(cache, tiny):
+    """The calibration reads only the layers the entry's plan selects, and they key the cache."""
+    logs: list[str] = []
+    only = [o for o in TINY if "dsa" not in o] + ["selectors.dsa=null", "selectors.skip_softmax.layers=[1]"]
+    prepare.prepare_selectors(load_config(preset=RECIPES, overrides=only), tiny, logs.append)
+    assert "from 1 layer samples of layers [1])" in logs[0], logs
+    both = [o for o in TINY if "dsa" not in o] + ["selectors.dsa=null"]
+    prepare.prepare_selectors(load_config(preset=RECIPES, overrides=both), tiny, logs.append)
+    assert "calibrated" in logs[1] and "from 2 layer samples of layers [0, 1])" in logs[1], logs  # not reused
+    assert len(list(cache.glob("calibrate_skip_softmax-*.json"))) == 2

@@ -48,17 +48,18 @@ def check_backend(backend: str, features: list[LayerFeatures]) -> None:
                          f"(attn_logit_softcapping={caps[0]}); use one of {list(SOFTCAP_BACKENDS)}")
 
 
-def gather_request_kv(cache: KVCacheManager, layer_idx: int, request_id: int, *, head_major: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_request_kv(cache: KVCacheManager, layer_idx: int, request_id: int, *, head_major: bool = False,
+                      scratch: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's valid K and V of a GQA layer, copied whole block by whole block (one
     ``index_select`` over the block ids instead of a per-position gather).
 
-    Returns ``[L, Hkv, D]`` each, or ``[Hkv, L, D]`` with ``head_major``.
+    Returns ``[L, Hkv, D]`` each, or ``[Hkv, L, D]`` with ``head_major``; with ``scratch``, views of
+    a reused buffer (:func:`~kvsieve.sparse.backends.sdpa.gather_blocks`).
     """
     if cache.spec.kind != "gqa":
         raise ValueError(f"gather_request_kv: GQA caches only, this one is {cache.spec.kind!r}")
     k, v = gather_blocks(cache.pools[layer_idx], cache.spec.layout, cache.block_ids(request_id),
-                         cache.valid_len(request_id))  # [Hkv, L, D] each
+                         cache.valid_len(request_id), scratch)  # [Hkv, L, D] each
     return (k, v) if head_major else (k.transpose(0, 1), v.transpose(0, 1))
 
 
@@ -195,9 +196,8 @@ class FeatureBackend(AttentionBackend):
             t0, t1 = (int(x) for x in metadata.query_start_host[i: i + 2])
             if t1 == t0:
                 continue
-            mgr = metadata.kv_cache_manager
-            k, v = gather_blocks(mgr.pools[layer_idx], mgr.spec.layout, mgr.block_ids(rid), mgr.valid_len(rid),
-                                 self._scratch)  # [Hkv, L, D], views of the scratch buffer
+            k, v = gather_request_kv(metadata.kv_cache_manager, layer_idx, rid, head_major=True,
+                                     scratch=self._scratch)  # [Hkv, L, D], views of the scratch buffer
             k, v = k.to(q.dtype), v.to(q.dtype)
             n, kv_len = t1 - t0, k.shape[1]
             if window is None or kv_len <= window:

@@ -157,14 +157,17 @@ def indexer_recall(model: torch.nn.Module, tokenizer: Any, projs: dict[int, Inde
 
 
 def attach_dsa_indexer(session: Any) -> list[Any]:
-    """Feed a :class:`KvsieveSession`'s ``dsa`` selector the hidden states of every attention
-    module: a forward pre-hook per sparse layer adds ``IndexerInputs(hidden=...)`` to the module's
-    call as the keyword argument ``MODEL_INPUTS_KWARG``, which the module passes on to kvsieve's
-    attention function and that to the layer's step. Returns the hook handles (``.remove()`` to detach)."""
+    """Feed every selector of a :class:`KvsieveSession` that reads :class:`IndexerInputs` (``dsa``,
+    or any selector declaring that ``model_inputs_type``) the hidden states of its attention
+    module: a forward pre-hook per layer adds ``IndexerInputs(hidden=...)`` to the module's call as
+    the keyword argument ``MODEL_INPUTS_KWARG`` when the layer's plan reads them, which the module
+    passes on to kvsieve's attention function and that to the layer's step. Returns the hook
+    handles (``.remove()`` to detach)."""
     handles = []
     for i, attn in enumerate(session.modules):
         def pre(mod, args, kwargs, i=i):
-            if session.layers[i].plan is None:
+            plan = session.layers[i].plan
+            if plan is None or plan.selector.model_inputs_type is not IndexerInputs:
                 return None
             hidden = kwargs["hidden_states"]
             return args, {**kwargs, MODEL_INPUTS_KWARG: IndexerInputs(hidden=hidden.reshape(-1, hidden.shape[-1]))}

@@ -34,7 +34,8 @@ import yaml
 
 from .. import __version__, create_selector
 from ..integrations.transformers import KvsieveSession
-from ..sparse import SparseAttentionConfig, SparseSelector
+from ..selectors.dsa_projections import IndexerInputs
+from ..sparse import SparseAttentionConfig, SparseSelector, get_selector_class
 from .config import RESULT_NEUTRAL, Budget, EvalConfig, SelectorSpec, TaskSpec
 from .metrics import mean_ci95
 from .distill_indexer import attach_dsa_indexer
@@ -337,8 +338,10 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
 def _execute(session: KvsieveSession, task: Task, run: RunSpec, ids: torch.Tensor, prefix: int, sample: Sample,
              reference: Any, shared: list[torch.Tensor], tokenizer: Any) -> tuple[dict[str, Any], list[float | None]]:
     """One run on one sample; ``shared`` holds the dense prefill's logits once a sharing run made it.
-    A ``dsa`` run feeds its indexer each layer's hidden state (hooks attached for the run only)."""
-    handles = attach_dsa_indexer(session) if run.sparse is not None and run.sparse.selector == "dsa" else []
+    A run whose selector reads :class:`IndexerInputs` (``dsa``) feeds it each layer's hidden state
+    (hooks attached for the run only)."""
+    reads_indexer = run.sparse is not None and get_selector_class(run.sparse.selector).model_inputs_type is IndexerInputs
+    handles = attach_dsa_indexer(session) if reads_indexer else []
     try:
         if run.shares_prefill:
             if not shared:

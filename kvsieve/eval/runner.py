@@ -1,10 +1,11 @@
 """The sweep: tasks x lengths x (dense + selectors x budgets), one folder per run, resumable.
 
 A cell is (task, length). Its samples are generated once; for each sample the pending runs of the
-cell execute back to back. Runs whose selector keeps no prompt state (no ``on_append`` /
-``predict_kv`` / ``on_compacted`` hook, acts in the generation phase only) share one dense
-prefill: the session rewinds the paged cache to the prompt and decodes again. Others prefill on
-their own.
+cell execute back to back. Runs whose selector acts in the generation phase only, evicts nothing
+and either keeps no per-token state or rebuilds it from the cache when installed
+(``on_attach``, e.g. Quest's page summaries) share one dense prefill: the session rewinds the
+paged cache to the prompt and decodes again. Others (DSA's indexer keys, prompt eviction)
+prefill on their own.
 
 Every run has an identity: its fully resolved config (model, backend, seed, task parameters at its
 length, selector entry and budget, the lowered :class:`SparseAttentionConfig`, the kvsieve
@@ -35,7 +36,7 @@ import yaml
 from .. import __version__, create_selector
 from ..integrations.transformers import KvsieveSession
 from ..selectors.dsa_projections import IndexerInputs
-from ..sparse import SparseAttentionConfig, SparseSelector, get_selector_class
+from ..sparse import SparseAttentionConfig, SparseSelector, attach_refusal, get_selector_class
 from .config import RESULT_NEUTRAL, Budget, EvalConfig, SelectorSpec, TaskSpec
 from .metrics import mean_ci95
 from .distill_indexer import attach_dsa_indexer
@@ -54,7 +55,6 @@ DENSE = "dense"
 SUMMARY_FIELDS = ("task", "length", "model", "selector", "budget_label", "budget_tokens", "target_sparsity",
                   "reduction_factor", "achieved_sparsity", "score", "ci95_low", "ci95_high", "n", "partial",
                   "mass_recall", "rel_error", "topk_overlap", "kl", "status", "error", "run_id", "folder")
-_STATELESS_HOOKS = ("on_append", "predict_kv", "on_compacted")
 _OPTIONAL_METRICS = ("partial", "mass_recall", "rel_error", "topk_overlap", "kl")
 
 
@@ -113,11 +113,13 @@ def _run_id(identity: dict[str, Any]) -> str:
 
 
 def _shares_prefill(config: SparseAttentionConfig) -> bool:
-    """True when the selector keeps no prompt state and acts only while decoding."""
+    """True when the selector acts only while decoding, evicts nothing, and can be installed on a
+    prompt already in the cache (:func:`~kvsieve.sparse.attach_refusal`): then a dense prefill is
+    the prefill it would have run."""
     sel = create_selector(config.selector, **config.params)
     phases = set(config.phases or sel.capabilities.phases)
-    hooks_free = all(getattr(type(sel), h) is getattr(SparseSelector, h) for h in _STATELESS_HOOKS)
-    return hooks_free and not sel.capabilities.evicts and phases == {"generation"}
+    no_kv = type(sel).predict_kv is SparseSelector.predict_kv
+    return no_kv and not sel.capabilities.evicts and phases == {"generation"} and attach_refusal(sel) is None
 
 
 def plan_runs(cfg: EvalConfig, model_name: str) -> list[list[RunSpec]]:

@@ -224,7 +224,11 @@ class KvsieveSession:
         A selector on a windowed layer is told the window and chooses only inside it (it must
         declare ``Capabilities.sliding_window``; one that does not, or that evicts prompt tokens,
         is refused by :func:`lower_config`, naming the layer and its type); the backend still
-        intersects every selection with the window."""
+        intersects every selection with the window. Installed between steps of live requests (a
+        dense prefill, then a sparse decode), a selector rebuilds its per-token state from the
+        cache at the next step (:meth:`~kvsieve.sparse.SparseSelector.on_attach`), or that step is
+        refused with the cache unchanged (:func:`~kvsieve.sparse.attach_refusal`, e.g. DSA, whose
+        index keys come from hidden states the cache does not hold)."""
         plans = lower_config(config, num_layers=self.num_layers, device=self.device,
                              layer_types=[f.layer_type for f in self.features],
                              layer_windows=[f.window for f in self.features])

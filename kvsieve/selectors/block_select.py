@@ -286,6 +286,10 @@ class BlockSelectSelector(PageSelectorBase):
         if self.config.scoring == "summary":
             super().on_append(inputs)
 
+    def on_attach(self, inputs: SelectorInputs, requests: np.ndarray) -> None:
+        if self.config.scoring == "summary":
+            super().on_attach(inputs, requests)
+
     def on_compacted(self, inputs: SelectorInputs, kept: list[torch.Tensor]) -> None:
         if self.config.scoring == "summary":
             super().on_compacted(inputs, kept)

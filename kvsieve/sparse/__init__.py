@@ -1,7 +1,7 @@
 """The plug-in contract: params, selector base class, registry, config lowering, the layer, backends."""
 from __future__ import annotations
 
-from .algorithm import Capabilities, SelectorInputs, SparseSelector
+from .algorithm import Capabilities, SelectorInputs, SparseSelector, attach_refusal
 from .attention import LayerOutput, LayerStats, SparseAttention, commit_evictions
 from .backends import (AttentionBackend, AttentionGeometry, AttentionResult, available_backends, get_backend,
                        register_backend)
@@ -12,7 +12,7 @@ from .registry import ENTRY_POINT_GROUP, PluginError, available_selectors, creat
 from .selection import attended_counts, selection_mask
 
 __all__ = [
-    "Capabilities", "Engine", "SelectorInputs", "SparseSelector", "LayerOutput", "LayerStats", "SparseAttention",
+    "Capabilities", "attach_refusal", "Engine", "SelectorInputs", "SparseSelector", "LayerOutput", "LayerStats", "SparseAttention",
     "commit_evictions", "AttentionBackend", "AttentionGeometry", "AttentionResult", "available_backends",
     "get_backend", "register_backend", "PluginError", "is_dense", "LayerPlan",
     "SparseAttentionConfig", "lower_config", "SparseRuntimeParams", "ENTRY_POINT_GROUP",

@@ -24,6 +24,12 @@ Sliding windows: on a layer whose queries see only their last ``window`` positio
 among ``[kv_len - window, kv_len)``, through the helpers :meth:`SelectorInputs.window_starts`,
 :meth:`SelectorInputs.mask_outside_window` and :meth:`SelectorInputs.clip_to_window` (all no-ops
 without a window). A selector that does not declare it is refused on such a layer.
+
+Installed mid-request: a selector whose hooks build per-token state (``on_append`` /
+``on_compacted``, e.g. page summaries, indexer keys) has not seen the positions a request held
+before the selector was installed (a dense prefill, then a sparse decode). The layer calls
+:meth:`SparseSelector.on_attach` for such requests first; a selector that keeps such state and
+does not override ``on_attach`` to rebuild it from the cache is refused (:func:`attach_refusal`).
 """
 from __future__ import annotations
 
@@ -242,5 +248,28 @@ class SparseSelector:
     def on_compacted(self, inputs: SelectorInputs, kept: list[torch.Tensor]) -> None:
         """Called after this layer's cache was compacted (``kept[i]``: ``[Hkv, n_keep]`` of context ``i``)."""
 
+    def on_attach(self, inputs: SelectorInputs, requests: np.ndarray) -> None:
+        """Called before the step's K/V are written, at the selector's first step with requests
+        whose earlier positions it never saw: ``requests`` (int64 ``[n]``, indices into the step's
+        requests) each hold positions ``[0, kv_len - q_len)`` in the cache from before the selector
+        was installed. Rebuild from the cache the state :meth:`on_append` would have built for
+        them. The default does nothing; :func:`attach_refusal` refuses a selector that keeps
+        such state without overriding this."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"
+
+
+_STATE_HOOKS = ("on_append", "on_compacted")
+
+
+def attach_refusal(selector: SparseSelector) -> str | None:
+    """Why ``selector`` cannot be installed on requests that already hold positions, or ``None``
+    when it can: it keeps per-token state (overrides ``on_append`` or ``on_compacted``) and has no
+    :meth:`SparseSelector.on_attach` to rebuild that state from the cache."""
+    cls = type(selector)
+    stateful = [h for h in _STATE_HOOKS if getattr(cls, h) is not getattr(SparseSelector, h)]
+    if not stateful or cls.on_attach is not SparseSelector.on_attach:
+        return None
+    return (f"selector {selector.name!r} builds per-token state in {' and '.join(stateful)} and cannot rebuild "
+            "it for positions cached before it was installed (no on_attach); install it before the prefill")

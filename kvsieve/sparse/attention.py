@@ -2,6 +2,9 @@
 
 Order within ``forward`` for one step:
 
+0. ``selector.on_attach`` for requests that held positions before the plan was installed (a
+   selector that keeps per-token state and cannot rebuild it is refused here, before anything is
+   written: :func:`~.algorithm.attach_refusal`);
 1. write the step's K/V into the paged cache;
 2. ``selector.on_append`` (e.g. page summaries), every step;
 3. the phases the selector runs in are the plan's phases present this step
@@ -26,10 +29,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from ..metadata import AttentionMetadata
-from .algorithm import SelectorInputs
+from .algorithm import SelectorInputs, attach_refusal
 from .backends import AttentionBackend, AttentionGeometry, default_backend, get_backend
 from .config import LayerPlan
 from .knobs import check_value
@@ -118,6 +122,7 @@ class SparseAttention:
             except ValueError as e:
                 raise ValueError(f"layer {self.layer_idx}: {e}") from None
         self._plan = plan
+        self._attached: set[int] = set()  # live requests whose positions the plan's selector has seen
 
     @property
     def last(self) -> LayerOutput | None:
@@ -152,11 +157,13 @@ class SparseAttention:
             raise ValueError(f"q must be [num_tokens={metadata.num_tokens}, {g.num_q_heads}, D], got {tuple(q.shape)}")
         self._check_model_inputs(model_inputs)
         mgr = metadata.kv_cache_manager
-        slots = metadata.slots[metadata.token_to_req_host]
-        mgr.write(self.layer_idx, slots, metadata.positions_host, k, v)
         params = kept = inputs = None
         if self.plan is not None:
             inputs = self.selector_inputs(q, k, v, metadata, model_inputs)
+            self._attach(inputs)
+        slots = metadata.slots[metadata.token_to_req_host]
+        mgr.write(self.layer_idx, slots, metadata.positions_host, k, v)
+        if inputs is not None:
             sel = self.plan.selector
             sel.on_append(inputs)
             if "context" in inputs.phases:
@@ -177,6 +184,25 @@ class SparseAttention:
         stats = LayerStats(int(res.attended.sum()), int(dense), n_kept, res.skipped_tiles, res.walked_tiles)
         self._last = LayerOutput(res.out, res.lse, params, stats, dict(res.paths))
         return self._last
+
+    def _attach(self, inputs: SelectorInputs) -> None:
+        """``on_attach`` for the step's requests that hold earlier positions the plan's selector has
+        not seen (it was installed after they began); refused, naming the request, for a selector
+        that cannot rebuild its state."""
+        md = inputs.metadata
+        n = md.num_seqs
+        starts = md.kv_lens_host[:n] - np.diff(md.query_start_host[: n + 1])
+        rids = md.request_ids[:n]
+        self._attached &= set(md.kv_cache_manager.request_ids)
+        unseen = np.array([i for i in range(n) if starts[i] > 0 and rids[i] not in self._attached], dtype=np.int64)
+        if len(unseen):
+            why = attach_refusal(self.plan.selector)
+            if why is not None:
+                i = int(unseen[0])
+                raise ValueError(f"layer {self.layer_idx}: request {rids[i]} holds {int(starts[i])} positions "
+                                 f"from before the plan was installed; {why}")
+            self.plan.selector.on_attach(inputs, unseen)
+        self._attached.update(rids)
 
     def _check_model_inputs(self, model_inputs: object) -> None:
         """Refuse model inputs the plan's selector does not declare, and a missing or mistyped one it needs."""

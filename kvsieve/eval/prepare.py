@@ -6,12 +6,13 @@ that step for the eval model and merges its result into the entry's ``params``:
 * ``distill_indexer`` (``dsa``): the DSA indexer distilled for the model
   (:func:`kvsieve.eval.distill_indexer.distill`); gives ``projections`` (the file) and the
   indexer geometry ``n_heads``/``head_dim``/``rope_dim``/``rope_theta``.
-* ``calibrate_skip_softmax`` (``skip_softmax``): the decode-phase coefficients ``(a, b)`` of
-  ``factor = a * exp(b * sparsity)``, fitted by :func:`kvsieve.selectors.skip_softmax.fit_threshold_formula`
-  on the model's own attention (the last query of each layer the entry runs on — its ``layers`` /
+* ``calibrate_skip_softmax`` (``skip_softmax``): the decode-phase skipped-tile fraction measured
+  against the factor by :func:`kvsieve.selectors.skip_softmax.calibrate_threshold` on the model's
+  own attention (the last query of each layer the entry runs on — its ``layers`` /
   ``layer_types`` / ``dense_layers``, by default the full-attention layers of a model that
-  interleaves layer types — over the whole context, on essay text); gives
-  ``calibration: {generation: [a, b]}``. The layers are part of the cache key.
+  interleaves layer types — over the whole context, on essay text), bisected around each target
+  sparsity of the entry; gives ``calibration_points: {generation: [(factor, fraction), ...]}``,
+  which the selector interpolates. The layers and the targets are part of the cache key.
 
 Each result is cached under ``$KVSIEVE_CACHE/prepared/`` (default ``~/.cache/kvsieve``), keyed
 by a sha256 of the model's weights and of the step's options, and reused; the sweep prints
@@ -39,7 +40,7 @@ PREPARE_OPTIONS: dict[str, dict[str, Any]] = {
     "distill_indexer": {"n_heads": 8, "head_dim": 32, "rope_dim": 16, "seq_len": 512, "num_seqs": 8, "epochs": 8,
                         "lr": 3e-3, "seed": 0},
     "calibrate_skip_softmax": {"length": 2048, "num_texts": 2,
-                               "factors": [10.0 ** e for e in range(-1, 7)]},
+                               "factors": [10.0 ** e for e in range(-1, 7)], "steps": 8},
 }
 _SELECTOR_OF = {"distill_indexer": "dsa", "calibrate_skip_softmax": "skip_softmax"}
 _CAPTURE = "kvsieve_capture"
@@ -93,6 +94,7 @@ def prepare_selectors(cfg: EvalConfig, lm: LoadedModel, log: Callable[[str], Non
             options = PREPARE_OPTIONS[s.prepare] | s.prepare_params
             if s.prepare == "calibrate_skip_softmax":
                 options["layers"] = _planned_layers(lm, s)
+                options["targets"] = sorted({b.sparsity for t in cfg.tasks for n in t.lengths for b in s.resolve(n)})
             key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
             step = _distill if s.prepare == "distill_indexer" else _calibrate
             try:
@@ -137,26 +139,27 @@ def _distill(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
 
 def _calibrate(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
                log: Callable[[str], None]) -> dict[str, Any]:
-    from ..selectors.skip_softmax import fit_threshold_formula
+    from ..selectors.skip_softmax import calibrate_threshold, interpolate_factor
 
     path = stem.with_suffix(".json")
     if path.is_file():
-        fit = json.loads(path.read_text(encoding="utf-8"))
-        log(f"kvsieve eval: {label}: reused the skip-softmax calibration of {lm.name} ({path}; "
-            f"a={fit['a']:.4g}, b={fit['b']:.4g})")
-        return {"calibration": {"generation": (fit["a"], fit["b"])}}
-    t0 = time.perf_counter()
-    samples, scale = _decode_samples(lm, options["length"], options["num_texts"], set(options["layers"]))
-    fit = fit_threshold_formula(samples, factors=tuple(options["factors"]), sm_scale=scale)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"model": lm.name, **options, "a": fit.a, "b": fit.b,
-                               "points": [list(p) for p in fit.points]}, indent=2), encoding="utf-8")
-    tmp.rename(path)
-    log(f"kvsieve eval: {label}: calibrated skip-softmax for {lm.name} in {time.perf_counter() - t0:.0f} s "
-        f"(a={fit.a:.4g}, b={fit.b:.4g} from {len(samples)} layer samples of layers {options['layers']}), "
-        f"saved to {path}")
-    return {"calibration": {"generation": (fit.a, fit.b)}}
+        points = tuple(tuple(p) for p in json.loads(path.read_text(encoding="utf-8"))["points"])
+        verb = f"reused the skip-softmax calibration of {lm.name} ({path}"
+    else:
+        t0 = time.perf_counter()
+        samples, scale = _decode_samples(lm, options["length"], options["num_texts"], set(options["layers"]))
+        points = calibrate_threshold(samples, options["targets"], factors=tuple(options["factors"]),
+                                     sm_scale=scale, steps=options["steps"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"model": lm.name, **options, "points": [list(p) for p in points]}, indent=2),
+                       encoding="utf-8")
+        tmp.rename(path)
+        verb = (f"calibrated skip-softmax for {lm.name} in {time.perf_counter() - t0:.0f} s ({len(samples)} layer "
+                f"samples of layers {options['layers']}, saved to {path}")
+    factors = ", ".join(f"{t} -> {interpolate_factor(points, t):.4g}" for t in options["targets"])
+    log(f"kvsieve eval: {label}: {verb}; {len(points)} measured points; factor per target sparsity: {factors})")
+    return {"calibration_points": {"generation": points}}
 
 
 def _planned_layers(lm: LoadedModel, spec: SelectorSpec) -> list[int]:

@@ -6,10 +6,17 @@ is skipped (no exp, no V load, no P.V) when for every query row of the tile
 context (prefill) and generation (decode) rows have separate factors (0 = off). The kernels count
 skipped tiles, so the achieved sparsity is measured, not promised.
 
-Calibration: :func:`fit_threshold_formula` measures the skipped-tile fraction of captured
-attention samples over a grid of factors and fits the published form
-``factor = a * exp(b * target_sparsity)``; :class:`SkipSoftmaxConfig` resolves a
-``target_sparsity`` through those coefficients (an explicit factor wins).
+Calibration, two ways; :class:`SkipSoftmaxConfig` resolves a ``target_sparsity`` through either
+(an explicit factor wins):
+
+* :func:`fit_threshold_formula` measures the skipped-tile fraction of captured attention samples
+  over a grid of factors and fits the published form ``factor = a * exp(b * target_sparsity)``
+  (``calibration``). On a model whose skipped fraction jumps within one decade of factors the
+  fitted curve misses the measured one badly (Gemma 3 at 8K: 0.75 asked, 0.99 skipped).
+* :func:`calibrate_threshold` measures the same fraction, then bisects the factor (in log space)
+  around each target sparsity, and keeps the measured points (``calibration_points``): the factor
+  of a target is interpolated between the two measured points that bracket it, and a target
+  outside the measured range is refused.
 """
 from __future__ import annotations
 
@@ -24,35 +31,46 @@ from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSe
 from ..sparse.knobs import check_knobs, knob
 
 __all__ = ["SkipSoftmaxConfig", "SkipSoftmaxSelector", "measure_skip_fraction", "fit_threshold_formula",
-           "ThresholdFit"]
+           "ThresholdFit", "calibrate_threshold", "interpolate_factor"]
 
 PHASE_KEYS = PHASES  # ("context", "generation"): the phase names of the whole package
 
 
 @dataclass(frozen=True)
 class SkipSoftmaxConfig:
-    """Either explicit factors, or ``target_sparsity`` plus ``calibration`` coefficients.
+    """Either explicit factors, or ``target_sparsity`` plus a calibration per phase.
 
-    ``calibration`` maps ``"context"``/``"generation"`` to ``(a, b)`` of ``a * exp(b * s)``.
-    A phase with neither an explicit factor nor a calibrated target stays dense (factor 0).
+    ``calibration`` maps ``"context"``/``"generation"`` to ``(a, b)`` of ``a * exp(b * s)``;
+    ``calibration_points`` maps a phase to measured ``(factor, skipped fraction)`` points
+    (:func:`calibrate_threshold`), interpolated by :func:`interpolate_factor`. A phase takes one
+    of the two. A phase with neither an explicit factor nor a calibrated target stays dense
+    (factor 0).
     """
 
     threshold_scale_factor_context: float | None = knob(None, ge=0)
     threshold_scale_factor_generation: float | None = knob(None, ge=0)
     target_sparsity: float | None = knob(None, ge=0, lt=1)
     calibration: dict[str, tuple[float, float]] = knob(default_factory=dict)
+    calibration_points: dict[str, tuple[tuple[float, float], ...]] = knob(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_knobs(self, "skip_softmax")
+        both = set(self.calibration) & set(self.calibration_points)
+        if both:
+            raise ValueError(f"skip_softmax: phase(s) {sorted(both)} have both calibration and calibration_points; "
+                             "give one")
         if self.target_sparsity is not None:
-            missing = [p for p in PHASE_KEYS if p not in self.calibration
+            missing = [p for p in PHASE_KEYS if p not in self.calibration and p not in self.calibration_points
                        and getattr(self, f"threshold_scale_factor_{p}") is None]
             if missing:
-                raise ValueError(f"skip_softmax: target_sparsity needs calibration coefficients (a, b) for {missing} "
-                                 "(see fit_threshold_formula) or an explicit factor")
-        unknown = set(self.calibration) - set(PHASE_KEYS)
+                raise ValueError(f"skip_softmax: target_sparsity needs calibration coefficients (a, b) or "
+                                 f"calibration_points for {missing} (see fit_threshold_formula, calibrate_threshold) "
+                                 "or an explicit factor")
+        unknown = (set(self.calibration) | set(self.calibration_points)) - set(PHASE_KEYS)
         if unknown:
             raise ValueError(f"skip_softmax: calibration keys must be in {list(PHASE_KEYS)}, got {sorted(unknown)}")
+        for phase in self.calibration_points:
+            self.factor(phase)  # a target outside the measured points is refused here
         if (self.threshold_scale_factor_context is None and self.threshold_scale_factor_generation is None
                 and self.target_sparsity is None):
             raise ValueError("skip_softmax: give threshold_scale_factor_context/_generation or target_sparsity")
@@ -62,7 +80,14 @@ class SkipSoftmaxConfig:
         explicit = getattr(self, f"threshold_scale_factor_{phase}")
         if explicit is not None:
             return explicit
-        if self.target_sparsity is None or phase not in self.calibration:
+        if self.target_sparsity is None:
+            return 0.0
+        if phase in self.calibration_points:
+            try:
+                return interpolate_factor(self.calibration_points[phase], self.target_sparsity)
+            except ValueError as err:
+                raise ValueError(f"skip_softmax: {phase}: {err}") from None
+        if phase not in self.calibration:
             return 0.0
         a, b = self.calibration[phase]
         return a * math.exp(b * self.target_sparsity)
@@ -137,3 +162,68 @@ def fit_threshold_formula(samples: Sequence[tuple[torch.Tensor, torch.Tensor, to
     mean_y = sum(y for y, _ in used) / n
     b = sum((s - mean_s) * (y - mean_y) for y, s in used) / sum((s - mean_s) ** 2 for _, s in used)
     return ThresholdFit(a=math.exp(mean_y - b * mean_s), b=b, points=points)
+
+
+def interpolate_factor(points: Sequence[tuple[float, float]], target_sparsity: float) -> float:
+    """The factor whose skipped fraction is ``target_sparsity`` on measured ``(factor, fraction)``
+    points: sorted by factor, the first two neighbours whose fractions bracket the target, linear
+    in ``log(factor)`` between them (the fraction grows with the factor, though not always
+    strictly: a skipped tile does not raise the running max). A target outside the measured
+    fractions is refused (``ValueError``)."""
+    pts = _bracket_points(points)
+    pair = _first_bracket(pts, target_sparsity)
+    if pair is None:
+        raise ValueError(f"target sparsity {target_sparsity} is outside the measured skipped fractions "
+                         f"[{min(s for _, s in pts):.4f}, {max(s for _, s in pts):.4f}] (factors {pts[0][0]:.4g} "
+                         f"to {pts[-1][0]:.4g})")
+    (f0, s0), (f1, s1) = pair
+    if s1 == s0:
+        return f0
+    t = (target_sparsity - s0) / (s1 - s0)
+    return math.exp(math.log(f0) + t * (math.log(f1) - math.log(f0)))
+
+
+def _bracket_points(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    pts = sorted((float(f), float(s)) for f, s in points)
+    if not pts or any(f <= 0 or not 0.0 <= s <= 1.0 for f, s in pts):
+        raise ValueError(f"calibration points must be (factor > 0, fraction in [0, 1]) pairs, got {list(points)}")
+    return pts
+
+
+def _first_bracket(pts: list[tuple[float, float]], target: float
+                   ) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """The first neighbours ``(f0, s0), (f1, s1)`` of ``pts`` (sorted by factor) with
+    ``s0 <= target <= s1``; a single point equal to the target is its own bracket."""
+    for a, b in zip(pts, pts[1:]):
+        if a[1] <= target <= b[1]:
+            return a, b
+    exact = [p for p in pts if p[1] == target]
+    return (exact[0], exact[0]) if exact else None
+
+
+def calibrate_threshold(samples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                        targets: Sequence[float], *,
+                        factors: Sequence[float] = tuple(10.0 ** e for e in range(-1, 7)),
+                        sm_scale: float | None = None, steps: int = 8) -> tuple[tuple[float, float], ...]:
+    """Measured ``(factor, skipped fraction)`` points (sorted by factor) that bracket every target
+    sparsity tightly: the skipped fraction of ``samples`` (as :func:`measure_skip_fraction`) at
+    each of ``factors``, then ``steps`` bisections in ``log(factor)`` of the bracket around each
+    target (a bracket of one decade narrows to ``10 ** (1 / 2 ** steps)``). A target above the
+    largest or below the smallest measured fraction is refused (``ValueError``)."""
+    if any(f <= 0 for f in factors):
+        raise ValueError("calibrate_threshold: factors must be > 0")
+    measured = {float(f): measure_skip_fraction(samples, f, sm_scale) for f in factors}
+    for target in targets:
+        for _ in range(steps):
+            pts = sorted(measured.items())
+            pair = _first_bracket(pts, target)
+            if pair is None:
+                raise ValueError(f"calibrate_threshold: target {target} is outside the skipped fractions measured "
+                                 f"at factors {pts[0][0]:.4g}..{pts[-1][0]:.4g}: "
+                                 f"{[(f, round(s, 4)) for f, s in pts]}")
+            (f0, s0), (f1, s1) = pair
+            if f0 == f1 or s0 == target or s1 == target:
+                break
+            mid = math.sqrt(f0 * f1)
+            measured[mid] = measure_skip_fraction(samples, mid, sm_scale)
+    return tuple(sorted(measured.items()))

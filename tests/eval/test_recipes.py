@@ -15,10 +15,13 @@ from kvsieve.eval.model import load_model
 from kvsieve.eval.runner import plan_runs, run_identity, run_sweep
 from kvsieve.integrations.transformers import KvsieveSession
 from kvsieve.selectors.dsa_projections import load_projections
+from kvsieve.selectors.skip_softmax import interpolate_factor
 
 TINY = ["model=tiny-random", "selectors.dsa.prepare_params={seq_len: 64, num_seqs: 2, epochs: 1}",
-        # the tiny random model's attention is nearly flat: tiles start to be skipped near factor = kv_len
-        "selectors.skip_softmax.prepare_params={length: 512, num_texts: 1, factors: [490, 500, 505, 510]}"]
+        # the tiny random model's attention is nearly flat: tiles start to be skipped near factor = kv_len,
+        # and at 512 tokens (8 tiles of 64) at most 7 of 8 are skipped
+        "selectors.skip_softmax.prepare_params={length: 512, num_texts: 1, factors: [490, 500, 520, 560, 1000]}",
+        "selectors.skip_softmax.sparsities=[0.5, 0.75]"]
 
 
 @pytest.fixture
@@ -47,10 +50,12 @@ def test_preset_names_every_selector_cites_its_sources_and_spans_the_densities()
     for task in cfg.tasks:
         for length in task.lengths:
             densities = {s.label: [b.tokens / length for b in s.resolve(length)] for s in cfg.selectors}
+            # skip_softmax cannot skip the tile holding a row's max: 1/64 is out of reach at 2K
+            assert densities.pop("skip_softmax") == pytest.approx([1 / 2, 1 / 4, 1 / 16])
             assert max(max(d) for d in densities.values()) == pytest.approx(1 / 4)
             assert min(min(d) for d in densities.values()) == pytest.approx(1 / 64)
             full = [d for d in densities.values() if len(d) == 3]
-            assert len(full) >= 8 and all(d == pytest.approx([1 / 4, 1 / 16, 1 / 64]) for d in full)
+            assert len(full) >= 7 and all(d == pytest.approx([1 / 4, 1 / 16, 1 / 64]) for d in full)
 
 
 def test_prepared_for_tiny_random_then_reused_and_every_run_lowers(cache, tiny):
@@ -63,8 +68,10 @@ def test_prepared_for_tiny_random_then_reused_and_every_run_lowers(cache, tiny):
     spec = {s.label: s for s in first.selectors}
     layers, meta = load_projections(spec["dsa"].params["projections"])
     assert sorted(layers) == [0, 1] and meta["epochs"] == 1
-    a, b = spec["skip_softmax"].params["calibration"]["generation"]
-    assert a > 0 and b > 0  # more skipping needs a larger factor
+    points = spec["skip_softmax"].params["calibration_points"]["generation"]
+    factors = [interpolate_factor(points, t) for t in (0.5, 0.75)]
+    assert 490 < factors[0] < factors[1] < 560  # more skipping needs a larger factor
+    assert "factor per target sparsity: 0.5 -> " in logs[1]
     logs.clear()
     again = prepare.prepare_selectors(cfg, tiny, logs.append)
     assert logs[0].startswith("kvsieve eval: dsa: reused the DSA indexer distilled for tiny-random-llama")
@@ -108,7 +115,7 @@ def test_a_sweep_runs_prepared_dsa_and_skip_softmax(cache, tiny, tmp_path):
     for e in entries.values():
         e["sparsities"] = [0.75]
     entries["dsa"]["prepare_params"] |= {"seq_len": 64, "num_seqs": 2, "epochs": 1}
-    entries["skip_softmax"]["prepare_params"] = {"length": 512, "num_texts": 1, "factors": [490, 500, 505, 510]}
+    entries["skip_softmax"]["prepare_params"] = {"length": 512, "num_texts": 1, "factors": [490, 500, 520, 560]}
     raw = {"model": "tiny-random", "output_dir": str(tmp_path / "out"),
            "tasks": {"passkey": {"lengths": [300], "depths": [50], "samples": 1}}, "selectors": entries}
     logs: list[str] = []
@@ -125,8 +132,8 @@ def test_skip_softmax_is_calibrated_on_the_layers_it_runs_on(cache, tiny):
     logs: list[str] = []
     only = [o for o in TINY if "dsa" not in o] + ["selectors.dsa=null", "selectors.skip_softmax.layers=[1]"]
     prepare.prepare_selectors(load_config(preset=RECIPES, overrides=only), tiny, logs.append)
-    assert "from 1 layer samples of layers [1])" in logs[0], logs
+    assert "(1 layer samples of layers [1]," in logs[0], logs
     both = [o for o in TINY if "dsa" not in o] + ["selectors.dsa=null"]
     prepare.prepare_selectors(load_config(preset=RECIPES, overrides=both), tiny, logs.append)
-    assert "calibrated" in logs[1] and "from 2 layer samples of layers [0, 1])" in logs[1], logs  # not reused
+    assert "calibrated" in logs[1] and "(2 layer samples of layers [0, 1]," in logs[1], logs  # not reused
     assert len(list(cache.glob("calibrate_skip_softmax-*.json"))) == 2

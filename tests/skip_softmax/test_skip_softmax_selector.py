@@ -1,5 +1,6 @@
 """skip_softmax end to end: factor 0 equals dense exactly; a skipping factor skips tiles (counted by
-the kernel) and changes the output measurably; calibration fits a*exp(b*s) and hits its target."""
+the kernel) and changes the output measurably; calibration fits a*exp(b*s) and hits its target, or
+bisects the measured curve and hits it closer."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,8 @@ import torch
 
 import kvsieve
 from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, SparseAttentionConfig, lower_config
-from kvsieve.selectors.skip_softmax import fit_threshold_formula, measure_skip_fraction
+from kvsieve.selectors.skip_softmax import (calibrate_threshold, fit_threshold_formula, interpolate_factor,
+                                           measure_skip_fraction)
 
 
 def peaked_context(length=512, hkv=1, d=32, seed=0, amp=6.0):
@@ -47,12 +49,17 @@ def test_factor_zero_is_dense_and_skipping_factor_skips():
     assert 1e-7 < diff < 0.5, diff  # measurable, yet far from garbage
 
 
-def test_calibration_fit_hits_target_on_its_samples():
+def _calibration_samples():
     samples = []
     for seed in range(3):
         k, v = peaked_context(length=768, seed=seed, amp=1.5)
         q = k[:8].mean(0).repeat(4, 1).unsqueeze(0) * 0.5 + torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(seed))
         samples.append((q, k, v))
+    return samples
+
+
+def test_calibration_fit_hits_target_on_its_samples():
+    samples = _calibration_samples()
     fit = fit_threshold_formula(samples, factors=[10.0 ** e for e in range(-1, 4)])
     sparsities = [s for _, s in fit.points]
     assert sparsities == sorted(sparsities), "more aggressive factors never skip less"
@@ -65,8 +72,42 @@ def test_calibration_fit_hits_target_on_its_samples():
     assert sel.config.factor("generation") == pytest.approx(fit.factor_for(target))
 
 
+def test_bisected_calibration_hits_every_target_within_a_tile_and_beats_the_fit():
+    samples = _calibration_samples()
+    walked = 3 * 2 * 4 * (768 // 64)  # samples x queries x heads x tiles: one tile is 1/288 of the fraction
+    grid = [10.0 ** e for e in range(-1, 4)]
+    targets = (0.3, 0.5, 0.7)
+    points = calibrate_threshold(samples, targets, factors=grid, steps=10)
+    assert len(points) > len(grid)  # bisection measured more points
+    fit = fit_threshold_formula(samples, factors=grid)
+    for t in targets:
+        achieved = measure_skip_fraction(samples, interpolate_factor(points, t))
+        assert abs(achieved - t) <= 3 / walked, (t, achieved)
+        assert abs(achieved - t) <= abs(measure_skip_fraction(samples, fit.factor_for(t)) - t)
+    sel = kvsieve.create_selector("skip_softmax", target_sparsity=0.5, threshold_scale_factor_context=0.0,
+                                  calibration_points={"generation": points})
+    assert sel.config.factor("generation") == interpolate_factor(points, 0.5)
+    with pytest.raises(ValueError, match=r"target 0\.999 is outside the skipped fractions measured"):
+        calibrate_threshold(samples, (0.999,), factors=grid)
+
+
+def test_interpolate_factor_is_log_linear_between_the_bracketing_points_and_refuses_outside():
+    pts = ((100.0, 0.6), (1.0, 0.0), (10.0, 0.2))  # any order
+    assert interpolate_factor(pts, 0.4) == pytest.approx(10 ** 1.5)
+    assert interpolate_factor(pts, 0.2) == pytest.approx(10.0)
+    assert interpolate_factor(pts, 0.0) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match=r"target sparsity 0.7 is outside the measured skipped fractions \[0.0000, 0.6000\]"):
+        interpolate_factor(pts, 0.7)
+    with pytest.raises(ValueError, match="factor > 0"):
+        interpolate_factor(((0.0, 0.1), (1.0, 0.2)), 0.15)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({}, "give threshold_scale_factor"),
+    ({"target_sparsity": 0.9, "threshold_scale_factor_context": 0.0,
+      "calibration_points": {"generation": ((1.0, 0.0), (10.0, 0.5))}}, r"generation: target sparsity 0.9 is outside"),
+    ({"target_sparsity": 0.5, "calibration": {"generation": (1.0, 1.0)}, "threshold_scale_factor_context": 0.0,
+      "calibration_points": {"generation": ((1.0, 0.0), (10.0, 0.5))}}, "both calibration and calibration_points"),
     ({"threshold_scale_factor_generation": -1.0}, "threshold_scale_factor_generation must be >= 0"),
     ({"target_sparsity": 1.5, "calibration": {"generation": (1.0, 1.0), "context": (1.0, 1.0)}}, r"in \[0, 1\)"),
     ({"target_sparsity": 0.5}, "needs calibration coefficients"),

@@ -33,7 +33,8 @@ import torch
 from .config import ConfigError, EvalConfig, SelectorSpec
 from .model import LoadedModel, cache_dir
 
-__all__ = ["PREPARE_OPTIONS", "check_prepare", "model_hash", "prepare_selectors", "prepared_dir"]
+__all__ = ["PREPARE_OPTIONS", "check_prepare", "last_query_samples", "model_hash", "prepare_selectors",
+           "prepared_dir"]
 
 #: each step's options and their defaults (``prepare_params`` may set any of them, nothing else)
 PREPARE_OPTIONS: dict[str, dict[str, Any]] = {
@@ -147,7 +148,7 @@ def _calibrate(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
         verb = f"reused the skip-softmax calibration of {lm.name} ({path}"
     else:
         t0 = time.perf_counter()
-        samples, scale = _decode_samples(lm, options["length"], options["num_texts"], set(options["layers"]))
+        samples, scale = last_query_samples(lm, options["length"], options["num_texts"], set(options["layers"]))
         points = calibrate_threshold(samples, options["targets"], factors=tuple(options["factors"]),
                                      sm_scale=scale, steps=options["steps"])
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +173,7 @@ def _planned_layers(lm: LoadedModel, spec: SelectorSpec) -> list[int]:
                                 layers=spec.layers, layer_types=spec.layer_types, dense_layers=spec.dense_layers))
 
 
-def _decode_samples(lm: LoadedModel, length: int, num_texts: int, layers: set[int]
+def last_query_samples(lm: LoadedModel, length: int, num_texts: int, layers: set[int]
                     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], float]:
     """Per layer in ``layers`` and text, the last query over the whole context: ``(q [1, Hq, D],
     k [L, Hkv, D], v [L, Hkv, D])`` as the model's attention function receives them (after RoPE

@@ -149,9 +149,9 @@ def _targets(res: dict) -> list[dict]:
                                   f"ideal {DECODE_SPARSEST}x over dense SDPA, every context (worst: "
                                   f"{worst['context'] // 1024}K; fraction of ideal)",
                         "value": worst["fraction_of_ideal"], "met": worst["fraction_of_ideal"] >= DECODE_MIN_OF_IDEAL})
-    if "selector_overhead" in res:
-        cfg = res["selector_overhead"]["config"]
-        for r in res["selector_overhead"]["selectors"]:
+    for shape in res.get("selector_overhead", {}).get("shapes", []):
+        cfg = shape["config"]
+        for r in shape["selectors"]:
             label = r["selector"] + (f" ({r['config']['scoring']})" if "scoring" in r["config"] else "")
             f = r["overhead_fraction_of_saved"]
             exempt = r["selector"] in SELECTOR_OVERHEAD_EXEMPT
@@ -287,24 +287,25 @@ def render_markdown(res: dict) -> str:
                          f"{_ms(r['flex'])} ({r['flex_mode']}) | {_ms(r['sdpa_dense_causal'])} | {_x(r['speedup_vs_sdpa'], 2)} | "
                          f"{_x(r['speedup_vs_flex'], 2)} | {'n/a' if err is None else f'{err:.1e}'} | {r['sparse']['load_1m']} |")
     if "selector_overhead" in res:
-        s = res["selector_overhead"]
-        cfg = s["config"]
         lines += _provenance(res, "selector_overhead")
-        lines += ["", f"## Selector host overhead per decode step (batch {cfg['batch']}, context {cfg['context']})", "",
-                  f"Hq={cfg['hq']}, Hkv={cfg['hkv']}, D={cfg['d']}, page {cfg['page']}, budget ~1/{cfg['budget_inv']} "
-                  f"of the context; one layer. Dense torch-backend attention: {_ms(s['dense_attention'])} ms. "
-                  "`overhead / saved` = selector step time / (dense - sparse attention time); below 1 the selection "
-                  "pays for itself in this layer.", "",
-                  "| selector | config | selector step ms | sparse attention ms | attended | overhead / saved | load |",
-                  "|---|---|---|---|---:|---:|---:|"]
-        for r in s["selectors"]:
-            f = r["overhead_fraction_of_saved"]
-            cfg_s = ", ".join(f"{k}={v}" for k, v in r["config"].items())
-            lines.append(f"| {r['selector']} | {cfg_s} | {_ms(r['selector_step'])} | {_ms(r['sparse_attention'])} | "
-                         f"{r['attended_fraction']:.3f} | {'n/a (no saving)' if f is None else f'{f:.2f}'} | "
-                         f"{r['selector_step']['load_1m']} |")
-        for name, why in s["skipped"].items():
-            lines.append(f"| {name} | skipped: {why} | | | | | |")
+        for s in res["selector_overhead"]["shapes"]:
+            cfg = s["config"]
+            lines += ["", f"## Selector host overhead per decode step (batch {cfg['batch']}, context {cfg['context']})", "",
+                      f"Hq={cfg['hq']}, Hkv={cfg['hkv']}, D={cfg['d']}, page {cfg['page']}, budget ~1/{cfg['budget_inv']} "
+                      f"of the context; one layer. Dense torch-backend attention: {_ms(s['dense_attention'])} ms. "
+                      "`overhead / saved` = selector step time / (dense - sparse attention time); below 1 the selection "
+                      "pays for itself in this layer. dsa: the eval's distilled indexer geometry (8 heads x 32) from "
+                      "finished indexer tensors (the model's projections are not timed).", "",
+                      "| selector | config | selector step ms | sparse attention ms | attended | overhead / saved | load |",
+                      "|---|---|---|---|---:|---:|---:|"]
+            for r in s["selectors"]:
+                f = r["overhead_fraction_of_saved"]
+                cfg_s = ", ".join(f"{k}={v}" for k, v in r["config"].items())
+                lines.append(f"| {r['selector']} | {cfg_s} | {_ms(r['selector_step'])} | {_ms(r['sparse_attention'])} | "
+                             f"{r['attended_fraction']:.3f} | {'n/a (no saving)' if f is None else f'{f:.2f}'} | "
+                             f"{r['selector_step']['load_1m']} |")
+            for name, why in s["skipped"].items():
+                lines.append(f"| {name} | skipped: {why} | | | | | |")
     if "e2e" in res:
         lines += _provenance(res, "e2e") + e2e.render_markdown(res["e2e"])
     if "gpu" in res:

@@ -1,4 +1,4 @@
-"""Selector host overhead per decode step at batch 64, against the attention time it saves.
+"""Selector host overhead per decode step (batch 64 x 4K and batch 8 x 32K), against the attention time it saves.
 
 For each registered selector that selects at decode (``predict_attn``): the step's selector work
 (``on_append`` — e.g. RocketKV/Quest page-summary refresh — then ``predict_attn`` — page top-k,
@@ -7,8 +7,11 @@ block scoring, oracle top-k, ...) is timed on a decode batch; the ``torch`` back
 fraction of the saved attention time the selector spends (< 1: selection pays for itself at this
 size; one layer, same process). Selectors are configured to a comparable budget (``1/budget_inv``
 of the context). ``block_select`` is timed in both scoring modes, ``exact`` (reads every key)
-and ``summary`` (cached min/max keys per block), side by side. Prefill-only selectors (eviction)
-are listed as skipped.
+and ``summary`` (cached min/max keys per block), side by side. ``dsa`` runs at the eval's distilled
+indexer geometry (8 heads x 32, kvsieve eval's ``distill_indexer``) from finished indexer tensors
+(:class:`IndexerInputs` ``q_index``/``k_index``/``weights``; the model's projection GEMMs are not
+timed), its history's index keys already in the pool. Prefill-only selectors (eviction) and the
+skip-softmax threshold are listed as skipped, with the reason.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 
 from kvsieve import AttentionMetadata, KVCacheManager, KVCacheSpec, available_selectors, create_selector
 from kvsieve.sparse import SelectorInputs
+from kvsieve.selectors.dsa_projections import IndexerInputs
 from kvsieve.sparse.backends import AttentionGeometry, get_backend
 from kvsieve.sparse.selection import attended_counts
 
@@ -29,15 +33,15 @@ from ._timing import load_average, load_averages, measure
 
 __all__ = ["run", "main", "selector_configs"]
 
-FULL = {"batch": 64, "context": 4096, "hq": 8, "hkv": 2, "d": 64, "page": 64, "budget_inv": 16}
-QUICK = {"batch": 4, "context": 256, "hq": 4, "hkv": 2, "d": 32, "page": 16, "budget_inv": 4}
+FULL = ({"batch": 64, "context": 4096, "hq": 8, "hkv": 2, "d": 64, "page": 64, "budget_inv": 16},
+        {"batch": 8, "context": 32768, "hq": 8, "hkv": 2, "d": 64, "page": 64, "budget_inv": 16})
+QUICK = ({"batch": 4, "context": 256, "hq": 4, "hkv": 2, "d": 32, "page": 16, "budget_inv": 4},)
+DSA_GEOMETRY = {"n_heads": 8, "head_dim": 32, "rope_dim": 16}  # kvsieve eval's distilled indexer
 
 
 SKIP_REASONS = {
     "snapkv": "prefill-only eviction: no decode-time selection",
-    "dsa": "needs the model's indexer projections per step (SparseAttention.forward(..., model_inputs=IndexerInputs)); "
-           "its top-k is timed by benchmarks/topk.py on a GPU",
-    "skip_softmax": "a kernel hint (threshold), no index selection; the torch backend does not implement it",
+    "skip_softmax": "a threshold read inside the attention kernel: no selection step to weigh against the saving",
 }
 
 
@@ -52,6 +56,7 @@ def selector_configs(context: int, page: int, budget_inv: int) -> dict[str, list
         "block_select": [{**blocks, "scoring": "exact"}, {**blocks, "scoring": "summary"}],
         "oracle_topk": [{"budget": budget}],
         "streaming": [{"budget": budget}],
+        "dsa": [{"index_topk": budget, **DSA_GEOMETRY}],
     }
 
 
@@ -81,8 +86,33 @@ def _decode_batch(cfg: dict, seed: int = 0):
 
 
 def run(quick: bool = False) -> dict:
-    cfg = QUICK if quick else FULL
-    budget = 0.05 if quick else 0.4
+    """Every shape of ``QUICK``/``FULL``: ``{"shapes": [one result per shape]}``."""
+    return {"shapes": [_run_shape(cfg, 0.05 if quick else 0.4) for cfg in (QUICK if quick else FULL)],
+            "load_1m_end": load_average()}
+
+
+def _inputs(name: str, sel, q, k_new, v_new, md, geo, knobs: dict, seed: int = 1) -> SelectorInputs:
+    """The step's selector inputs with the history's state in place (the prefill's work): page
+    summaries of the whole context, or DSA's index keys (random) and this step's finished tensors."""
+    hkv = geo.num_kv_heads
+    model_inputs = None
+    if name == "dsa":
+        g = torch.Generator().manual_seed(seed)
+        b, h, d = q.shape[0], knobs["n_heads"], knobs["head_dim"]
+        model_inputs = IndexerInputs(q_index=torch.randn(b, h, d, generator=g), k_index=torch.randn(b, d, generator=g),
+                                     weights=torch.rand(b, h, generator=g) * (d ** -0.5 * h ** -0.5))
+    inputs = SelectorInputs(q=q, k=k_new, v=v_new, metadata=md, layer_idx=0, num_kv_heads=hkv, sm_scale=geo.sm_scale,
+                            rows=md.generation_rows, phases=frozenset({"generation"}), model_inputs=model_inputs)
+    if name == "dsa":
+        k_pool, _ = sel._pools(inputs)
+        k_pool.normal_(generator=torch.Generator().manual_seed(seed + 1))
+    elif hasattr(sel, "summaries") and knobs.get("scoring", "summary") == "summary":
+        lens = md.kv_lens_host.copy()
+        sel.summaries(inputs).refresh(0, md.slots, lens * 0, lens)
+    return inputs
+
+
+def _run_shape(cfg: dict, budget: float) -> dict:
     mgr, md, q, k_new, v_new = _decode_batch(cfg)
     hkv, d = cfg["hkv"], cfg["d"]
     geo = AttentionGeometry(kind="gqa", num_q_heads=cfg["hq"], num_kv_heads=hkv, head_dim=d, sm_scale=d ** -0.5)
@@ -97,16 +127,11 @@ def run(quick: bool = False) -> dict:
         for knobs in configs[name]:
             try:
                 sel = create_selector(name, **knobs)
-                inputs = SelectorInputs(q=q, k=k_new, v=v_new, metadata=md, layer_idx=0, num_kv_heads=hkv,
-                                        sm_scale=geo.sm_scale, rows=md.generation_rows,
-                                        phases=frozenset({"generation"}))
-                if hasattr(sel, "summaries") and knobs.get("scoring", "summary") == "summary":
-                    # page summaries of the whole history (the prefill's work)
-                    lens = md.kv_lens_host.copy()
-                    sel.summaries(inputs).refresh(0, md.slots, lens * 0, lens)
+                inputs = _inputs(name, sel, q, k_new, v_new, md, geo, knobs)
 
                 def step():
                     inputs._keys.clear()
+                    inputs.state.clear()
                     sel.on_append(inputs)
                     return sel.predict_attn(inputs)
 
@@ -128,8 +153,9 @@ def run(quick: bool = False) -> dict:
             except Exception as err:  # noqa: BLE001 - one selector failing must not sink the suite
                 skipped[name] = f"{type(err).__name__}: {err}"[:300]
         gc.collect()
-    return {"config": cfg, "dense_attention": dense.as_dict(), "selectors": rows, "skipped": skipped,
-            "load_1m_end": load_average()}
+    del mgr
+    gc.collect()
+    return {"config": cfg, "dense_attention": dense.as_dict(), "selectors": rows, "skipped": skipped}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -148,14 +174,17 @@ def main(argv: list[str] | None = None) -> dict:
     res["meta"] = meta
     print(f"{meta['command']} on {meta['date']}, torch threads {meta['torch_threads']}, load (1/5/15 min) "
           f"{meta['loadavg_start']} at start, {meta['loadavg_end']} at end")
-    print(f"dense torch attention {res['dense_attention']['median_s'] * 1e3:.2f} ms")
-    for r in res["selectors"]:
-        f = r["overhead_fraction_of_saved"]
-        label = r["selector"] + (f"[{r['config']['scoring']}]" if "scoring" in r["config"] else "")
-        print(f"{label:22s} step={r['selector_step']['median_s'] * 1e3:8.2f} ms sparse="
-              f"{r['sparse_attention']['median_s'] * 1e3:8.2f} ms attended={r['attended_fraction']:.3f} "
-              f"overhead/saved={'n/a' if f is None else format(f, '.2f')}")
-    print("skipped:", res["skipped"])
+    for shape in res["shapes"]:
+        c = shape["config"]
+        print(f"batch {c['batch']} x {c['context']} tokens: dense torch attention "
+              f"{shape['dense_attention']['median_s'] * 1e3:.2f} ms")
+        for r in shape["selectors"]:
+            f = r["overhead_fraction_of_saved"]
+            label = r["selector"] + (f"[{r['config']['scoring']}]" if "scoring" in r["config"] else "")
+            print(f"  {label:22s} step={r['selector_step']['median_s'] * 1e3:8.2f} ms sparse="
+                  f"{r['sparse_attention']['median_s'] * 1e3:8.2f} ms attended={r['attended_fraction']:.3f} "
+                  f"overhead/saved={'n/a' if f is None else format(f, '.2f')}")
+        print("  skipped:", shape["skipped"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -90,7 +90,7 @@ def test_decode_target_at_the_sparsest_density():
 
 
 def test_selector_section(quick_run):
-    s = quick_run[0]["selector_overhead"]
+    (s,) = quick_run[0]["selector_overhead"]["shapes"]
     assert _is_timing(s["dense_attention"])
     import kvsieve
     names = {r["selector"] for r in s["selectors"]} | set(s["skipped"])
@@ -105,6 +105,7 @@ def test_selector_section(quick_run):
     assert len(overhead) == len(s["selectors"])  # one target row per timed selector (mode)
     assert sum("block_select (summary)" in t["target"] for t in overhead) == 1
     assert all(t["met"] is None for t in overhead if "oracle_topk" in t["target"])  # exempt, reported
+    assert "dsa" in {r["selector"] for r in s["selectors"]}, s["skipped"]  # from finished indexer tensors
 
 
 def test_markdown(quick_run):
@@ -231,8 +232,8 @@ def test_update_docs_with_some_sections_keeps_the_others(tmp_path, monkeypatch):
     docs, out = tmp_path / "docs", tmp_path / "out"
     docs.mkdir()
     old_meta = {**_META, "command": "python -m benchmarks --old", "date": "old-date"}
-    overhead = {"config": {"batch": 1, "context": 8, "hq": 1, "hkv": 1, "d": 1, "page": 1, "budget_inv": 2},
-                "dense_attention": None, "selectors": [], "skipped": {"x": "why"}}
+    overhead = {"shapes": [{"config": {"batch": 1, "context": 8, "hq": 1, "hkv": 1, "d": 1, "page": 1, "budget_inv": 2},
+                            "dense_attention": None, "selectors": [], "skipped": {"x": "why"}}]}
     (docs / "performance.json").write_text(json.dumps({"meta": old_meta, "selector_overhead": overhead,
                                                        "targets": []}))
     monkeypatch.setattr(entry, "DOCS_DIR", docs)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from kvsieve.eval.memory import reset_peak_rss, rss_mb
 from kvsieve.integrations.transformers import ATTN_IMPLEMENTATION
 
 from ._timing import Timing, load_average, load_averages
@@ -154,25 +155,13 @@ def _tile(session, have: int, want: int) -> None:
     session._next_pos = want  # the session's next RoPE position (no public setter: it counts its own steps)
 
 
-def _reset_peak_rss() -> None:
-    """Reset the kernel's resident high-water mark (``VmHWM``) of this process (Linux)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _rss_mb() -> tuple[float, float]:
-    """(peak resident MiB since the last :func:`_reset_peak_rss`, current resident MiB)."""
-    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return int(status["VmHWM"].split()[0]) / 1024, int(status["VmRSS"].split()[0]) / 1024
-
-
 def _one_length(session, plans: dict[str, list], tok: torch.Tensor, length: int, cfg: E2EConfig,
                 profile: bool) -> dict:
     """The session rewound to ``length`` (a prefix of the prompt: exactly its own prefill), every
     configuration timed interleaved from there."""
     session.rewind(length)
     row: dict = {"length": length, "load_1m_start": load_average()}
-    _reset_peak_rss()
+    reset_peak_rss()
     plain = _Plain(session.model, _plain_cache(session, length), length)
     steps = _Steps(session, plans, plain)
     times = steps.rounds(tok, cfg.warmup, cfg.steps)
@@ -180,7 +169,7 @@ def _one_length(session, plans: dict[str, list], tok: torch.Tensor, length: int,
     row["attended_fraction"] = steps.attended
     row["profile"] = steps.profile(tok, cfg.profile_steps) if profile and cfg.profile_steps else {}
     row["tokens_per_s"] = {k: 1.0 / v["median_s"] for k, v in row["step"].items()}
-    row["peak_rss_mb"], row["rss_mb"] = _rss_mb()
+    row["peak_rss_mb"], row["rss_mb"] = rss_mb()
     row["load_1m_end"] = load_average()
     return row
 

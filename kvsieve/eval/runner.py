@@ -38,6 +38,7 @@ from ..integrations.transformers import KvsieveSession
 from ..selectors.dsa_projections import IndexerInputs
 from ..sparse import SparseAttentionConfig, SparseSelector, attach_refusal, get_selector_class
 from .config import RESULT_NEUTRAL, Budget, EvalConfig, SelectorSpec, TaskSpec
+from .memory import reset_peak_rss, rss_mb
 from .metrics import mean_ci95
 from .distill_indexer import attach_dsa_indexer
 from .model import LoadedModel, load_model
@@ -291,6 +292,7 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
             raise
         return
     dense = cell[0]
+    reset_peak_rss()  # each finished run reports the process's peak since its cell began
     for i, sample in enumerate(samples):
         active = [r for r in todo if not prog[r.folder].failed and len(prog[r.folder].rows) == i]
         if not active:
@@ -389,7 +391,8 @@ def _write_run(folder: Path, run: RunSpec, cfg: EvalConfig, run_id: str, p: _Pro
         "run_id": run_id, **run.describe(), "selector_name": run.sparse.selector if run.sparse else DENSE,
         "score": score, "ci95": [lo, hi], "n": len(p.rows),
         "achieved_sparsity": 1 - _mean(seen) if seen else 0.0, "attended_fraction_per_layer": per_layer,
-        "wall_time_s": p.seconds, "shares_prefill": run.shares_prefill, "backend": cfg.backend,
+        "wall_time_s": p.seconds, "peak_rss_mb": rss_mb()[0], "shares_prefill": run.shares_prefill,
+        "backend": cfg.backend,
         "kvsieve_version": __version__, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     for key in _OPTIONAL_METRICS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import sys
 
 import pytest
 import yaml
@@ -42,6 +43,9 @@ def test_sweep_outputs_and_resume(tmp_path, tiny, monkeypatch):
         for key in ("score", "ci95", "n", "achieved_sparsity", "wall_time_s", "budget_tokens", "target_sparsity",
                     "reduction_factor", "attended_fraction_per_layer"):
             assert key in m, (f.name, key)
+        # the process's peak since the cell began: at least the model and the cache, within this machine
+        if sys.platform == "linux":
+            assert 50 < m["peak_rss_mb"] < 64 * 1024, m["peak_rss_mb"]
         if m["task"] == "fidelity":  # one continuous value: no interval
             assert m["n"] == 1 and all(math.isnan(x) for x in m["ci95"])
         else:

@@ -78,8 +78,9 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def diff_identity(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """``"seed 0 -> 7, task.samples 1 -> 3"``: the keys whose values differ."""
-    a, b = _flatten(old), _flatten(new)
+    """``"seed 0 -> 7, task.samples 1 -> 3"``: the keys whose values differ, compared as the run id
+    hashes them (JSON: a tuple and a list with the same items are the same value)."""
+    a, b = (_flatten(json.loads(json.dumps(x, default=str))) for x in (old, new))
     keys = sorted(k for k in set(a) | set(b) if a.get(k, "<unset>") != b.get(k, "<unset>"))
     return ", ".join(f"{k} {a.get(k, '<unset>')} -> {b.get(k, '<unset>')}" for k in keys) or "run id differs"
 

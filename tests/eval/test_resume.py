@@ -95,6 +95,15 @@ def test_rerun_reason_names_the_changed_key(base_dir, tiny, tmp_path):
     assert "seed 0 -> 7" in log
 
 
+def test_rerun_reason_compares_as_the_run_id_does():
+    """config.yaml stores lists where the run's identity holds tuples: not a change."""
+    from kvsieve.eval.store import diff_identity
+
+    old = {"seed": 0, "sparse_config": {"phases": ["generation"], "dense_layers": []}}
+    new = {"seed": 1, "sparse_config": {"phases": ("generation",), "dense_layers": ()}}
+    assert diff_identity(old, new) == "seed 0 -> 1"
+
+
 def test_kvsieve_version_is_part_of_the_identity(base_dir, tiny, tmp_path, monkeypatch):
     out = tmp_path / "out"
     shutil.copytree(base_dir, out)

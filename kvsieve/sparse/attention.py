@@ -190,9 +190,11 @@ class SparseAttention:
         not seen (it was installed after they began); refused, naming the request, for a selector
         that cannot rebuild its state."""
         md = inputs.metadata
+        rids = md.request_ids  # the step's requests
+        if self._attached.issuperset(rids):  # every step after the first: nothing to do
+            return
         n = md.num_seqs
         starts = md.kv_lens_host[:n] - np.diff(md.query_start_host[: n + 1])
-        rids = md.request_ids[:n]
         self._attached &= set(md.kv_cache_manager.request_ids)
         unseen = np.array([i for i in range(n) if starts[i] > 0 and rids[i] not in self._attached], dtype=np.int64)
         if len(unseen):

@@ -81,14 +81,31 @@ def _kl(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return torch.where(p > 0, p * (torch.log(p.clamp(min=1e-30)) - logq), torch.zeros_like(p)).sum(-1).mean()
 
 
+def special_prefix(tokenizer: Any) -> list[int]:
+    """The token ids the tokenizer puts before a text (Gemma's ``<bos>``; none for SmolLM2), as the
+    eval's prompts are encoded (``add_special_tokens=True``)."""
+    probe = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a", add_special_tokens=True)
+    for i in range(len(full) - len(probe) + 1):
+        if full[i: i + len(probe)] == probe:
+            return list(full[:i])
+    raise ValueError(f"special_prefix: {type(tokenizer).__name__} encodes 'a' as {probe} alone and as {full} "
+                     "with its special tokens; cannot tell which tokens come before a text")
+
+
 def _sequences(tokenizer: Any, n: int, seq_len: int, offset_tokens: int = 0) -> list[torch.Tensor]:
+    """``n`` essay sequences of ``seq_len`` tokens, each starting with the tokenizer's special prefix
+    (:func:`special_prefix`) as an eval prompt does: a model whose attention sinks on ``<bos>``
+    (Gemma 3) attends quite differently without it."""
     from .haystack import essays_text
 
+    prefix = special_prefix(tokenizer)
+    body = seq_len - len(prefix)
     ids = tokenizer.encode(essays_text(), add_special_tokens=False)
-    need = offset_tokens + n * seq_len
+    need = offset_tokens + n * body
     if len(ids) < need:
         raise ValueError(f"the essays give {len(ids)} tokens; {need} needed (num_seqs x seq_len + offset)")
-    return [torch.tensor(ids[offset_tokens + j * seq_len: offset_tokens + (j + 1) * seq_len]).unsqueeze(0)
+    return [torch.tensor(prefix + ids[offset_tokens + j * body: offset_tokens + (j + 1) * body]).unsqueeze(0)
             for j in range(n)]
 
 

@@ -14,6 +14,9 @@ that step for the eval model and merges its result into the entry's ``params``:
   sparsity of the entry; gives ``calibration_points: {generation: [(factor, fraction), ...]}``,
   which the selector interpolates. The layers and the targets are part of the cache key.
 
+Both read essay sequences that start with the tokenizer's special prefix (Gemma's ``<bos>``), as
+the eval's prompts do; a non-empty prefix is part of the cache key.
+
 Each result is cached under ``$KVSIEVE_CACHE/prepared/`` (default ``~/.cache/kvsieve``), keyed
 by a sha256 of the model's weights and of the step's options, and reused; the sweep prints
 whether it trained/calibrated or reused, and where the file is.
@@ -31,6 +34,7 @@ from typing import Any
 import torch
 
 from .config import ConfigError, EvalConfig, SelectorSpec
+from .distill_indexer import special_prefix
 from .model import LoadedModel, cache_dir
 
 __all__ = ["PREPARE_OPTIONS", "check_prepare", "last_query_samples", "model_hash", "prepare_selectors",
@@ -93,6 +97,9 @@ def prepare_selectors(cfg: EvalConfig, lm: LoadedModel, log: Callable[[str], Non
     for s in cfg.selectors:
         if s.prepare is not None:
             options = PREPARE_OPTIONS[s.prepare] | s.prepare_params
+            prefix = special_prefix(lm.tokenizer)
+            if prefix:  # the samples start with it, as the eval's prompts do; part of the cache key
+                options["special_prefix"] = prefix
             if s.prepare == "calibrate_skip_softmax":
                 options["layers"] = _planned_layers(lm, s)
                 options["targets"] = sorted({b.sparsity for t in cfg.tasks for n in t.lengths for b in s.resolve(n)})

@@ -4,6 +4,7 @@ model hash and reused, with the sweep saying which."""
 from __future__ import annotations
 
 import copy
+import json
 from importlib import resources
 
 import pytest
@@ -137,3 +138,39 @@ def test_skip_softmax_is_calibrated_on_the_layers_it_runs_on(cache, tiny):
     prepare.prepare_selectors(load_config(preset=RECIPES, overrides=both), tiny, logs.append)
     assert "calibrated" in logs[1] and "(2 layer samples of layers [0, 1]," in logs[1], logs  # not reused
     assert len(list(cache.glob("calibrate_skip_softmax-*.json"))) == 2
+
+
+class _WithBos:
+    """The tiny model's tokenizer, plus a ``<bos>`` (id 7) before every text it encodes with its
+    special tokens, as Gemma 3's does."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def encode(self, text, add_special_tokens=True):
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return [7] + ids if add_special_tokens else ids
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_calibration_samples_start_like_the_eval_prompts_and_the_prefix_keys_the_cache(cache, tiny):
+    """Gemma 3 sinks its attention on <bos>: samples without it skip far fewer tiles than its
+    prompts, so the samples carry the tokenizer's special prefix and it is part of the cache key."""
+    import dataclasses
+
+    from kvsieve.eval.distill_indexer import _sequences, special_prefix
+
+    bos = dataclasses.replace(tiny, tokenizer=_WithBos(tiny.tokenizer))
+    assert special_prefix(tiny.tokenizer) == [] and special_prefix(bos.tokenizer) == [7]
+    seqs = _sequences(bos.tokenizer, 2, 16)
+    assert [s.shape[1] for s in seqs] == [16, 16] and all(int(s[0, 0]) == 7 for s in seqs)
+    assert int(_sequences(tiny.tokenizer, 1, 16)[0][0, 0]) != 7
+    only = [o for o in TINY if "dsa" not in o] + ["selectors.dsa=null"]
+    logs: list[str] = []
+    for lm in (tiny, bos):
+        prepare.prepare_selectors(load_config(preset=RECIPES, overrides=only), lm, logs.append)
+    assert all("calibrated" in line for line in logs), logs  # the second did not reuse the first
+    (with_prefix,) = [p for p in cache.glob("calibrate_skip_softmax-*.json") if "special_prefix" in p.read_text()]
+    assert json.loads(with_prefix.read_text())["special_prefix"] == [7]

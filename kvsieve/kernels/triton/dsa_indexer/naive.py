@@ -72,11 +72,11 @@ def indexer_logits_decode(q: torch.Tensor, k_cache: torch.Tensor, k_scale_cache:
     check_decode_args(q, k_cache, k_scale_cache, weights, block_table, token_to_req, kv_lens, width)
     t = q.shape[0]
     page = k_cache.shape[1]
-    pos = torch.arange(width, device=q.device)
-    nblk = block_table.shape[1]
-    blk = block_table[token_to_req.long()][:, (pos // page).clamp(max=nblk - 1)].long()  # [T, width]
-    off = (pos % page).expand(t, width)
     if t == 0 or width == 0:
         return torch.empty(t, width, dtype=torch.float32, device=q.device)
-    scale = None if k_scale_cache is None else k_scale_cache[blk, off]
-    return _mask(score_keys(q, k_cache[blk, off], weights, scale), kv_lens)
+    # whole blocks per row (block j of row t holds its request's keys j*page .. j*page+page-1)
+    cols = torch.arange(-(-width // page), device=q.device).clamp(max=block_table.shape[1] - 1)
+    blk = block_table[token_to_req.long()][:, cols].long().reshape(-1)  # [T * ceil(width/page)]
+    keys = k_cache.index_select(0, blk).view(t, -1, k_cache.shape[-1])[:, :width]  # [T, width, D]
+    scale = None if k_scale_cache is None else k_scale_cache.index_select(0, blk).view(t, -1)[:, :width]
+    return _mask(score_keys(q, keys, weights, scale), kv_lens)

@@ -32,6 +32,7 @@ run past its trained length at 16K/32K; the tokens it produces are not looked at
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -168,6 +169,7 @@ def _one_length(session, plans: dict[str, list], tok: torch.Tensor, length: int,
     row["step"] = {k: _timing(v).as_dict() for k, v in times.items()}
     row["attended_fraction"] = steps.attended
     row["profile"] = steps.profile(tok, cfg.profile_steps) if profile and cfg.profile_steps else {}
+    steps.close()
     row["tokens_per_s"] = {k: 1.0 / v["median_s"] for k, v in row["step"].items()}
     row["peak_rss_mb"], row["rss_mb"] = rss_mb()
     row["load_1m_end"] = load_average()
@@ -183,12 +185,25 @@ class _Steps:
         self.session, self.plans, self.plain = session, plans, plain
         self.length = session.num_cached_positions
         self.attended: dict[str, float | None] = {}
+        # each configuration its own layer objects, its plans installed once: a plan installed
+        # anew must rebuild its selector's state from the cache (SparseSelector.on_attach), which
+        # a session running only that configuration would do once, not every step
+        self.own_layers = {}
+        for name, layer_plans in plans.items():
+            layers = [copy.copy(layer) for layer in session.layers]
+            for layer, plan in zip(layers, layer_plans):
+                layer.plan = plan
+            self.own_layers[name] = layers
+        self.original_layers = list(session.layers)
 
     def _use(self, name: str) -> None:
-        """The plans ``set_config`` lowered for ``name`` (kept, so selectors keep their state)."""
-        for layer, plan in zip(self.session.layers, self.plans[name]):
-            layer.plan = plan
+        """The layers holding ``name``'s plans (as ``set_config`` lowered them) become the session's."""
+        self.session.layers[:] = self.own_layers[name]
         self.session.reset_stats()
+
+    def close(self) -> None:
+        """The session's own layers back."""
+        self.session.layers[:] = self.original_layers
 
     def _kvsieve_done(self, name: str) -> None:
         frac = [f for f in self.session.attended_fraction("generation") if f is not None]

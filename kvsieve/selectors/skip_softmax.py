@@ -69,7 +69,11 @@ class SkipSoftmaxConfig:
         unknown = (set(self.calibration) | set(self.calibration_points)) - set(PHASE_KEYS)
         if unknown:
             raise ValueError(f"skip_softmax: calibration keys must be in {list(PHASE_KEYS)}, got {sorted(unknown)}")
-        for phase in self.calibration_points:
+        for phase, points in self.calibration_points.items():
+            try:
+                _bracket_points(points)  # malformed points are refused even without a target
+            except ValueError as err:
+                raise ValueError(f"skip_softmax: {phase}: {err}") from None
             self.factor(phase)  # a target outside the measured points is refused here
         if (self.threshold_scale_factor_context is None and self.threshold_scale_factor_generation is None
                 and self.target_sparsity is None):
@@ -170,13 +174,7 @@ def interpolate_factor(points: Sequence[tuple[float, float]], target_sparsity: f
     in ``log(factor)`` between them (the fraction grows with the factor, though not always
     strictly: a skipped tile does not raise the running max). A target outside the measured
     fractions is refused (``ValueError``)."""
-    pts = _bracket_points(points)
-    pair = _first_bracket(pts, target_sparsity)
-    if pair is None:
-        raise ValueError(f"target sparsity {target_sparsity} is outside the measured skipped fractions "
-                         f"[{min(s for _, s in pts):.4f}, {max(s for _, s in pts):.4f}] (factors {pts[0][0]:.4g} "
-                         f"to {pts[-1][0]:.4g})")
-    (f0, s0), (f1, s1) = pair
+    (f0, s0), (f1, s1) = _first_bracket(_bracket_points(points), target_sparsity)
     if s1 == s0:
         return f0
     t = (target_sparsity - s0) / (s1 - s0)
@@ -191,14 +189,19 @@ def _bracket_points(points: Sequence[tuple[float, float]]) -> list[tuple[float, 
 
 
 def _first_bracket(pts: list[tuple[float, float]], target: float
-                   ) -> tuple[tuple[float, float], tuple[float, float]] | None:
+                   ) -> tuple[tuple[float, float], tuple[float, float]]:
     """The first neighbours ``(f0, s0), (f1, s1)`` of ``pts`` (sorted by factor) with
-    ``s0 <= target <= s1``; a single point equal to the target is its own bracket."""
+    ``s0 <= target <= s1``; a single point equal to the target is its own bracket. A target
+    outside the measured fractions is refused (``ValueError`` listing the points)."""
     for a, b in zip(pts, pts[1:]):
         if a[1] <= target <= b[1]:
             return a, b
     exact = [p for p in pts if p[1] == target]
-    return (exact[0], exact[0]) if exact else None
+    if exact:
+        return exact[0], exact[0]
+    raise ValueError(f"target sparsity {target} is outside the measured skipped fractions "
+                     f"[{min(s for _, s in pts):.4f}, {max(s for _, s in pts):.4f}] at factors {pts[0][0]:.4g} "
+                     f"to {pts[-1][0]:.4g}: {[(f, round(s, 4)) for f, s in pts]}")
 
 
 def calibrate_threshold(samples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -215,13 +218,10 @@ def calibrate_threshold(samples: Sequence[tuple[torch.Tensor, torch.Tensor, torc
     measured = {float(f): measure_skip_fraction(samples, f, sm_scale) for f in factors}
     for target in targets:
         for _ in range(steps):
-            pts = sorted(measured.items())
-            pair = _first_bracket(pts, target)
-            if pair is None:
-                raise ValueError(f"calibrate_threshold: target {target} is outside the skipped fractions measured "
-                                 f"at factors {pts[0][0]:.4g}..{pts[-1][0]:.4g}: "
-                                 f"{[(f, round(s, 4)) for f, s in pts]}")
-            (f0, s0), (f1, s1) = pair
+            try:
+                (f0, s0), (f1, s1) = _first_bracket(sorted(measured.items()), target)
+            except ValueError as err:
+                raise ValueError(f"calibrate_threshold: {err}") from None
             if f0 == f1 or s0 == target or s1 == target:
                 break
             mid = math.sqrt(f0 * f1)

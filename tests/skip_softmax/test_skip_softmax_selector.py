@@ -87,7 +87,8 @@ def test_bisected_calibration_hits_every_target_within_a_tile_and_beats_the_fit(
     sel = kvsieve.create_selector("skip_softmax", target_sparsity=0.5, threshold_scale_factor_context=0.0,
                                   calibration_points={"generation": points})
     assert sel.config.factor("generation") == interpolate_factor(points, 0.5)
-    with pytest.raises(ValueError, match=r"target 0\.999 is outside the skipped fractions measured"):
+    with pytest.raises(ValueError, match=r"calibrate_threshold: target sparsity 0\.999 is outside the measured "
+                                         r"skipped fractions \[\d\.\d{4}, \d\.\d{4}\] at factors"):
         calibrate_threshold(samples, (0.999,), factors=grid)
 
 
@@ -108,6 +109,8 @@ def test_interpolate_factor_is_log_linear_between_the_bracketing_points_and_refu
       "calibration_points": {"generation": ((1.0, 0.0), (10.0, 0.5))}}, r"generation: target sparsity 0.9 is outside"),
     ({"target_sparsity": 0.5, "calibration": {"generation": (1.0, 1.0)}, "threshold_scale_factor_context": 0.0,
       "calibration_points": {"generation": ((1.0, 0.0), (10.0, 0.5))}}, "both calibration and calibration_points"),
+    ({"threshold_scale_factor_generation": 1.0, "threshold_scale_factor_context": 0.0,
+      "calibration_points": {"generation": ((-1.0, 0.0), (10.0, 0.5))}}, r"generation: calibration points must be"),
     ({"threshold_scale_factor_generation": -1.0}, "threshold_scale_factor_generation must be >= 0"),
     ({"target_sparsity": 1.5, "calibration": {"generation": (1.0, 1.0), "context": (1.0, 1.0)}}, r"in \[0, 1\)"),
     ({"target_sparsity": 0.5}, "needs calibration coefficients"),

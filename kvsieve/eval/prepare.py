@@ -93,12 +93,12 @@ def prepare_selectors(cfg: EvalConfig, lm: LoadedModel, log: Callable[[str], Non
     if not any(s.prepare for s in cfg.selectors):
         return cfg
     digest = model_hash(lm.model)
+    prefix = special_prefix(lm.tokenizer)  # the samples start with it, as the eval's prompts do
     specs = []
     for s in cfg.selectors:
         if s.prepare is not None:
             options = PREPARE_OPTIONS[s.prepare] | s.prepare_params
-            prefix = special_prefix(lm.tokenizer)
-            if prefix:  # the samples start with it, as the eval's prompts do; part of the cache key
+            if prefix:  # part of the cache key
                 options["special_prefix"] = prefix
             if s.prepare == "calibrate_skip_softmax":
                 options["layers"] = _planned_layers(lm, s)

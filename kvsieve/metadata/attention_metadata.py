@@ -231,6 +231,11 @@ class AttentionMetadata:
         return self._kv_lens_host[: self._num_seqs]
 
     @property
+    def cached_lens_host(self) -> np.ndarray:
+        """Host ``[num_seqs]``: tokens each request held before this step (``kv_lens - seq_lens``)."""
+        return self.kv_lens_host - np.diff(self.query_start_host)
+
+    @property
     def query_start_host(self) -> np.ndarray:
         """Host int32 ``[num_seqs + 1]``: prefix sum of :attr:`seq_lens`."""
         return self._query_start_host[: self._num_seqs + 1]

@@ -59,16 +59,13 @@ class PageSelectorBase(SparseSelector):
 
     def on_append(self, inputs: SelectorInputs) -> None:
         md = inputs.metadata
-        lens = md.kv_lens_host[: md.num_seqs]
-        starts = lens - np.diff(md.query_start_host[: md.num_seqs + 1])
-        self.summaries(inputs).refresh(inputs.layer_idx, md.slots, starts, lens)
+        self.summaries(inputs).refresh(inputs.layer_idx, md.slots, md.cached_lens_host, md.kv_lens_host)
 
     def on_attach(self, inputs: SelectorInputs, requests: np.ndarray) -> None:
         """Summarize, from the cache, the pages of the positions ``requests`` held before this
         selector was installed (``[0, kv_len - q_len)``)."""
         md = inputs.metadata
-        n = md.num_seqs
-        starts = (md.kv_lens_host[:n] - np.diff(md.query_start_host[: n + 1]))[requests]
+        starts = md.cached_lens_host[requests]
         self.summaries(inputs).refresh(inputs.layer_idx, md.slots[requests], np.zeros_like(starts), starts)
 
     def on_compacted(self, inputs: SelectorInputs, kept: list[torch.Tensor]) -> None:

@@ -193,10 +193,10 @@ class SparseAttention:
         rids = md.request_ids  # the step's requests
         if self._attached.issuperset(rids):  # every step after the first: nothing to do
             return
-        n = md.num_seqs
-        starts = md.kv_lens_host[:n] - np.diff(md.query_start_host[: n + 1])
+        starts = md.cached_lens_host
         self._attached &= set(md.kv_cache_manager.request_ids)
-        unseen = np.array([i for i in range(n) if starts[i] > 0 and rids[i] not in self._attached], dtype=np.int64)
+        unseen = np.array([i for i, rid in enumerate(rids) if starts[i] > 0 and rid not in self._attached],
+                          dtype=np.int64)
         if len(unseen):
             why = attach_refusal(self.plan.selector)
             if why is not None:

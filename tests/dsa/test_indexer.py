@@ -83,6 +83,40 @@ def test_decode_kernel_matches_reference(dtype, page):
         torch.testing.assert_close(want[t, :n].double(), gold[t, :n], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("shared", [True, False])
+def test_prefill_reference_in_row_chunks_matches_formula(monkeypatch, dtype, shared):
+    """The reference scores rows in cache-sized chunks; with a chunk of a few rows (so every
+    case crosses chunk boundaries) it still equals the float64 formula, both when all rows read
+    the same keys (one request, its shared-keys path) and when their first keys differ."""
+    monkeypatch.setattr(naive, "KEY_CHUNK_ELEMS", 3 * 50 * 4)  # ~3 rows of width 50 per chunk
+    q, k, ks, w = _inputs(9, 4, 32, 60, dtype, seed=7)
+    start = torch.zeros(9, dtype=torch.int32) if shared else torch.tensor([0, 2, 2, 5, 9, 9, 9, 1, 0],
+                                                                         dtype=torch.int32)
+    lens = torch.tensor([1, 4, 9, 17, 50, 23, 0, 33, 48], dtype=torch.int32)
+    got = naive.indexer_logits_prefill(q, k, ks, w, start, lens, 50)
+    rows = [[k[int(start[t]) + j].float() for j in range(int(lens[t]))] for t in range(9)]
+    sc = [[1.0 if ks is None else float(ks[int(start[t]) + j]) for j in range(int(lens[t]))] for t in range(9)]
+    gold = _golden(q.float(), rows, sc, w)
+    for t in range(9):
+        n = int(lens[t])
+        torch.testing.assert_close(got[t, :n].double(), gold[t, :n], atol=1e-4, rtol=1e-4)
+        assert bool(torch.isinf(got[t, n:]).all())
+
+
+def test_decode_reference_in_row_chunks_equals_one_chunk(monkeypatch):
+    """Decode rows scored a few at a time give the same logits, bit for bit, as all rows at once."""
+    g = torch.Generator().manual_seed(8)
+    cache = torch.randn(30, 8, 32, generator=g).bfloat16()
+    q, _, _, w = _inputs(7, 4, 32, 1, torch.bfloat16, seed=9)
+    bt = (torch.randperm(29, generator=g)[:2 * 14].view(2, 14) + 1).to(torch.int32)
+    tok = torch.tensor([0, 1, 1, 0, 1, 0, 0], dtype=torch.int32)
+    lens = torch.tensor([110, 1, 57, 0, 112, 64, 3], dtype=torch.int32)
+    whole = naive.indexer_logits_decode(q, cache, None, w, bt, tok, lens, 112)
+    monkeypatch.setattr(naive, "KEY_CHUNK_ELEMS", 2 * 112 * 32)  # two rows per chunk
+    assert torch.equal(naive.indexer_logits_decode(q, cache, None, w, bt, tok, lens, 112), whole)
+
+
 def test_pow2_fp8_quantization():
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 3, 64).unsqueeze(1)
     x[5] = 0

@@ -14,6 +14,19 @@ from .plan import check_decode_args, check_prefill_args
 
 __all__ = ["indexer_logits_prefill", "indexer_logits_decode", "score_keys"]
 
+# Rows are scored in chunks whose per-row intermediate (gathered keys, or the ``[rows, H, L]``
+# scores where all rows share their keys) holds about this many elements (4 MB in fp32), so it
+# stays in cache: one pass over a whole 64 x 4K decode batch spent most of its time writing and
+# re-reading a 33 MB fp32 copy of the keys. Chunking changes no value: each row is computed alone.
+KEY_CHUNK_ELEMS = 1 << 20
+
+
+def _row_chunks(t: int, width: int, per_column: int):
+    """``(r0, r1)`` row ranges whose ``rows x width x per_column`` intermediate fits the chunk."""
+    step = max(1, KEY_CHUNK_ELEMS // max(width * per_column, 1))
+    for r0 in range(0, t, step):
+        yield r0, min(t, r0 + step)
+
 
 def score_keys(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, k_scale: torch.Tensor | None) -> torch.Tensor:
     """fp32 ``[T, L]`` for ``q [T, H, D]`` against ``k [T, L, D]`` (per-row keys), ``k_scale [T, L]``."""
@@ -47,10 +60,21 @@ def indexer_logits_prefill(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tens
     out = torch.full((t, width), float("-inf"), dtype=torch.float32, device=q.device)
     pos = torch.arange(width, device=q.device)
     rows = (k_start.to(torch.int64).unsqueeze(1) + pos).clamp(max=max(k.shape[0] - 1, 0))
-    if t and width and k.shape[0]:
-        scale = None if k_scale is None else k_scale[rows]
-        out = _mask(score_keys(q, k[rows], weights, scale), k_len)
-    return out
+    if not (t and width and k.shape[0]):
+        return out
+    if bool((k_start == k_start[0]).all()):  # one request's rows: every row reads the same keys
+        keys = k[rows[0]].float()  # [width, D]
+        scale = None if k_scale is None else k_scale[rows[0]].float()
+        for r0, r1 in _row_chunks(t, width, weights.shape[1]):
+            s = torch.einsum("thd,ld->thl", q[r0:r1].float(), keys).relu_()
+            out[r0:r1] = torch.einsum("th,thl->tl", weights[r0:r1].float(), s)
+        if scale is not None:
+            out *= scale
+    else:
+        for r0, r1 in _row_chunks(t, width, k.shape[-1]):
+            scale = None if k_scale is None else k_scale[rows[r0:r1]]
+            out[r0:r1] = score_keys(q[r0:r1], k[rows[r0:r1]], weights[r0:r1], scale)
+    return _mask(out, k_len)
 
 
 def indexer_logits_decode(q: torch.Tensor, k_cache: torch.Tensor, k_scale_cache: torch.Tensor | None,
@@ -76,7 +100,11 @@ def indexer_logits_decode(q: torch.Tensor, k_cache: torch.Tensor, k_scale_cache:
         return torch.empty(t, width, dtype=torch.float32, device=q.device)
     # whole blocks per row (block j of row t holds its request's keys j*page .. j*page+page-1)
     cols = torch.arange(-(-width // page), device=q.device).clamp(max=block_table.shape[1] - 1)
-    blk = block_table[token_to_req.long()][:, cols].long().reshape(-1)  # [T * ceil(width/page)]
-    keys = k_cache.index_select(0, blk).view(t, -1, k_cache.shape[-1])[:, :width]  # [T, width, D]
-    scale = None if k_scale_cache is None else k_scale_cache.index_select(0, blk).view(t, -1)[:, :width]
-    return _mask(score_keys(q, keys, weights, scale), kv_lens)
+    table = block_table[token_to_req.long()][:, cols].long()  # [T, ceil(width/page)]
+    out = torch.empty(t, width, dtype=torch.float32, device=q.device)
+    for r0, r1 in _row_chunks(t, width, k_cache.shape[-1]):
+        blk = table[r0:r1].reshape(-1)
+        keys = k_cache.index_select(0, blk).view(r1 - r0, -1, k_cache.shape[-1])[:, :width]  # [rows, width, D]
+        scale = None if k_scale_cache is None else k_scale_cache.index_select(0, blk).view(r1 - r0, -1)[:, :width]
+        out[r0:r1] = score_keys(q[r0:r1], keys, weights[r0:r1], scale)
+    return _mask(out, kv_lens)

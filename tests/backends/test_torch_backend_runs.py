@@ -87,3 +87,23 @@ def test_shared_groups_mla_prefill():
     md, q, geo = build(page=16, hq=8, hkv=1, d=24, ctx_lens=[70, 33], gen_hist=[40], kind="mla", rank=16)
     compare("torch", md, q, geo, None)  # dense context rows: one group per request
     compare("torch", md, q, geo, _shared_prefill_selection(md, 1, qblock=16, k=2, block_size=16))
+
+
+def test_shared_groups_long_prefill_and_an_empty_group():
+    """A prompt longer than one chunk of rows (MAX_CHUNK_ROWS), dense and block-sparse, with one
+    query block whose selection is all padding: the fused group path must give that block's
+    tokens out 0 and lse +inf, as the golden does, and agree everywhere else."""
+    from kvsieve.sparse.backends.torch_backend import MAX_CHUNK_ROWS
+
+    n = MAX_CHUNK_ROWS * 2 + 37
+    md, q, geo = build(page=16, hq=4, hkv=1, d=16, ctx_lens=[n], gen_hist=[], seed=5)
+    compare("torch", md, q, geo, None)
+    params = _shared_prefill_selection(md, 1, qblock=32, k=3, block_size=32, seed=6)
+    idx = params.sparse_attn_indices.clone()
+    off = params.sparse_attn_offsets
+    for t in range(64, 96):  # query block 2: nothing selected
+        idx[:, off[t]: off[t + 1]] = -1
+    params = SparseRuntimeParams(sparse_attn_indices=idx, sparse_attn_offsets=off,
+                                 sparse_attn_indices_block_size=32)
+    out, lse = compare("torch", md, q, geo, params)
+    assert torch.count_nonzero(out[64:96]) == 0 and bool(torch.isposinf(lse[64:96]).all())

@@ -26,6 +26,10 @@ from .skip_softmax import RequestRows, WalkedRows, skip_softmax_phase
 
 __all__ = ["TorchBackend", "selected_positions"]
 
+# A chunk's rows are padded to its longest row: in a causal prefill chunks of 512 rows read at
+# most 511 padded positions per row (whole-prompt chunks computed the full square, 2x the work).
+MAX_CHUNK_ROWS = 512
+
 
 def selected_positions(params: SparseRuntimeParams | None, token_kv_lens: torch.Tensor, num_kv_heads: int,
                        rows: slice) -> torch.Tensor:
@@ -47,6 +51,43 @@ def selected_positions(params: SparseRuntimeParams | None, token_kv_lens: torch.
             sel = sel.flatten(2)
         pos = sel
     return torch.where((pos >= 0) & (pos < lens.view(1, n, 1)), pos, -1)
+
+
+def _grouped_flash(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                   groups: tuple[torch.Tensor, torch.Tensor, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of query tokens that share their group's gathered K/V (a prefill's dense rows, a
+    query block of a block-sparse prefill) through PyTorch's fused CPU flash-attention kernel,
+    which returns the log-sum-exp beside the output; the unfused masked softmax wrote and re-read
+    the ``[Hkv, n, g, K]`` scores several times and cost about 3x more.
+
+    Args:
+        qs: fp32 ``[Hkv, n, g, D]`` queries, ``sm_scale`` applied.
+        k, v: fp32 ``[Hkv, G, K, D]`` / ``[Hkv, G, K, Dv]`` gathered per group, contiguous.
+        valid: bool ``[Hkv, n, K]`` the positions each token attends (causal, selected).
+        groups: ``(group of each token [n], slot in its group [n], G, largest group M)``.
+
+    Returns:
+        out fp32 ``[Hkv, n, g, Dv]`` (0 for a token that attends nothing) and lse fp32
+        ``[Hkv, n, g]`` (natural log; ``inf`` for a token that attends nothing).
+    """
+    gid, slot, n_groups, m = groups
+    hkv, n, g, d = qs.shape
+    width = k.shape[2]
+    # one SDPA batch entry per (KV head, group); its heads are the g query heads, its rows the
+    # group's tokens; K/V and the mask broadcast over the g heads (stride 0, no copy)
+    qt = qs.new_zeros(hkv, n_groups, m, g, d)
+    qt[:, gid, slot] = qs
+    bias = qs.new_full((hkv, n_groups, m, width), float("-inf"))
+    bias[:, gid, slot] = torch.where(valid, 0.0, float("-inf"))
+    kb = k.reshape(hkv * n_groups, 1, width, d).expand(-1, g, -1, -1)
+    vb = v.reshape(hkv * n_groups, 1, width, v.shape[-1]).expand(-1, g, -1, -1)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qt.transpose(2, 3).reshape(hkv * n_groups, g, m, d), kb, vb, 0.0, False,
+        attn_mask=bias.view(hkv * n_groups, 1, m, width).expand(-1, g, -1, -1), scale=1.0)
+    o = o.view(hkv, n_groups, g, m, -1).transpose(2, 3)[:, gid, slot]  # [Hkv, n, g, Dv]
+    lse = lse.view(hkv, n_groups, g, m).transpose(2, 3)[:, gid, slot]  # [Hkv, n, g]
+    empty = ~valid.any(-1, keepdim=True)  # [Hkv, n, 1]
+    return o.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, torch.inf)
 
 
 def _selection(params: SparseRuntimeParams, num_kv_heads: int, rows: slice, n: int) -> tuple[torch.Tensor, int]:
@@ -200,15 +241,22 @@ class TorchBackend(AttentionBackend):
         lens = metadata.token_kv_lens
         hkv, page = geometry.num_kv_heads, mgr.tokens_per_block
         width = self._width(params, lens, phase_rows)
-        row_bytes = max(width, 1) * hkv * (k_cache.shape[-1] + v_cache.shape[-1]) * 4 * 3
-        chunk = max(1, self.max_gather_bytes // row_bytes)
+        # bytes per query token: its gathered K/V (with the score tensors, x3) and, shared or not,
+        # its positions, masks and scores bias (~16 B per position and KV head)
+        gather_bytes = max(width, 1) * hkv * (k_cache.shape[-1] + v_cache.shape[-1]) * 4 * 3
+        token_bytes = max(width, 1) * hkv * 16
         heads = torch.arange(hkv, device=q.device).view(hkv, 1, 1)
         bs = 1 if params is None else params.sparse_attn_indices_block_size
         unit = page if params is None else math.gcd(bs, page)
-        for t0 in range(phase_rows.start, phase_rows.stop, chunk):
+        share = 1.0  # gathers per token in the last chunk: tokens of one group share a gather
+        t0 = phase_rows.start
+        while t0 < phase_rows.stop:
+            chunk = max(1, min(MAX_CHUNK_ROWS, int(self.max_gather_bytes // (gather_bytes * share + token_bytes))))
             rows = slice(t0, min(t0 + chunk, phase_rows.stop))
+            t0 = rows.stop
             if rowwise and geometry.kind == "gqa" and rows.stop - rows.start == 1:  # a chunk of one token
-                self._attend_token(q, metadata, t0, pool, geometry, params, pages, page_start, page, out, lse, attended)
+                self._attend_token(q, metadata, rows.start, pool, geometry, params, pages, page_start, page, out, lse,
+                                   attended)
                 continue
             groups = None
             if rowwise:
@@ -222,9 +270,15 @@ class TorchBackend(AttentionBackend):
                 k = k_cache[blk, heads, p % page].float()  # [Hkv, n, K, D]
                 v = v_cache[blk, heads, p % page].float()
             n = valid.shape[1]
+            share = 1.0 if groups is None else groups[2] / n
             attended[rows] = valid.sum(-1).T
             g = hq // hkv
             qs = q[rows].float().view(n, hkv, g, -1).permute(1, 0, 2, 3) * geometry.sm_scale  # [Hkv, n, g, D]
+            if groups is not None and geometry.kind == "gqa" and q.device.type == "cpu":
+                o, row_lse = _grouped_flash(qs, k, v, valid, groups)
+                out[rows] = o.permute(1, 0, 2, 3).reshape(n, hq, -1)
+                lse[rows] = row_lse.permute(1, 0, 2).reshape(n, hq)
+                continue
             if groups is None:
                 # K as the left operand streams the gathered rows once (q @ K^T would copy K transposed)
                 s = torch.matmul(k, qs.transpose(-1, -2)).transpose(-1, -2)  # [Hkv, n, g, K]

@@ -8,6 +8,8 @@ For every (query token, KV head) the backend builds the request-local positions 
 ``paged_kv_indices[paged_kv_indptr[b] + j]``, ``batch_indices`` gives each token's row), K and V
 rows are gathered in one advanced-indexing op, and attention runs in fp32. Query tokens are
 processed per phase, in chunks sized so the gathered tile stays under ``max_gather_bytes``.
+Tokens that share one gather (a prefill's dense rows, a block-sparse prefill's query blocks)
+attend through PyTorch's fused CPU flash-attention kernel under a mask of their positions.
 
 Selections are read as sets: rows may have different lengths (``-1`` padded here), and an index
 listed twice in a row (possible only with validation off) is attended once, as in the Vanilla

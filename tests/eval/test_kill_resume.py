@@ -29,7 +29,10 @@ def _start(cfg_path: Path, out: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "kvsieve.cli", "eval", "--config", str(cfg_path), "--output-dir", str(out),
            "--no-progress"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a shell without job control starts background jobs with SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler: give the sweep the default disposition, as a terminal would
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for_plan(proc: subprocess.Popen) -> float:

@@ -73,7 +73,7 @@ def _grouped_flash(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: to
         ``[Hkv, n, g]`` (natural log; ``inf`` for a token that attends nothing).
     """
     gid, slot, n_groups, m = groups
-    hkv, n, g, d = qs.shape
+    hkv, _, g, d = qs.shape
     width = k.shape[2]
     # one SDPA batch entry per (KV head, group); its heads are the g query heads, its rows the
     # group's tokens; K/V and the mask broadcast over the g heads (stride 0, no copy)

@@ -29,8 +29,9 @@ def _row_chunks(t: int, width: int, per_column: int):
 
 
 def score_keys(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, k_scale: torch.Tensor | None) -> torch.Tensor:
-    """fp32 ``[T, L]`` for ``q [T, H, D]`` against ``k [T, L, D]`` (per-row keys), ``k_scale [T, L]``."""
-    s = torch.einsum("thd,tld->thl", q.float(), k.float()).relu_()
+    """fp32 ``[T, L]`` for ``q [T, H, D]`` against ``k [T, L, D]`` (per-row keys) or ``[L, D]``
+    (keys every row shares), ``k_scale [T, L]`` or ``[L]`` alike."""
+    s = torch.einsum("thd,tld->thl" if k.dim() == 3 else "thd,ld->thl", q.float(), k.float()).relu_()
     out = torch.einsum("th,thl->tl", weights.float(), s)
     return out if k_scale is None else out * k_scale.float()
 
@@ -63,13 +64,10 @@ def indexer_logits_prefill(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tens
     if not (t and width and k.shape[0]):
         return out
     if bool((k_start == k_start[0]).all()):  # one request's rows: every row reads the same keys
-        keys = k[rows[0]].float()  # [width, D]
-        scale = None if k_scale is None else k_scale[rows[0]].float()
+        keys = k[rows[0]].float()  # [width, D], upcast once
+        scale = None if k_scale is None else k_scale[rows[0]]
         for r0, r1 in _row_chunks(t, width, weights.shape[1]):
-            s = torch.einsum("thd,ld->thl", q[r0:r1].float(), keys).relu_()
-            out[r0:r1] = torch.einsum("th,thl->tl", weights[r0:r1].float(), s)
-        if scale is not None:
-            out *= scale
+            out[r0:r1] = score_keys(q[r0:r1], keys, weights[r0:r1], scale)
     else:
         for r0, r1 in _row_chunks(t, width, k.shape[-1]):
             scale = None if k_scale is None else k_scale[rows[r0:r1]]

@@ -128,3 +128,42 @@ def test_page_summaries_read_through_both_paths():
             for p in range(-(-keys.shape[0] // 8)):
                 assert torch.equal(kmin[b, p], keys[p * 8: (p + 1) * 8].amin(0))
                 assert torch.equal(kmax[b, p], keys[p * 8: (p + 1) * 8].amax(0))
+
+
+@pytest.mark.parametrize("name, params, tpb", [
+    ("quest", {"budget": 64, "page_size": 16}, 16),
+    ("quest", {"budget": 48, "page_size": 8, "summary_dtype": "float8_e5m2"}, 32),  # 4 pages per block
+    ("rocketkv", {"prompt_budget": 4096, "page_size": 8, "topk": 6, "topr": 12, "summary_dtype": "bfloat16"}, 16),
+])
+def test_one_request_decode_takes_the_short_path(name, params, tpb, monkeypatch):
+    """A step whose only generation row is one token of one request (alone, then behind another
+    request's prefill rows) takes the single-request path of ``select_pages`` and refreshes its page
+    through the block slice, and still equals the golden, across page and block boundaries."""
+    from kvsieve.selectors import _page_summary
+
+    calls = {"select": 0, "refresh": 0}
+
+    def counting(owner, attr, key):
+        orig = getattr(owner, attr)
+
+        def counted(*args, **kwargs):
+            calls[key] += 1
+            return orig(*args, **kwargs)
+        monkeypatch.setattr(owner, attr, counted)
+
+    counting(_page_summary, "_select_pages_one", "select")
+    counting(_page_summary.PageSummaries, "_refresh_page", "refresh")
+    h = Harness(name, params, hkv=2, g=3, d=32, tpb=tpb)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = h.qkv(200, gen)
+    h.hook_inputs([1], [200], 1, q, k, v)
+    h.engine.end_step()
+    steps = [([1], [1], 0)] * 20 + [([2, 1], [57, 1], 1)]
+    for rids, lens, ctx in steps:
+        q, k, v = h.qkv(sum(lens), gen)
+        inputs = h.hook_inputs(rids, lens, ctx, q, k, v)
+        fast = place_rows(h.selector.predict_attn(inputs), inputs, name)
+        fast.validate(num_kv_heads=h.hkv, num_query_tokens=sum(lens), kv_lens=inputs.metadata.token_kv_lens)
+        _equal_or_overlap(fast, reference_params(h.selector, inputs), sum(lens), h.hkv, False, 1.0)
+        h.engine.end_step()
+    assert calls["select"] == len(steps) and calls["refresh"] == 20

@@ -83,13 +83,22 @@ def _grouped_flash(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: to
     bias[:, gid, slot] = torch.where(valid, 0.0, float("-inf"))
     kb = k.reshape(hkv * n_groups, 1, width, d).expand(-1, g, -1, -1)
     vb = v.reshape(hkv * n_groups, 1, width, v.shape[-1]).expand(-1, g, -1, -1)
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qt.transpose(2, 3).reshape(hkv * n_groups, g, m, d), kb, vb, 0.0, False,
-        attn_mask=bias.view(hkv * n_groups, 1, m, width).expand(-1, g, -1, -1), scale=1.0)
+    o, lse = _flash_cpu(qt.transpose(2, 3).reshape(hkv * n_groups, g, m, d), kb, vb,
+                        bias.view(hkv * n_groups, 1, m, width).expand(-1, g, -1, -1), 1.0)
     o = o.view(hkv, n_groups, g, m, -1).transpose(2, 3)[:, gid, slot]  # [Hkv, n, g, Dv]
     lse = lse.view(hkv, n_groups, g, m).transpose(2, 3)[:, gid, slot]  # [Hkv, n, g]
     empty = ~valid.any(-1, keepdim=True)  # [Hkv, n, 1]
     return o.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, torch.inf)
+
+
+def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` (no causal mask, no dropout):
+    q fp32 ``[B, H, L, D]``, k/v ``[B, H, S, D]``/``[B, H, S, Dv]``, ``bias`` fp32 ``[B, H, L, S]``
+    (0 or ``-inf``) or ``None``. Returns out ``[B, H, L, Dv]`` and the natural-log lse ``[B, H, L]``."""
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                        scale=scale)[:2]
+    return o, lse
 
 
 def _selection(params: SparseRuntimeParams, num_kv_heads: int, rows: slice, n: int) -> tuple[torch.Tensor, int]:
@@ -339,13 +348,28 @@ class TorchBackend(AttentionBackend):
         if ok is not None:
             valid &= ok.repeat_interleave(unit, dim=1)
         attended[t] = valid.sum(-1)
-        qs = q[t].float().view(hkv, -1, d) * geometry.sm_scale  # [Hkv, g, D]
-        s = torch.matmul(k, qs.transpose(-1, -2)).transpose(-1, -2).masked_fill(~valid.unsqueeze(1), float("-inf"))
-        row_lse = torch.logsumexp(s, dim=-1)  # [Hkv, g]
-        empty = torch.isneginf(row_lse)
-        o = torch.matmul(torch.exp(s - torch.where(empty, 0.0, row_lse).unsqueeze(-1)), v)  # [Hkv, g, Dv]
-        out[t] = o.reshape(q.shape[1], -1)
-        lse[t] = torch.where(empty, torch.inf, row_lse).reshape(-1)
+        if q.device.type != "cpu":
+            qs = q[t].float().view(hkv, -1, d) * geometry.sm_scale  # [Hkv, g, D]
+            s = torch.matmul(k, qs.transpose(-1, -2)).transpose(-1, -2).masked_fill(~valid.unsqueeze(1), float("-inf"))
+            row_lse = torch.logsumexp(s, dim=-1)  # [Hkv, g]
+            empty = torch.isneginf(row_lse)
+            o = torch.matmul(torch.exp(s - torch.where(empty, 0.0, row_lse).unsqueeze(-1)), v)  # [Hkv, g, Dv]
+            out[t] = o.reshape(q.shape[1], -1)
+            lse[t] = torch.where(empty, torch.inf, row_lse).reshape(-1)
+            return
+        # PyTorch's fused CPU flash kernel (out and lse in one pass, about half the ops): one batch
+        # entry, the KV heads as its heads, a group's query heads as its rows
+        qs = q[t].float().view(1, hkv, -1, d)  # [1, Hkv, g, D]
+        if ok is None:  # dense: the valid positions are the prefix [0, kv_len) of the runs
+            o, row_lse = _flash_cpu(qs, k[:, :kv_len].unsqueeze(0), v[:, :kv_len].unsqueeze(0), None,
+                                    geometry.sm_scale)
+        else:
+            bias = torch.where(valid, 0.0, float("-inf")).view(1, hkv, 1, -1).expand(-1, -1, qs.shape[2], -1)
+            o, row_lse = _flash_cpu(qs, k.unsqueeze(0), v.unsqueeze(0), bias, geometry.sm_scale)
+            empty = ~valid.any(-1).view(1, hkv, 1)  # a head that attends nothing: out 0, lse inf
+            o, row_lse = o.masked_fill(empty.unsqueeze(-1), 0.0), row_lse.masked_fill(empty, torch.inf)
+        out[t].view(o.shape[1:]).copy_(o[0])
+        lse[t].view(row_lse.shape[1:]).copy_(row_lse[0])
 
     def _gather_runs(self, pool: torch.Tensor, geometry: AttentionGeometry, params: SparseRuntimeParams | None,
                      ragged: tuple[torch.Tensor, torch.Tensor], tok_req: torch.Tensor, lens: torch.Tensor, rows: slice, unit: int,

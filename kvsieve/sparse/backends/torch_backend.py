@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ...metadata import AttentionMetadata
@@ -238,7 +239,8 @@ class TorchBackend(AttentionBackend):
         pool = mgr.pools[layer_idx]
         rowwise = pool.is_contiguous() and (geometry.kind == "mla" or mgr.spec.layout == "HND")
         rpt = metadata.ragged_page_table
-        if rowwise and geometry.kind == "gqa" and phase_rows.stop - phase_rows.start == 1:
+        one_row = rowwise and geometry.kind == "gqa" and q.device.type == "cpu"  # the one-token path's scope
+        if one_row and phase_rows.stop - phase_rows.start == 1:
             self._attend_token(q, metadata, phase_rows.start, pool, geometry, params, rpt.paged_kv_indices,
                                rpt.paged_kv_indptr, mgr.tokens_per_block, out, lse, attended)
             return ("dense" if params is None else "sparse") + "_runs"
@@ -265,7 +267,7 @@ class TorchBackend(AttentionBackend):
             chunk = max(1, min(MAX_CHUNK_ROWS, int(self.max_gather_bytes // (gather_bytes * share + token_bytes))))
             rows = slice(t0, min(t0 + chunk, phase_rows.stop))
             t0 = rows.stop
-            if rowwise and geometry.kind == "gqa" and rows.stop - rows.start == 1:  # a chunk of one token
+            if one_row and rows.stop - rows.start == 1:  # a chunk of one token
                 self._attend_token(q, metadata, rows.start, pool, geometry, params, pages, page_start, page, out, lse,
                                    attended)
                 continue
@@ -318,56 +320,48 @@ class TorchBackend(AttentionBackend):
                       page_start: torch.Tensor, page: int, out: torch.Tensor, lse: torch.Tensor,
                       attended: torch.Tensor) -> None:
         """Query row ``t`` alone (a phase or chunk of one token: the decode step of one request) over a
-        contiguous HND GQA pool: the same runs, masks and math as the batched path, without padding
-        selections across tokens (about half its ops; a decode step's cost is mostly per-op overhead).
-        ``pages``/``page_start``: the ragged page table's indices and indptr (any int dtype)."""
+        contiguous HND GQA pool on CPU: the same runs and masks as the batched path, their index
+        arithmetic on the host (numpy; a few hundred entries) and one K+V gather, then PyTorch's
+        fused CPU flash kernel. A decode step's cost is mostly per-op overhead; this is about a
+        third of the batched path's ops. ``pages``/``page_start``: the ragged page table's indices
+        and indptr (any int dtype)."""
         hkv, d = geometry.num_kv_heads, pool.shape[-1]
         kv_len = int(metadata.positions_host[t]) + 1
         first = int(page_start[int(metadata.token_to_req_host[t])])
         if params is None:
             unit = page
-            starts = torch.arange(0, kv_len, unit, device=q.device).expand(hkv, -1)  # [Hkv, U]
+            starts = np.broadcast_to(np.arange(0, kv_len, unit), (hkv, -(-kv_len // unit)))  # [Hkv, U]
             ok = None
         else:
             bs = params.sparse_attn_indices_block_size
             unit = math.gcd(bs, page)
             o0, o1 = params.sparse_attn_offsets[t: t + 2].tolist()
-            sel = params.sparse_attn_indices[:, o0:o1].sort(dim=-1).values.to(torch.int64)  # [Hkv, k], -1 first
+            sel = np.sort(params.sparse_attn_indices[:, o0:o1].numpy().astype(np.int64), axis=-1)  # [Hkv, k], -1 first
             ok = sel >= 0
             ok[:, 1:] &= sel[:, 1:] != sel[:, :-1]  # a repeated unit is read once
-            starts = (sel * bs).unsqueeze(-1) + torch.arange(0, bs, unit, device=q.device)  # [Hkv, k, bs/unit]
-            ok = (ok.unsqueeze(-1) & (starts < kv_len)).flatten(1)
-            starts = starts.flatten(1).masked_fill(~ok, 0)
+            starts = (sel * bs)[..., None] + np.arange(0, bs, unit)  # [Hkv, k, bs/unit]
+            ok = (ok[..., None] & (starts < kv_len)).reshape(hkv, -1)
+            starts = np.where(ok, starts.reshape(hkv, -1), 0)
         per_page = page // unit
-        blk = pages[first + starts // page].long()  # [Hkv, U]
-        k_rows = ((blk * 2) * hkv + torch.arange(hkv, device=q.device).view(hkv, 1)) * per_page + (starts % page) // unit
-        flat = pool.view(-1, unit * d)
-        k = self._rows("k", flat, k_rows.flatten()).view(hkv, -1, d)  # [Hkv, U*unit, D]
-        v = self._rows("v", flat, (k_rows + hkv * per_page).flatten()).view(hkv, -1, d)
-        valid = (starts.unsqueeze(-1) + torch.arange(unit, device=q.device)).flatten(1) < kv_len  # [Hkv, U*unit]
-        if ok is not None:
-            valid &= ok.repeat_interleave(unit, dim=1)
-        attended[t] = valid.sum(-1)
-        if q.device.type != "cpu":
-            qs = q[t].float().view(hkv, -1, d) * geometry.sm_scale  # [Hkv, g, D]
-            s = torch.matmul(k, qs.transpose(-1, -2)).transpose(-1, -2).masked_fill(~valid.unsqueeze(1), float("-inf"))
-            row_lse = torch.logsumexp(s, dim=-1)  # [Hkv, g]
-            empty = torch.isneginf(row_lse)
-            o = torch.matmul(torch.exp(s - torch.where(empty, 0.0, row_lse).unsqueeze(-1)), v)  # [Hkv, g, Dv]
-            out[t] = o.reshape(q.shape[1], -1)
-            lse[t] = torch.where(empty, torch.inf, row_lse).reshape(-1)
-            return
-        # PyTorch's fused CPU flash kernel (out and lse in one pass, about half the ops): one batch
-        # entry, the KV heads as its heads, a group's query heads as its rows
-        qs = q[t].float().view(1, hkv, -1, d)  # [1, Hkv, g, D]
+        blk = pages.numpy()[first + starts // page].astype(np.int64)  # [Hkv, U]
+        k_rows = ((blk * 2) * hkv + np.arange(hkv)[:, None]) * per_page + (starts % page) // unit
+        n = k_rows.size
+        kv = self._rows("kv", pool.view(-1, unit * d), torch.from_numpy(
+            np.concatenate([k_rows.ravel(), (k_rows + hkv * per_page).ravel()])))
+        k, v = kv[:n].view(1, hkv, -1, d), kv[n:].view(1, hkv, -1, d)  # [1, Hkv, U*unit, D]
+        qs = q[t].float().view(1, hkv, -1, d)  # [1, Hkv, g, D]: the KV heads as heads, a group's query heads as rows
         if ok is None:  # dense: the valid positions are the prefix [0, kv_len) of the runs
-            o, row_lse = _flash_cpu(qs, k[:, :kv_len].unsqueeze(0), v[:, :kv_len].unsqueeze(0), None,
-                                    geometry.sm_scale)
+            attended[t] = kv_len
+            o, row_lse = _flash_cpu(qs, k[:, :, :kv_len], v[:, :, :kv_len], None, geometry.sm_scale)
         else:
-            bias = torch.where(valid, 0.0, float("-inf")).view(1, hkv, 1, -1).expand(-1, -1, qs.shape[2], -1)
-            o, row_lse = _flash_cpu(qs, k.unsqueeze(0), v.unsqueeze(0), bias, geometry.sm_scale)
-            empty = ~valid.any(-1).view(1, hkv, 1)  # a head that attends nothing: out 0, lse inf
-            o, row_lse = o.masked_fill(empty.unsqueeze(-1), 0.0), row_lse.masked_fill(empty, torch.inf)
+            valid = ((starts[..., None] + np.arange(unit)) < kv_len).reshape(hkv, -1) & np.repeat(ok, unit, axis=1)
+            attended[t] = torch.from_numpy(valid.sum(-1))
+            bias = torch.from_numpy(np.where(valid, np.float32(0), np.float32(-np.inf)))  # [Hkv, U*unit]
+            o, row_lse = _flash_cpu(qs, k, v, bias.view(1, hkv, 1, -1).expand(-1, -1, qs.shape[2], -1),
+                                    geometry.sm_scale)
+            if not valid.any(-1).all():  # a head that attends nothing: out 0, lse inf
+                empty = torch.from_numpy(~valid.any(-1)).view(1, hkv, 1)
+                o, row_lse = o.masked_fill(empty.unsqueeze(-1), 0.0), row_lse.masked_fill(empty, torch.inf)
         out[t].view(o.shape[1:]).copy_(o[0])
         lse[t].view(row_lse.shape[1:]).copy_(row_lse[0])
 

@@ -107,3 +107,27 @@ def test_shared_groups_long_prefill_and_an_empty_group():
                                  sparse_attn_indices_block_size=32)
     out, lse = compare("torch", md, q, geo, params)
     assert torch.count_nonzero(out[64:96]) == 0 and bool(torch.isposinf(lse[64:96]).all())
+
+
+def test_chunk_ends_early_when_sharing_collapses():
+    """The first 300 prefill rows all select the same 40 tokens (one gather serves a whole chunk,
+    so the next chunk is sized for that sharing); the next 300 each select their own. The chunk
+    that crosses over must stop where its gathers would pass ``max_gather_bytes``, not gather
+    hundreds of rows at once, and the result must still equal the golden."""
+    n, k, hkv, d = 600, 40, 1, 16
+    md, q, geo = build(page=16, hq=2, hkv=hkv, d=d, ctx_lens=[n], gen_hist=[], seed=8)
+    g = torch.Generator().manual_seed(9)
+    sel = torch.full((n, hkv, k), -1, dtype=torch.int32)
+    sel[:300] = torch.arange(k, dtype=torch.int32)  # shared (positions past a row's length are masked)
+    for t in range(300, n):
+        sel[t, 0] = torch.randperm(t + 1, generator=g)[:k].to(torch.int32)
+    params = SparseRuntimeParams.from_topk(sel, block_size=1)
+    per_row = k * hkv * (d + d) * 4  # one row's gathered K and V, fp32
+    limit = 40 * per_row * 3 + n * k * hkv * 16  # ~40 rows' gathers (the backend's x3 for scores)
+    backend = TorchBackend(max_gather_bytes=limit)
+    res = backend.forward(q, md, 0, geo, params)
+    ref = get_backend("vanilla").forward(q, md, 0, geo, params)
+    torch.testing.assert_close(res.out, ref.out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(res.lse, ref.lse, rtol=1e-5, atol=1e-5)
+    gathered = sum(backend._scratch[key].numel() * 4 for key in backend._scratch if key[0] in ("k", "v"))
+    assert gathered * 3 <= limit, f"a chunk gathered {gathered} bytes of K/V; the bound allows {limit // 3}"

@@ -273,8 +273,12 @@ class TorchBackend(AttentionBackend):
                 continue
             groups = None
             if rowwise:
-                k, v, valid, groups = self._gather_runs(pool, geometry, params, (pages, page_start), tok_req, lens,
-                                                        rows, unit, page)
+                # the gathers that fit beside the chunk's per-token tensors; the chunk ends early
+                # when its tokens share less than the previous chunk's did
+                max_groups = max(1, int((self.max_gather_bytes - chunk * token_bytes) // gather_bytes))
+                k, v, valid, groups, rows = self._gather_runs(pool, geometry, params, (pages, page_start), tok_req,
+                                                              lens, rows, unit, page, max_groups)
+                t0 = rows.stop
             else:
                 pos = selected_positions(params, lens, hkv, rows)  # [Hkv, n, K]
                 valid = pos >= 0
@@ -367,7 +371,7 @@ class TorchBackend(AttentionBackend):
 
     def _gather_runs(self, pool: torch.Tensor, geometry: AttentionGeometry, params: SparseRuntimeParams | None,
                      ragged: tuple[torch.Tensor, torch.Tensor], tok_req: torch.Tensor, lens: torch.Tensor, rows: slice, unit: int,
-                     page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+                     page: int, max_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None, slice]:
         """Gather whole runs of ``unit`` positions as contiguous rows of the pool (``index_select``,
         one memcpy per run) instead of one row per token. GQA HND pool ``[blocks, 2, Hkv, P, D]``
         or MLA latent ``[blocks, P, R+rope]``, contiguous.
@@ -375,9 +379,11 @@ class TorchBackend(AttentionBackend):
         Consecutive query tokens of one request that name the same runs (a prefill's dense rows, a
         query block of a block-sparse prefill) form a group and share one gather, made for the
         group's last token (the longest causal range, so a superset of the others' valid runs).
+        At most ``max_groups`` gathers: the tokens of later groups are left for the next call.
         Returns K ``[Hkv, G, K, D]``, V ``[Hkv, G, K, Dv]`` (fp32; ``G`` = groups, or tokens when
-        no two share), the per-token valid mask ``[Hkv, n, K]`` and ``(group of each token, slot in
-        its group, G, largest group)`` or ``None`` when every token is its own group."""
+        no two share), the per-token valid mask ``[Hkv, n, K]``, ``(group of each token, slot in
+        its group, G, largest group)`` or ``None`` when every token is its own group, and the rows
+        covered (a prefix of ``rows``)."""
         hkv = geometry.num_kv_heads
         starts, ok, raw = _unit_starts(params, lens, hkv, rows, unit)  # [Hkv, n, U]
         n, u = starts.shape[1], starts.shape[2]
@@ -391,6 +397,11 @@ class TorchBackend(AttentionBackend):
             if u:
                 first[1:] |= (raw[:, 1:] != raw[:, :-1]).any(-1).any(0)
             n_groups = int(first.sum())
+            if n_groups > max_groups:  # end at the first token of group max_groups
+                n = int(torch.nonzero(first).squeeze(1)[max_groups])
+                rows = slice(rows.start, rows.start + n)
+                starts, ok, raw, req, valid, first = starts[:, :n], ok[:, :n], raw[:, :n], req[:n], valid[:, :n], first[:n]
+                n_groups = max_groups
             if n_groups < n:
                 gid = torch.cumsum(first, 0) - 1
                 heads = torch.nonzero(first).squeeze(1)
@@ -407,14 +418,14 @@ class TorchBackend(AttentionBackend):
             width = pool.shape[-1]
             flat = pool.view(-1, unit * width)
             lat = self._rows("k", flat, (blk * per_page + sub).flatten()).view(1, rows_g, u * unit, width)
-            return lat, lat[..., : geometry.kv_lora_rank], valid, groups
+            return lat, lat[..., : geometry.kv_lora_rank], valid, groups, rows
         d = pool.shape[-1]
         flat = pool.view(-1, unit * d)
         h = torch.arange(hkv, device=blk.device).view(hkv, 1, 1)
         k_rows = ((blk * 2) * hkv + h) * per_page + sub
         k = self._rows("k", flat, k_rows.flatten()).view(hkv, rows_g, u * unit, d)
         v = self._rows("v", flat, (k_rows + hkv * per_page).flatten()).view(hkv, rows_g, u * unit, d)
-        return k, v, valid, groups
+        return k, v, valid, groups, rows
 
     @staticmethod
     def _width(params: SparseRuntimeParams | None, lens: torch.Tensor, rows: slice) -> int:

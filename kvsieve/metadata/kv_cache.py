@@ -392,8 +392,19 @@ class KVCacheManager:
         ``slots``/``positions``: int arrays ``[n]``; GQA: ``k``/``v`` ``[n, num_kv_heads, head_dim]``;
         MLA: ``k`` is the latent ``[n, kv_lora_rank + rope_dim]`` and ``v`` is ``None``.
         """
-        blk, off = self.physical(slots, positions)
         pool = self.pools[layer_idx]
+        if len(slots) == 1 and self.spec.kind == "gqa":  # one token (a decode step of one request): basic indexing
+            s, p = int(slots[0]), int(positions[0])
+            if not 0 <= p < int(self.addressable_lens[s]):
+                raise ValueError(f"write: position {p} is outside its request's addressable range "
+                                 f"[0, {int(self.addressable_lens[s])})")
+            blk, off = int(self.block_table[s, p // self.tokens_per_block]), p % self.tokens_per_block
+            if self.spec.layout == "HND":
+                pool[blk, 0, :, off], pool[blk, 1, :, off] = k[0], v[0]
+            else:
+                pool[blk, 0, off], pool[blk, 1, off] = k[0], v[0]
+            return
+        blk, off = self.physical(slots, positions)
         if self.spec.kind == "mla":
             if v is not None:
                 raise ValueError("write: MLA takes the latent as k and v=None")

@@ -72,6 +72,26 @@ def test_write_gather_roundtrip_and_views(layout):
     assert torch.count_nonzero(m.pools[1][0]) == 0, "the sentinel block stays zero"
 
 
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_writes_equal_one_batched_write(layout, dtype):
+    """A decode step's single-token write (basic indexing) lands where a batched write of the same
+    tokens does, with the same cast; a position past the request's range raises and writes nothing."""
+    one, batched = make(layout, dtype=dtype), make(layout, dtype=dtype)
+    k, v = torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    for m in (one, batched):
+        m.add_request(1, 9)
+    s = np.full(9, one.slot(1), dtype=np.int32)
+    batched.write(1, s, np.arange(9), k, v)
+    for t in range(9):
+        one.write(1, s[t: t + 1], np.array([t]), k[t: t + 1], v[t: t + 1])
+    assert torch.equal(one.pools[1], batched.pools[1])
+    before = one.pools[1].clone()
+    with pytest.raises(ValueError, match=r"write: position 9 is outside .* \[0, 9\)"):
+        one.write(1, s[:1], np.array([9]), k[:1], v[:1])
+    assert torch.equal(one.pools[1], before)
+
+
 def test_mla_latent_pool():
     m = make(kind="mla")
     m.add_request(3, 7)

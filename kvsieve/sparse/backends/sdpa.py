@@ -11,6 +11,7 @@ scores per layer; SDPA is the same math, fused. SDPA computes no LSE: a step it 
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ...metadata import AttentionMetadata
@@ -92,13 +93,12 @@ def gather_blocks(pool: torch.Tensor, layout: str, block_ids: list[int], kv_len:
     calls: a fresh multi-MiB tensor per call is a fresh mmap whose page faults cost more than the
     copy; the result is a view of it, valid until the next call with the same dict). NHD gathers
     the blocks, then reorders them (a second copy)."""
-    ids = torch.as_tensor(block_ids, dtype=torch.long, device=pool.device)
     if layout == "HND" and pool.is_contiguous():
         _, _, hkv, page, d = pool.shape
-        half = torch.arange(2, device=pool.device).view(2, 1, 1)
-        head = torch.arange(hkv, device=pool.device).view(1, hkv, 1)
-        rows = (ids.view(1, 1, -1) * 2 + half) * hkv + head  # [2, Hkv, n]: row of (K/V, head, block)
-        flat, rows = pool.view(-1, page * d), rows.flatten()
+        ids = np.asarray(block_ids, dtype=np.int64)
+        # [2, Hkv, n]: the row of (K/V, head, block), computed on the host (a few hundred entries)
+        rows = (ids[None, None, :] * 2 + np.arange(2)[:, None, None]) * hkv + np.arange(hkv)[None, :, None]
+        flat, rows = pool.view(-1, page * d), torch.from_numpy(rows.ravel()).to(pool.device)
         if scratch is None:
             kv = flat.index_select(0, rows)
         else:
@@ -108,7 +108,7 @@ def gather_blocks(pool: torch.Tensor, layout: str, block_ids: list[int], kv_len:
             kv = torch.index_select(flat, 0, rows, out=buf[: rows.numel() * flat.shape[1]].view(-1, flat.shape[1]))
         kv = kv.view(2, hkv, -1, d)[:, :, :kv_len]
         return kv[0], kv[1]
-    sel = pool.index_select(0, ids)
+    sel = pool.index_select(0, torch.as_tensor(block_ids, dtype=torch.long, device=pool.device))
     # HND [n, 2, Hkv, P, D] / NHD [n, 2, P, Hkv, D] -> [2, Hkv, n, P, D]
     sel = sel.permute(1, 3, 0, 2, 4) if layout == "NHD" else sel.permute(1, 2, 0, 3, 4)
     kv = sel.reshape(2, sel.shape[1], -1, sel.shape[-1])[:, :, :kv_len]

@@ -9,7 +9,10 @@ For every (query token, KV head) the backend builds the request-local positions 
 rows are gathered in one advanced-indexing op, and attention runs in fp32. Query tokens are
 processed per phase, in chunks sized so the gathered tile stays under ``max_gather_bytes``.
 Tokens that share one gather (a prefill's dense rows, a block-sparse prefill's query blocks)
-attend through PyTorch's fused CPU flash-attention kernel under a mask of their positions.
+attend through PyTorch's fused CPU flash-attention kernel under a mask of their positions; a
+chunk ends early when its gathers would pass ``max_gather_bytes``. A phase or chunk of a single
+token on CPU (the decode step of one request) takes a short path: its runs and masks computed on
+the host, one K+V gather, the same flash kernel.
 
 Selections are read as sets: rows may have different lengths (``-1`` padded here), and an index
 listed twice in a row (possible only with validation off) is attended once, as in the Vanilla

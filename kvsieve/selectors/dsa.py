@@ -14,7 +14,10 @@ fixed at configuration time by ``kernels.triton.topk.dispatch.choose_topk_engine
 (:attr:`DSASelector.topk_engine`). A step whose every query sees at most ``index_topk`` tokens
 skips both and selects everything (short-sequence fast path, counted in :attr:`stats`). On a
 sliding-window layer the logits before each query's window are ``-inf`` and such positions are
-never selected (:meth:`~kvsieve.sparse.SelectorInputs.mask_outside_window`, ``clip_to_window``).
+never selected (:meth:`~kvsieve.sparse.SelectorInputs.mask_outside_window`, ``clip_to_window``);
+when the window is no longer than ``index_topk`` (and no ``top_p``) the selection is the whole
+window, so ``predict_attn`` answers ``None`` (dense; the backend applies the window), also
+counted as a short-path step.
 
 Adaptive budget (``top_p``, beyond DeepSeek-V3.2; Twilight, arXiv 2502.02770): a token's
 estimated mass is ``softmax(I[t, :])`` over the query's visible tokens, the distribution the
@@ -195,7 +198,7 @@ class DSASelector(SparseSelector):
             k_pool[blk, off] = kq
             s_pool[blk, off] = ks
 
-    def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
+    def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams | None:
         layer = inputs.layer_idx
         q, w = inputs.state["index_qw"]  # this step's index q / weights, from on_append
         md = inputs.metadata
@@ -205,6 +208,12 @@ class DSASelector(SparseSelector):
         dev = lens.device
         if torch.device(self.config.device).type != dev.type:
             raise ValueError(f"dsa: configured for device {self.config.device!r} but the cache is on {dev}")
+        if inputs.window is not None and self.config.top_p is None and kk >= inputs.window:
+            # the top index_topk of a window no longer than index_topk is all of it: dense in the
+            # window, which the layer's backend applies (a carrier listing it costs O(rows x window))
+            self.stats.short_path_steps += 1
+            self.stats.last_short_path[layer] = True
+            return None
         if inputs.num_rows == 0 or (int(lens_host.max()) <= kk and self.config.top_p is None):
             self.stats.short_path_steps += 1
             self.stats.last_short_path[layer] = True

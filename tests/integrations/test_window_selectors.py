@@ -147,3 +147,33 @@ def test_window_arguments_are_checked() -> None:
         lower_config(SparseAttentionConfig("streaming"), num_layers=2, layer_windows=[8])
     plans = lower_config(SparseAttentionConfig("streaming"), num_layers=2, layer_windows=[None, 8])
     assert plans[0] is plans[1]  # a window-aware selector is planned on both
+
+
+def test_dsa_window_within_its_budget_is_dense_in_the_window() -> None:
+    """DSA with ``index_topk`` >= the window selects all of a windowed layer's window: it answers
+    ``None`` there (dense; the backend applies the window) and the logits equal a session whose
+    windowed layers run no selector at all (the full-attention layers select in both)."""
+    def run(types):
+        model, _ = build("gemma3", window=W)
+        session = KvsieveSession(model, SparseAttentionConfig("dsa", {"index_topk": 48, "n_heads": 2, "head_dim": 16,
+                                                                      "rope_dim": 8}, layer_types=types), max_tokens=128)
+        torch.manual_seed(0)
+        sel = next(layer.plan.selector for layer in session.layers if layer.plan is not None)
+        sel.set_projections({i: IndexerProjections(64, 2, 16, 8) for i in range(4)})
+        attach_dsa_indexer(session)
+        placed = []
+        session.observers.append(lambda i, q, out, md, layer: placed.append(
+            (session.features[i].window, layer.plan is not None, layer.last.params)))
+        ids = torch.randint(3, 96, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+        logits = [session.prefill(ids)]
+        for _ in range(DECODE):
+            logits.append(session.decode(logits[-1].argmax(-1)))
+        return torch.stack(logits), placed, sel
+
+    both, placed, sel = run(BOTH)
+    full_only, _, _ = run(("full_attention",))
+    windowed = [p for w, planned, p in placed if w is not None]
+    assert windowed and all(p is None for p in windowed)
+    assert any(p is not None for w, _, p in placed if w is None), "the full-attention layers still select"
+    assert sel.stats.short_path_steps >= len(windowed)
+    assert torch.equal(both, full_only)

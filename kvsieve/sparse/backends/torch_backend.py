@@ -113,7 +113,9 @@ def _selection(params: SparseRuntimeParams, num_kv_heads: int, rows: slice, n: i
     k = int(lens.max()) if n else 0
     j = torch.arange(k, device=off.device)
     at = (off[:-1].unsqueeze(1) + j).clamp(max=max(params.sparse_attn_indices.shape[1] - 1, 0))  # [n, k]
-    sel = params.sparse_attn_indices.to(torch.int64)[:, at] if k else off.new_zeros(num_kv_heads, n, 0)
+    # the rows' entries first, then int64: converting the whole carrier per chunk made a long
+    # token-sparse prefill quadratic (16K rows x 4K entries, copied once per chunk of ~10 rows)
+    sel = params.sparse_attn_indices[:, at].to(torch.int64) if k else off.new_zeros(num_kv_heads, n, 0)
     sel = torch.where(j < lens.unsqueeze(1), sel, -1)
     big = torch.iinfo(torch.int64).max
     sel = torch.where(sel < 0, big, sel).sort(dim=-1).values

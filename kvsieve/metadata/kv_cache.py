@@ -393,6 +393,8 @@ class KVCacheManager:
         MLA: ``k`` is the latent ``[n, kv_lora_rank + rope_dim]`` and ``v`` is ``None``.
         """
         pool = self.pools[layer_idx]
+        if self.spec.kind == "gqa" and v is None:
+            raise ValueError("write: a GQA cache takes k and v; v is None")
         if len(slots) == 1 and self.spec.kind == "gqa":  # one token (a decode step of one request): basic indexing
             s, p = int(slots[0]), int(positions[0])
             if not 0 <= p < int(self.addressable_lens[s]):

@@ -90,6 +90,8 @@ def test_one_token_writes_equal_one_batched_write(layout, dtype):
     with pytest.raises(ValueError, match=r"write: position 9 is outside .* \[0, 9\)"):
         one.write(1, s[:1], np.array([9]), k[:1], v[:1])
     assert torch.equal(one.pools[1], before)
+    with pytest.raises(ValueError, match="GQA cache takes k and v"):
+        one.write(1, s[:1], np.array([0]), k[:1])
 
 
 def test_mla_latent_pool():

@@ -131,3 +131,17 @@ def test_chunk_ends_early_when_sharing_collapses():
     torch.testing.assert_close(res.lse, ref.lse, rtol=1e-5, atol=1e-5)
     gathered = sum(backend._scratch[key].numel() * 4 for key in backend._scratch if key[0] in ("k", "v"))
     assert gathered * 3 <= limit, f"a chunk gathered {gathered} bytes of K/V; the bound allows {limit // 3}"
+
+
+def test_rows_that_select_nothing_at_all():
+    """Every row of a prefill (shared groups) and of a decode step (the one-token path) names no
+    unit at all (width-0 segments): out 0 and lse +inf, as the golden gives, where PyTorch's flash
+    kernel, handed no keys, kills the process with a floating-point exception."""
+    for ctx, gen in (([40], []), ([], [70])):
+        md, q, geo = build(page=16, hq=4, hkv=2, d=16, ctx_lens=ctx, gen_hist=gen, seed=1)
+        rows = md.num_tokens
+        params = SparseRuntimeParams(sparse_attn_indices=torch.zeros(2, 0, dtype=torch.int32),
+                                     sparse_attn_offsets=torch.zeros(rows + 1, dtype=torch.int32),
+                                     sparse_attn_indices_block_size=16)
+        out, lse = compare("torch", md, q, geo, params)
+        assert torch.count_nonzero(out) == 0 and bool(torch.isposinf(lse).all())

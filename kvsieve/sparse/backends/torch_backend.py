@@ -99,7 +99,11 @@ def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Te
                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` (no causal mask, no dropout):
     q fp32 ``[B, H, L, D]``, k/v ``[B, H, S, D]``/``[B, H, S, Dv]``, ``bias`` fp32 ``[B, H, L, S]``
-    (0 or ``-inf``) or ``None``. Returns out ``[B, H, L, Dv]`` and the natural-log lse ``[B, H, L]``."""
+    (0 or ``-inf``) or ``None``. Returns out ``[B, H, L, Dv]`` and the natural-log lse ``[B, H, L]``;
+    with no keys (``S = 0``, where the kernel dies of a floating-point exception) out 0 and lse
+    ``inf``, the convention for a query that attends nothing."""
+    if k.shape[-2] == 0:
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full(q.shape[:-1], torch.inf)
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
                                                                         scale=scale)[:2]
     return o, lse
@@ -364,10 +368,17 @@ class TorchBackend(AttentionBackend):
             o, row_lse = _flash_cpu(qs, k[:, :, :kv_len], v[:, :, :kv_len], None, geometry.sm_scale)
         else:
             valid = ((starts[..., None] + np.arange(unit)) < kv_len).reshape(hkv, -1) & np.repeat(ok, unit, axis=1)
-            attended[t] = torch.from_numpy(valid.sum(-1))
-            bias = torch.from_numpy(np.where(valid, np.float32(0), np.float32(-np.inf)))  # [Hkv, U*unit]
-            o, row_lse = _flash_cpu(qs, k, v, bias.view(1, hkv, 1, -1).expand(-1, -1, qs.shape[2], -1),
-                                    geometry.sm_scale)
+            counts = valid.sum(-1)
+            attended[t] = torch.from_numpy(counts)
+            n = int(counts[0])
+            if n and bool((counts == n).all()) and bool(valid[:, :n].all()):
+                # every head's valid positions are the same-length prefix (all selected units valid,
+                # the newest page's unwritten tail last): no mask, only a shorter K/V
+                o, row_lse = _flash_cpu(qs, k[:, :, :n], v[:, :, :n], None, geometry.sm_scale)
+            else:
+                bias = torch.from_numpy(np.where(valid, np.float32(0), np.float32(-np.inf)))  # [Hkv, U*unit]
+                o, row_lse = _flash_cpu(qs, k, v, bias.view(1, hkv, 1, -1).expand(-1, -1, qs.shape[2], -1),
+                                        geometry.sm_scale)
             if not valid.any(-1).all():  # a head that attends nothing: out 0, lse inf
                 empty = torch.from_numpy(~valid.any(-1)).view(1, hkv, 1)
                 o, row_lse = o.masked_fill(empty.unsqueeze(-1), 0.0), row_lse.masked_fill(empty, torch.inf)

@@ -370,11 +370,11 @@ class TorchBackend(AttentionBackend):
             valid = ((starts[..., None] + np.arange(unit)) < kv_len).reshape(hkv, -1) & np.repeat(ok, unit, axis=1)
             counts = valid.sum(-1)
             attended[t] = torch.from_numpy(counts)
-            n = int(counts[0])
-            if n and bool((counts == n).all()) and bool(valid[:, :n].all()):
+            width = int(counts[0])
+            if width and bool((counts == width).all()) and bool(valid[:, :width].all()):
                 # every head's valid positions are the same-length prefix (all selected units valid,
                 # the newest page's unwritten tail last): no mask, only a shorter K/V
-                o, row_lse = _flash_cpu(qs, k[:, :, :n], v[:, :, :n], None, geometry.sm_scale)
+                o, row_lse = _flash_cpu(qs, k[:, :, :width], v[:, :, :width], None, geometry.sm_scale)
             else:
                 bias = torch.from_numpy(np.where(valid, np.float32(0), np.float32(-np.inf)))  # [Hkv, U*unit]
                 o, row_lse = _flash_cpu(qs, k, v, bias.view(1, hkv, 1, -1).expand(-1, -1, qs.shape[2], -1),

@@ -7,6 +7,8 @@ with ``--update-docs``. Both carry the exact command, date, torch threads and th
 
 Figures are medians of repeated runs after a warm-up, with the spread ``[min, max]`` and the 1-minute
 load average when each was taken. ``--quick`` runs tiny sizes in seconds (what the tests run).
+``--e2e-baseline`` (a path or ``git:<rev>:<path>``) names an earlier run's JSON whose e2e tokens/s
+and per-layer profile the e2e section shows as "before" beside this run's.
 ``--threads`` sets torch's intra-op threads (default 1: on a shared, oversubscribed machine two
 spinning OpenMP threads make small ops an order of magnitude slower and the figures meaningless).
 """
@@ -19,6 +21,7 @@ import importlib.util
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -86,9 +89,17 @@ def _jsonable(x) -> bool:
 
 
 def run(quick: bool = False, threads: int = 1, sections: tuple[str, ...] = SECTIONS, compile_flex: bool = True,
-        gpu: bool = True, command: str = "python -m benchmarks", e2e_lengths: list[int] | None = None) -> dict:
+        gpu: bool = True, command: str = "python -m benchmarks", e2e_lengths: list[int] | None = None,
+        e2e_baseline: str | None = None) -> dict:
     """Run the asked sections; ``command`` is recorded as given (the command line that asked);
-    ``e2e_lengths``: the e2e group's context lengths (default :class:`benchmarks.e2e.E2EConfig`'s)."""
+    ``e2e_lengths``: the e2e group's context lengths (default :class:`benchmarks.e2e.E2EConfig`'s);
+    ``e2e_baseline``: an earlier run's performance.json whose e2e figures the e2e section shows as
+    "before" (read first: a bad file fails before anything runs)."""
+    baseline = None
+    if e2e_baseline is not None:
+        if "e2e" not in sections:
+            raise ValueError("--e2e-baseline needs the e2e section in this run (--only ... e2e)")
+        baseline = e2e.baseline_from(json.loads(_read_spec(e2e_baseline)), e2e_baseline)
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     meta = {
@@ -108,6 +119,8 @@ def run(quick: bool = False, threads: int = 1, sections: tuple[str, ...] = SECTI
         res["selector_overhead"] = selector_overhead.run(quick)
     if "e2e" in sections:
         res["e2e"] = e2e.run(e2e.config_from(quick, e2e_lengths, None))
+        if baseline is not None:
+            res["e2e"]["baseline"] = baseline
     if gpu:
         res["gpu"] = _gpu_suites(quick)
     meta["load_1m_end"] = load_average()
@@ -115,6 +128,18 @@ def run(quick: bool = False, threads: int = 1, sections: tuple[str, ...] = SECTI
     meta["wall_s"] = time.perf_counter() - t0
     res["targets"] = _targets(res)
     return res
+
+
+def _read_spec(spec: str) -> str:
+    """The text of ``spec``: a file path, or ``git:<rev>:<path>`` (that file at that commit of this
+    repository, e.g. ``git:HEAD~3:docs/performance.json``)."""
+    if not spec.startswith("git:"):
+        return Path(spec).read_text()
+    rev, _, path = spec[4:].partition(":")
+    proc = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=DOCS_DIR.parent, capture_output=True, text=True)
+    if proc.returncode:
+        raise ValueError(f"{spec}: git show failed: {proc.stderr.strip()}")
+    return proc.stdout
 
 
 def _targets(res: dict) -> list[dict]:
@@ -332,10 +357,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-gpu", action="store_true", help="do not call the GPU kernel scripts")
     ap.add_argument("--e2e-lengths", type=int, nargs="+",
                     help="the e2e group's context lengths (default 4096 8192 16384 32768; --quick: tiny)")
+    ap.add_argument("--e2e-baseline", metavar="PERFORMANCE_JSON",
+                    help="an earlier run's performance.json (a path, or git:<rev>:<path>): the e2e section "
+                         "shows its figures as 'before'")
     args = ap.parse_args(argv)
     command = " ".join(["python -m benchmarks", *(argv if argv is not None else sys.argv[1:])])
     res = run(args.quick, args.threads, tuple(args.only), not args.no_compile, not args.no_gpu, command,
-              e2e_lengths=args.e2e_lengths)
+              e2e_lengths=args.e2e_lengths, e2e_baseline=args.e2e_baseline)
     md = render_markdown(res)
     print(md)
     _write(Path(args.out), res, md)

@@ -364,6 +364,50 @@ def render_markdown(res: dict) -> list[str]:
 
         lines += ["", f"### Per-layer profile at {longest['length']} tokens (ms per decode step)", ""]
         lines += render_profile(longest["profile"], res["num_layers"])
+    if "baseline" in res:
+        lines += _render_baseline(res, longest)
+    return lines
+
+
+def baseline_from(perf: dict, source: str) -> dict:
+    """The "before" of an e2e section: from ``perf`` (the JSON ``python -m benchmarks`` wrote for
+    an earlier run; ``source`` says where it came from) its run's date and command, its tokens/s
+    per length and its profile at its longest length. Raises ``ValueError`` when it has no e2e
+    section with a profile."""
+    e = perf.get("e2e")
+    if not e or not e.get("rows"):
+        raise ValueError(f"e2e baseline {source}: no e2e section (run `python -m benchmarks --only e2e` for one)")
+    longest = max(e["rows"], key=lambda r: r["length"])
+    if not longest.get("profile"):
+        raise ValueError(f"e2e baseline {source}: its e2e section has no per-layer profile (run without --no-profile)")
+    meta = perf.get("earlier", {}).get("e2e", perf["meta"])
+    return {"source": source, "date": meta["date"], "command": meta.get("command", "(command not recorded)"),
+            "length": longest["length"], "profile": longest["profile"],
+            "tokens_per_s": {str(r["length"]): r["tokens_per_s"] for r in e["rows"]}}
+
+
+def _render_baseline(res: dict, longest: dict) -> list[str]:
+    """Before (the baseline run) and after (this run): tokens/s per length both ran, and the
+    profile at the longest length when both profiled it."""
+    base = res["baseline"]
+    names = [n for n in (*res["config"]["selectors"], DENSE, PLAIN) if n in next(iter(base["tokens_per_s"].values()))]
+    lines = ["", f"### Before and after: this run against the run of {base['date']} (`{base['command']}`, "
+                 f"from {base['source']})", "",
+             "| length | " + " | ".join(f"{n} tok/s before -> after" for n in names) + " |",
+             "|---:|" + "---:|" * len(names)]
+    for r in res["rows"]:
+        before = base["tokens_per_s"].get(str(r["length"]))
+        if before is not None:
+            lines.append(f"| {r['length']} | " + " | ".join(f"{before[n]:.2f} -> {r['tokens_per_s'][n]:.2f}"
+                                                           for n in names) + " |")
+    if longest["profile"] and base["length"] == longest["length"]:
+        from .e2e_profile import STAGES
+
+        lines += ["", f"Per-layer profile at {base['length']} tokens, ms per decode step before -> after:", "",
+                  "| stage | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for stage in (*STAGES, "step"):
+            lines.append(f"| {stage} | " + " | ".join(
+                f"{base['profile'][n][stage]:.2f} -> {longest['profile'][n][stage]:.2f}" for n in names) + " |")
     return lines
 
 

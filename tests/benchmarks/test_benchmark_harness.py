@@ -213,6 +213,42 @@ def test_e2e_section(quick_run):
     assert "## End to end: greedy decode" in md and "### Per-layer profile at" in md
 
 
+def test_e2e_baseline_shows_before_and_after(quick_run, tmp_path):
+    """``--e2e-baseline`` takes an earlier run's JSON: the e2e section shows that run's tokens/s and
+    profile beside this run's, naming its date and command; a JSON without an e2e profile, or a
+    run without the e2e section, is refused before anything runs."""
+    import copy
+
+    from benchmarks import e2e
+    from benchmarks.__main__ import render_markdown, run
+
+    res, _ = quick_run
+    before = copy.deepcopy(res)
+    before["meta"] = {**before["meta"], "date": "before-date", "command": "python -m benchmarks --before"}
+    for r in before["e2e"]["rows"]:
+        r["tokens_per_s"] = {n: 2 * v for n, v in r["tokens_per_s"].items()}
+    after = copy.deepcopy(res)
+    after["e2e"]["baseline"] = e2e.baseline_from(before, "before.json")
+    md = render_markdown(after)
+    longest = max(r["length"] for r in res["e2e"]["rows"])
+    assert "against the run of before-date (`python -m benchmarks --before`, from before.json)" in md
+    row = next(r for r in res["e2e"]["rows"] if r["length"] == longest)
+    q = row["tokens_per_s"]["quest"]
+    assert f"| {longest} | {2 * q:.2f} -> {q:.2f} |" in md
+    assert f"Per-layer profile at {longest} tokens, ms per decode step before -> after" in md
+    with pytest.raises(ValueError, match="no e2e section"):
+        e2e.baseline_from({"meta": res["meta"]}, "empty.json")
+    (tmp_path / "empty.json").write_text(json.dumps({"meta": res["meta"]}))
+    with pytest.raises(ValueError, match="no e2e section"):
+        run(True, sections=("e2e",), gpu=False, e2e_baseline=str(tmp_path / "empty.json"))
+    with pytest.raises(ValueError, match="needs the e2e section"):
+        run(True, sections=("prepare",), gpu=False, e2e_baseline=str(tmp_path / "empty.json"))
+    from benchmarks.__main__ import _read_spec
+    assert json.loads(_read_spec("git:HEAD:docs/performance.json"))["meta"]["command"].startswith("python -m benchmarks")
+    with pytest.raises(ValueError, match="git show failed"):
+        _read_spec("git:HEAD:no/such/file.json")
+
+
 def test_e2e_config_refusals():
     from benchmarks.e2e import E2EConfig
     with pytest.raises(ValueError, match="selectors"):

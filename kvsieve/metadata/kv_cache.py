@@ -379,11 +379,20 @@ class KVCacheManager:
         """(block id, offset in block) for request-local ``positions`` of the requests in ``slots``."""
         p = self.tokens_per_block
         pos = positions.astype(np.int64)
-        if bool((pos >= self.addressable_lens[slots]).any()) or bool((pos < 0).any()):
-            raise ValueError("physical: a position is outside its request's addressable range")
+        self._check_addressable("physical", slots, pos)
         blocks = self.block_table[slots, pos // p]
         dev = self.spec.device
         return torch.from_numpy(blocks.astype(np.int64)).to(dev), torch.from_numpy(pos % p).to(dev)
+
+    def _check_addressable(self, caller: str, slots: np.ndarray, positions: np.ndarray) -> None:
+        """Raise ``ValueError`` naming ``caller`` and the first position outside its request's
+        addressable range ``[0, addressable_len)``."""
+        limit = self.addressable_lens[slots]
+        bad = (positions < 0) | (positions >= limit)
+        if bool(bad.any()):
+            i = int(np.argmax(bad))
+            raise ValueError(f"{caller}: position {int(positions[i])} is outside its request's addressable range "
+                             f"[0, {int(limit[i])})")
 
     def write(self, layer_idx: int, slots: np.ndarray, positions: np.ndarray, k: torch.Tensor,
               v: torch.Tensor | None = None) -> None:
@@ -396,10 +405,8 @@ class KVCacheManager:
         if self.spec.kind == "gqa" and v is None:
             raise ValueError("write: a GQA cache takes k and v; v is None")
         if len(slots) == 1 and self.spec.kind == "gqa":  # one token (a decode step of one request): basic indexing
+            self._check_addressable("write", slots, positions)
             s, p = int(slots[0]), int(positions[0])
-            if not 0 <= p < int(self.addressable_lens[s]):
-                raise ValueError(f"write: position {p} is outside its request's addressable range "
-                                 f"[0, {int(self.addressable_lens[s])})")
             blk, off = int(self.block_table[s, p // self.tokens_per_block]), p % self.tokens_per_block
             if self.spec.layout == "HND":
                 pool[blk, 0, :, off], pool[blk, 1, :, off] = k[0], v[0]

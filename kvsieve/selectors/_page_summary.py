@@ -224,7 +224,7 @@ def _select_pages_one(inputs: SelectorInputs, summaries: PageSummaries, *, mode:
     scores[:, n_pages - 1] = 2.0  # the newest page (scores are <= 1)
     k = min(topk, n_pages)
     sel = top_units_topk(scores, k).sort(dim=-1).values.to(torch.int32)  # [Hkv, k]
-    n_before = md.generation_rows.start - inputs.rows.start  # context rows: empty segments
+    n_before = g0 - inputs.rows.start  # context rows: empty segments
     offsets = torch.tensor([0] * (n_before + 1) + [k], dtype=torch.int32, device=sel.device)
     return SparseRuntimeParams(sparse_attn_indices=sel, sparse_attn_offsets=offsets, sparse_attn_indices_block_size=
                                summaries.page_size, selected_phases=frozenset({"generation"}))

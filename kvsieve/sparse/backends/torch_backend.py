@@ -379,8 +379,8 @@ class TorchBackend(AttentionBackend):
                 bias = torch.from_numpy(np.where(valid, np.float32(0), np.float32(-np.inf)))  # [Hkv, U*unit]
                 o, row_lse = _flash_cpu(qs, k, v, bias.view(1, hkv, 1, -1).expand(-1, -1, qs.shape[2], -1),
                                         geometry.sm_scale)
-            if not valid.any(-1).all():  # a head that attends nothing: out 0, lse inf
-                empty = torch.from_numpy(~valid.any(-1)).view(1, hkv, 1)
+            if not counts.all():  # a head that attends nothing: out 0, lse inf
+                empty = torch.from_numpy(counts == 0).view(1, hkv, 1)
                 o, row_lse = o.masked_fill(empty.unsqueeze(-1), 0.0), row_lse.masked_fill(empty, torch.inf)
         out[t].view(o.shape[1:]).copy_(o[0])
         lse[t].view(row_lse.shape[1:]).copy_(row_lse[0])

@@ -136,6 +136,8 @@ def _read_spec(spec: str) -> str:
     if not spec.startswith("git:"):
         return Path(spec).read_text()
     rev, _, path = spec[4:].partition(":")
+    if not rev or not path:
+        raise ValueError(f"{spec}: expected git:<rev>:<path>, e.g. git:HEAD~3:docs/performance.json")
     proc = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=DOCS_DIR.parent, capture_output=True, text=True)
     if proc.returncode:
         raise ValueError(f"{spec}: git show failed: {proc.stderr.strip()}")

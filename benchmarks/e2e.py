@@ -390,16 +390,27 @@ def _render_baseline(res: dict, longest: dict) -> list[str]:
     """Before (the baseline run) and after (this run): tokens/s per length both ran, and the
     profile at the longest length when both profiled it."""
     base = res["baseline"]
-    names = [n for n in (*res["config"]["selectors"], DENSE, PLAIN) if n in next(iter(base["tokens_per_s"].values()))]
+    ours = (*res["config"]["selectors"], DENSE, PLAIN)
+    names = [n for n in ours if n in next(iter(base["tokens_per_s"].values()))]
     lines = ["", f"### Before and after: this run against the run of {base['date']} (`{base['command']}`, "
-                 f"from {base['source']})", "",
-             "| length | " + " | ".join(f"{n} tok/s before -> after" for n in names) + " |",
-             "|---:|" + "---:|" * len(names)]
+                 f"from {base['source']})", ""]
+    # what the baseline cannot be compared on is said, not dropped
+    missing = [n for n in ours if n not in names]
+    unmatched = [r["length"] for r in res["rows"] if str(r["length"]) not in base["tokens_per_s"]]
+    if missing:
+        lines += [f"Not in the baseline, so shown after only (above): {', '.join(missing)}.", ""]
+    if unmatched:
+        lines += [f"Lengths the baseline did not run: {', '.join(map(str, unmatched))}.", ""]
+    lines += ["| length | " + " | ".join(f"{n} tok/s before -> after" for n in names) + " |",
+              "|---:|" + "---:|" * len(names)]
     for r in res["rows"]:
         before = base["tokens_per_s"].get(str(r["length"]))
         if before is not None:
             lines.append(f"| {r['length']} | " + " | ".join(f"{before[n]:.2f} -> {r['tokens_per_s'][n]:.2f}"
                                                            for n in names) + " |")
+    if longest["profile"] and base["length"] != longest["length"]:
+        lines += ["", f"No profile comparison: the baseline profiled {base['length']} tokens, this run "
+                      f"{longest['length']}."]
     if longest["profile"] and base["length"] == longest["length"]:
         from .e2e_profile import STAGES
 

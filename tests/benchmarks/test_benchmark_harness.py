@@ -247,6 +247,18 @@ def test_e2e_baseline_shows_before_and_after(quick_run, tmp_path):
     assert json.loads(_read_spec("git:HEAD:docs/performance.json"))["meta"]["command"].startswith("python -m benchmarks")
     with pytest.raises(ValueError, match="git show failed"):
         _read_spec("git:HEAD:no/such/file.json")
+    with pytest.raises(ValueError, match="expected git:<rev>:<path>"):
+        _read_spec("git:HEAD")
+    # a configuration or length the baseline lacks is named, not dropped silently
+    partial = copy.deepcopy(before)
+    partial["e2e"]["rows"] = [r for r in partial["e2e"]["rows"] if r["length"] == longest]
+    for r in partial["e2e"]["rows"]:
+        del r["tokens_per_s"]["kvsieve_dense"]
+    after["e2e"]["baseline"] = e2e.baseline_from(partial, "partial.json")
+    md = render_markdown(after)
+    assert "Not in the baseline, so shown after only (above): kvsieve_dense." in md
+    shorter = sorted(r["length"] for r in res["e2e"]["rows"] if r["length"] != longest)
+    assert f"Lengths the baseline did not run: {', '.join(map(str, shorter))}." in md
 
 
 def test_e2e_config_refusals():

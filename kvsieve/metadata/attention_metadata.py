@@ -302,7 +302,8 @@ class AttentionMetadata:
 
     def phases(self) -> tuple[str, ...]:
         """The phases with at least one query token this step, context first."""
-        return tuple(p for p in PHASES if self.phase_rows(p).stop > self.phase_rows(p).start)
+        ctx, gen = self.num_ctx_tokens > 0, self.num_tokens > self.num_ctx_tokens
+        return ("context",) * ctx + ("generation",) * gen
 
 
 def _phase(phase: str) -> str:

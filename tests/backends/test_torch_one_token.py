@@ -61,3 +61,34 @@ def test_chunks_of_one_token_in_a_mixed_batch(block_size):
     sel = random_selection(md, 2, k=4, block_size=block_size, overshoot=1, seed=3)
     _check(backend, md, q, geo, sel)
     _check(backend, md, q, geo, _repeated(sel))
+
+
+@pytest.mark.parametrize("rows,masked", [
+    ([[0, 3, 9], [1, 5, 9]], False),    # sorted, unique, the newest (partial) page last in both heads
+    ([[9, 3, 0], [5, 9, 1]], False),    # any order: the backend sorts
+    ([[0, 3, 9], [1, 5, 7]], True),     # head 1 reads a full page where head 0 reads the partial one
+    ([[-1, 3, 9], [1, 5, 9]], True),    # padding: head 0 reads one page fewer
+    ([[3, 3, 9], [1, 5, 9]], True),     # a repeated page is read once
+    ([[0, 3, 11], [1, 5, 12]], False),  # pages past the context sort last: not read, no mask needed
+    ([[0, 9, 11], [1, 5, 12]], True),   # ... but a partial page in one head only needs it
+])
+def test_unmasked_prefix_only_when_every_head_reads_a_same_length_prefix(monkeypatch, rows, masked):
+    """The one-token path skips the mask only when each head's valid positions are the first
+    ``width`` of its gathered runs (the same for every head); otherwise the mask holds them
+    apart. Both against the golden, with the kernel call observed."""
+    from kvsieve.sparse.backends import torch_backend
+
+    md, q, geo = build(page=16, hq=4, hkv=2, d=16, ctx_lens=[], gen_hist=[150], seed=2)  # kv_len 151: page 9 partial
+    biases = []
+    flash = torch_backend._flash_cpu
+
+    def spy(q_, k_, v_, bias, scale):
+        biases.append(bias)
+        return flash(q_, k_, v_, bias, scale)
+
+    monkeypatch.setattr(torch_backend, "_flash_cpu", spy)
+    sel = SparseRuntimeParams(sparse_attn_indices=torch.tensor(rows, dtype=torch.int32),
+                              sparse_attn_offsets=torch.tensor([0, 3], dtype=torch.int32),
+                              sparse_attn_indices_block_size=16)
+    _check(TorchBackend(), md, q, geo, sel)
+    assert len(biases) == 1 and (biases[0] is not None) == masked

@@ -187,13 +187,22 @@ class TorchBackend(AttentionBackend):
                 params: SparseRuntimeParams | None) -> AttentionResult:
         metadata.require(f"backend {self.name!r}", self.required_translations)
         n_tok, hq = q.shape[0], q.shape[1]
+        phases = metadata.phases()
+        if n_tok == 1 and self._token_path(q, metadata, layer_idx, geometry) and not (
+                params is not None and params.threshold_scale_factor(phases[0]) > 0):
+            # one query token (the decode step of one request): its result is the step's
+            sel = params if params is not None and params.selects_positions(phases[0]) else None
+            o, row_lse, counts = self._attend_token(q, metadata, 0, metadata.kv_cache_manager.pools[layer_idx],
+                                                    geometry, sel)
+            return AttentionResult(o.view(1, hq, -1).to(q.dtype), row_lse.view(1, hq), counts.view(1, -1),
+                                   {phases[0]: ("dense" if sel is None else "sparse") + "_runs"})
         out = torch.zeros(n_tok, hq, geometry.value_dim, dtype=torch.float32, device=q.device)
         lse = torch.full((n_tok, hq), torch.inf, dtype=torch.float32, device=q.device)
         # what the gather read, counted from its valid masks (exact tokens, as the base class counts)
         attended = torch.zeros(n_tok, geometry.num_kv_heads, dtype=torch.int64, device=q.device)
         paths = {}
         skipped = walked = 0
-        for phase in metadata.phases():
+        for phase in phases:
             rows = metadata.phase_rows(phase)
             if params is not None and params.threshold_scale_factor(phase) > 0:
                 o, l, sk, wk, paths[phase] = self._skip_softmax(q, metadata, layer_idx, geometry, params, phase, rows)
@@ -204,6 +213,13 @@ class TorchBackend(AttentionBackend):
             sel = params if params is not None and params.selects_positions(phase) else None
             paths[phase] = self._attend(q, metadata, layer_idx, geometry, sel, rows, out, lse, attended)
         return AttentionResult(out.to(q.dtype), lse, attended.cpu(), paths, skipped, walked)
+
+    @staticmethod
+    def _token_path(q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry) -> bool:
+        """Whether a single query row takes :meth:`_attend_token`: a contiguous HND GQA pool on CPU."""
+        mgr = metadata.kv_cache_manager
+        return (geometry.kind == "gqa" and q.device.type == "cpu" and mgr.spec.layout == "HND"
+                and mgr.pools[layer_idx].is_contiguous())
 
     def _skip_softmax(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                       params: SparseRuntimeParams, phase: str, rows: slice
@@ -248,11 +264,7 @@ class TorchBackend(AttentionBackend):
         pool = mgr.pools[layer_idx]
         rowwise = pool.is_contiguous() and (geometry.kind == "mla" or mgr.spec.layout == "HND")
         rpt = metadata.ragged_page_table
-        one_row = rowwise and geometry.kind == "gqa" and q.device.type == "cpu"  # the one-token path's scope
-        if one_row and phase_rows.stop - phase_rows.start == 1:
-            self._attend_token(q, metadata, phase_rows.start, pool, geometry, params, rpt.paged_kv_indices,
-                               rpt.paged_kv_indptr, mgr.tokens_per_block, out, lse, attended)
-            return ("dense" if params is None else "sparse") + "_runs"
+        one_row = self._token_path(q, metadata, layer_idx, geometry)
         if geometry.kind == "mla":
             lat = mgr.latent_cache(layer_idx).unsqueeze(1)  # [blocks, 1, P, R+rope]
             k_cache, v_cache = lat, lat[..., : geometry.kv_lora_rank]
@@ -276,9 +288,9 @@ class TorchBackend(AttentionBackend):
             chunk = max(1, min(MAX_CHUNK_ROWS, int(self.max_gather_bytes // (gather_bytes * share + token_bytes))))
             rows = slice(t0, min(t0 + chunk, phase_rows.stop))
             t0 = rows.stop
-            if one_row and rows.stop - rows.start == 1:  # a chunk of one token
-                self._attend_token(q, metadata, rows.start, pool, geometry, params, pages, page_start, page, out, lse,
-                                   attended)
+            if one_row and rows.stop - rows.start == 1:  # a phase or chunk of one token
+                out[rows.start], lse[rows.start], attended[rows.start] = self._attend_token(
+                    q, metadata, rows.start, pool, geometry, params)
                 continue
             groups = None
             if rowwise:
@@ -329,61 +341,72 @@ class TorchBackend(AttentionBackend):
         return ("dense" if params is None else "sparse") + ("_runs" if rowwise else "_gather")
 
     def _attend_token(self, q: torch.Tensor, metadata: AttentionMetadata, t: int, pool: torch.Tensor,
-                      geometry: AttentionGeometry, params: SparseRuntimeParams | None, pages: torch.Tensor,
-                      page_start: torch.Tensor, page: int, out: torch.Tensor, lse: torch.Tensor,
-                      attended: torch.Tensor) -> None:
+                      geometry: AttentionGeometry, params: SparseRuntimeParams | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Query row ``t`` alone (a phase or chunk of one token: the decode step of one request) over a
         contiguous HND GQA pool on CPU: the same runs and masks as the batched path, their index
         arithmetic on the host (numpy; a few hundred entries) and one K+V gather, then PyTorch's
         fused CPU flash kernel. A decode step's cost is mostly per-op overhead; this is about a
-        third of the batched path's ops. ``pages``/``page_start``: the ragged page table's indices
-        and indptr (any int dtype)."""
+        third of the batched path's ops. Returns fp32 out ``[Hq, Dv]``, fp32 lse ``[Hq]`` and the
+        positions each KV head read, int64 ``[Hkv]``."""
         hkv, d = geometry.num_kv_heads, pool.shape[-1]
+        page = metadata.kv_cache_manager.tokens_per_block
+        rpt = metadata.ragged_page_table
         kv_len = int(metadata.positions_host[t]) + 1
-        first = int(page_start[int(metadata.token_to_req_host[t])])
+        first = int(rpt.paged_kv_indptr_buf.numpy()[metadata.token_to_req_host[t]])
+        # runs of `unit` tokens, as request-local run ids [Hkv, U] (run u covers positions [u*unit, (u+1)*unit))
         if params is None:
             unit = page
-            starts = np.broadcast_to(np.arange(0, kv_len, unit), (hkv, -(-kv_len // unit)))  # [Hkv, U]
-            ok = None
+            runs = np.broadcast_to(np.arange(-(-kv_len // unit)), (hkv, -(-kv_len // unit)))
         else:
             bs = params.sparse_attn_indices_block_size
             unit = math.gcd(bs, page)
-            o0, o1 = params.sparse_attn_offsets[t: t + 2].tolist()
-            sel = np.sort(params.sparse_attn_indices[:, o0:o1].numpy().astype(np.int64), axis=-1)  # [Hkv, k], -1 first
+            o0, o1 = params.sparse_attn_offsets.numpy()[t: t + 2].tolist()
+            sel = np.sort(params.sparse_attn_indices.numpy()[:, o0:o1].astype(np.int64), axis=-1)  # [Hkv, k], -1 first
             ok = sel >= 0
             ok[:, 1:] &= sel[:, 1:] != sel[:, :-1]  # a repeated unit is read once
-            starts = (sel * bs)[..., None] + np.arange(0, bs, unit)  # [Hkv, k, bs/unit]
-            ok = (ok[..., None] & (starts < kv_len)).reshape(hkv, -1)
-            starts = np.where(ok, starts.reshape(hkv, -1), 0)
+            if bs != unit:  # a selected block is several runs
+                sel = ((sel * (bs // unit))[..., None] + np.arange(bs // unit)).reshape(hkv, -1)
+                ok = np.repeat(ok, bs // unit, axis=1)
+            ok &= sel * unit < kv_len
+            runs = np.where(ok, sel, 0)
         per_page = page // unit
-        blk = pages.numpy()[first + starts // page].astype(np.int64)  # [Hkv, U]
-        k_rows = ((blk * 2) * hkv + np.arange(hkv)[:, None]) * per_page + (starts % page) // unit
-        n = k_rows.size
+        blk = rpt.paged_kv_indices_buf.numpy()[first + (runs if per_page == 1 else runs // per_page)]  # [Hkv, U]
+        # row ids in the pool viewed as [num_blocks * 2 * Hkv * per_page, unit * D] (K, then V rows)
+        k_rows = blk.astype(np.int64) * (2 * hkv * per_page) + np.arange(0, hkv * per_page, per_page)[:, None]
+        if per_page > 1:
+            k_rows += runs % per_page
         kv = self._rows("kv", pool.view(-1, unit * d), torch.from_numpy(
-            np.concatenate([k_rows.ravel(), (k_rows + hkv * per_page).ravel()])))
-        k, v = kv[:n].view(1, hkv, -1, d), kv[n:].view(1, hkv, -1, d)  # [1, Hkv, U*unit, D]
-        qs = q[t].float().view(1, hkv, -1, d)  # [1, Hkv, g, D]: the KV heads as heads, a group's query heads as rows
-        if ok is None:  # dense: the valid positions are the prefix [0, kv_len) of the runs
-            attended[t] = kv_len
+            (k_rows.reshape(1, -1) + np.array([[0], [hkv * per_page]])).ravel())).view(2, 1, hkv, -1, d)
+        k, v = kv.unbind(0)  # [1, Hkv, U*unit, D]
+        qs = q[t].view(1, hkv, -1, d)  # [1, Hkv, g, D]: the KV heads as heads, a group's query heads as rows
+        if qs.dtype != torch.float32:
+            qs = qs.float()
+        if params is None:  # dense: the valid positions are the prefix [0, kv_len) of the runs
+            counts = np.full(hkv, kv_len, dtype=np.int64)
             o, row_lse = _flash_cpu(qs, k[:, :, :kv_len], v[:, :, :kv_len], None, geometry.sm_scale)
         else:
-            valid = ((starts[..., None] + np.arange(unit)) < kv_len).reshape(hkv, -1) & np.repeat(ok, unit, axis=1)
-            counts = valid.sum(-1)
-            attended[t] = torch.from_numpy(counts)
+            # a run's valid positions are its first `cnt` (those before kv_len), none when not ok
+            cnt = np.where(ok, np.minimum(kv_len - runs * unit, unit), 0)  # [Hkv, U] (an ok run starts before kv_len)
+            counts = cnt.sum(-1)
             width = int(counts[0])
-            if width and bool((counts == width).all()) and bool(valid[:, :width].all()):
-                # every head's valid positions are the same-length prefix (all selected units valid,
-                # the newest page's unwritten tail last): no mask, only a shorter K/V
-                o, row_lse = _flash_cpu(qs, k[:, :, :width], v[:, :, :width], None, geometry.sm_scale)
+            # runs are sorted, so a partial run (the newest page's written head) is the last ok one:
+            # when no run that is not ok precedes an ok one, each head's valid positions are the
+            # first counts[h] of its runs
+            if width and bool((counts == width).all()) and (ok.all() or bool((ok[:, :-1] >= ok[:, 1:]).all())):
+                # every head's valid positions are the same-length prefix: no mask, only a shorter K/V
+                if width < k.shape[2]:
+                    k, v = k[:, :, :width], v[:, :, :width]
+                o, row_lse = _flash_cpu(qs, k, v, None, geometry.sm_scale)
             else:
-                bias = torch.from_numpy(np.where(valid, np.float32(0), np.float32(-np.inf)))  # [Hkv, U*unit]
+                valid = (np.arange(unit) < cnt[..., None]).reshape(hkv, -1)  # [Hkv, U*unit]
+                bias = torch.from_numpy(np.where(valid, np.float32(0), np.float32(-np.inf)))
                 o, row_lse = _flash_cpu(qs, k, v, bias.view(1, hkv, 1, -1).expand(-1, -1, qs.shape[2], -1),
                                         geometry.sm_scale)
             if not counts.all():  # a head that attends nothing: out 0, lse inf
                 empty = torch.from_numpy(counts == 0).view(1, hkv, 1)
                 o, row_lse = o.masked_fill(empty.unsqueeze(-1), 0.0), row_lse.masked_fill(empty, torch.inf)
-        out[t].view(o.shape[1:]).copy_(o[0])
-        lse[t].view(row_lse.shape[1:]).copy_(row_lse[0])
+        return o.reshape(-1, o.shape[-1]), row_lse.reshape(-1), torch.from_numpy(counts)
 
     def _gather_runs(self, pool: torch.Tensor, geometry: AttentionGeometry, params: SparseRuntimeParams | None,
                      ragged: tuple[torch.Tensor, torch.Tensor], tok_req: torch.Tensor, lens: torch.Tensor, rows: slice, unit: int,

@@ -104,7 +104,8 @@ def test_selector_section(quick_run):
     overhead = [t for t in quick_run[0]["targets"] if "of the attention time it saves" in t["target"]]
     assert len(overhead) == len(s["selectors"])  # one target row per timed selector (mode)
     assert sum("block_select (summary)" in t["target"] for t in overhead) == 1
-    assert all(t["met"] is None for t in overhead if "oracle_topk" in t["target"])  # exempt, reported
+    exempt = [t for t in overhead if "oracle_topk" in t["target"] or "block_select (exact)" in t["target"]]
+    assert len(exempt) == 2 and all(t["met"] is None and "[exempt: " in t["target"] for t in exempt)  # reported
     assert "dsa" in {r["selector"] for r in s["selectors"]}, s["skipped"]  # from finished indexer tensors
 
 

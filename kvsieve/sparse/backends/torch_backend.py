@@ -265,6 +265,10 @@ class TorchBackend(AttentionBackend):
         rowwise = pool.is_contiguous() and (geometry.kind == "mla" or mgr.spec.layout == "HND")
         rpt = metadata.ragged_page_table
         one_row = self._token_path(q, metadata, layer_idx, geometry)
+        if one_row and phase_rows.stop - phase_rows.start == 1:  # a phase of one token: none of the set-up below
+            t = phase_rows.start
+            out[t], lse[t], attended[t] = self._attend_token(q, metadata, t, pool, geometry, params)
+            return ("dense" if params is None else "sparse") + "_runs"
         if geometry.kind == "mla":
             lat = mgr.latent_cache(layer_idx).unsqueeze(1)  # [blocks, 1, P, R+rope]
             k_cache, v_cache = lat, lat[..., : geometry.kv_lora_rank]
@@ -288,7 +292,7 @@ class TorchBackend(AttentionBackend):
             chunk = max(1, min(MAX_CHUNK_ROWS, int(self.max_gather_bytes // (gather_bytes * share + token_bytes))))
             rows = slice(t0, min(t0 + chunk, phase_rows.stop))
             t0 = rows.stop
-            if one_row and rows.stop - rows.start == 1:  # a phase or chunk of one token
+            if one_row and rows.stop - rows.start == 1:  # a chunk of one token
                 out[rows.start], lse[rows.start], attended[rows.start] = self._attend_token(
                     q, metadata, rows.start, pool, geometry, params)
                 continue

@@ -408,17 +408,18 @@ def _render_baseline(res: dict, longest: dict) -> list[str]:
         if before is not None:
             lines.append(f"| {r['length']} | " + " | ".join(f"{before[n]:.2f} -> {r['tokens_per_s'][n]:.2f}"
                                                            for n in names) + " |")
-    if longest["profile"] and base["length"] != longest["length"]:
-        lines += ["", f"No profile comparison: the baseline profiled {base['length']} tokens, this run "
-                      f"{longest['length']}."]
-    if longest["profile"] and base["length"] == longest["length"]:
-        from .e2e_profile import STAGES
+    if not longest["profile"]:
+        return lines
+    if base["length"] != longest["length"]:
+        return lines + ["", f"No profile comparison: the baseline profiled {base['length']} tokens, this run "
+                            f"{longest['length']}."]
+    from .e2e_profile import STAGES
 
-        lines += ["", f"Per-layer profile at {base['length']} tokens, ms per decode step before -> after:", "",
-                  "| stage | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-        for stage in (*STAGES, "step"):
-            lines.append(f"| {stage} | " + " | ".join(
-                f"{base['profile'][n][stage]:.2f} -> {longest['profile'][n][stage]:.2f}" for n in names) + " |")
+    lines += ["", f"Per-layer profile at {base['length']} tokens, ms per decode step before -> after:", "",
+              "| stage | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for stage in (*STAGES, "step"):
+        lines.append(f"| {stage} | " + " | ".join(
+            f"{base['profile'][n][stage]:.2f} -> {longest['profile'][n][stage]:.2f}" for n in names) + " |")
     return lines
 
 

@@ -6,7 +6,9 @@ kept in an auxiliary pool of the KV cache manager that shares the main cache's b
 dtype (bf16, fp8 e5m2 or fp32; values are rounded to nearest). One page's ``(min, max)`` of one head
 is a contiguous row of ``2 * D``, so a request's pages are read head-major ``[Hkv, pages, 2 * D]``
 (one block gather, or a slice of the pool when its blocks are contiguous and ascending) and
-scored by one batched GEMV per (query token, KV head). A page is recomputed from the
+scored by one batched GEMV per (query token, KV head); a step whose only generation row is one
+token (single-stream decode) hands the pool and the request's block ids to
+:func:`kvsieve.kernels.cpu.page_topk`, which reads the rows in place. A page is recomputed from the
 cache whenever a token is written into it, and every page of a request after compaction.
 A query token reads its own page's summary over the positions up to itself only (recomputed from
 the cache), so with several query tokens of one request in a step an earlier token's choice never
@@ -32,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..kernels.cpu import page_topk
 from ..metadata import KVCacheManager
 from ..sparse import SelectorInputs, SparseRuntimeParams
 from ._paged import drop_empty_columns, pack_generation_rows, top_p_count, top_p_cut, top_units, top_units_topk
@@ -135,6 +138,17 @@ class PageSummaries:
         return summ[..., 0, :], summ[..., 1, :]
 
 
+def keep_top_channels(qg: torch.Tensor, topr: int) -> torch.Tensor:
+    """``qg [..., Hkv, G, D]`` with all but the ``topr`` channels of largest ``|q|`` summed over each
+    KV group zeroed (``qg`` itself when ``topr >= D``)."""
+    d = qg.shape[-1]
+    if topr >= d:
+        return qg
+    channels = qg.abs().sum(dim=-2).topk(topr, dim=-1).indices  # [..., Hkv, topr]
+    keep = torch.zeros(*qg.shape[:-2], d, dtype=torch.bool, device=qg.device).scatter_(-1, channels, True)
+    return qg * keep.unsqueeze(-2)
+
+
 def page_scores(q: torch.Tensor, summ: torch.Tensor, valid: torch.Tensor | None, *, mode: str, topr: int,
                 sm_scale: float) -> torch.Tensor:
     """fp32 ``[T, Hkv, Np]``: softmax-over-pages page scores, averaged over each KV group.
@@ -149,11 +163,7 @@ def page_scores(q: torch.Tensor, summ: torch.Tensor, valid: torch.Tensor | None,
     """
     t, hq, d = q.shape
     hkv, n_pages = summ.shape[1], summ.shape[2]
-    qg = q.float().view(t, hkv, hq // hkv, d)
-    if topr < d:
-        channels = qg.abs().sum(dim=2).topk(topr, dim=-1).indices  # [T, Hkv, topr]
-        keep = torch.zeros(t, hkv, d, dtype=torch.bool, device=q.device).scatter_(-1, channels, True)
-        qg = qg * keep.unsqueeze(2)
+    qg = keep_top_channels(q.float().view(t, hkv, hq // hkv, d), topr)
     if mode == "sign":
         positive = (qg.sum(dim=2) > 0).unsqueeze(2)  # [T, Hkv, 1, D]
         zero = torch.zeros_like(qg)
@@ -212,22 +222,23 @@ def _select_pages_one(inputs: SelectorInputs, summaries: PageSummaries, *, mode:
                       ) -> SparseRuntimeParams:
     """:func:`select_pages` of a step whose only generation row is one token of one request (a
     single-stream decode step; no sliding window, fixed budget): every page of the request is a
-    candidate, so no masks, and the selection cannot run short of pages, so no padding. Same
-    output, about half the ops (a decode step's selector cost is mostly per-op overhead)."""
+    candidate, so no masks, and the selection cannot run short of pages, so no padding. The pages
+    are picked by :func:`~kvsieve.kernels.cpu.page_topk` (native on the CPU), reading the pool in place."""
     md = inputs.metadata
-    c = md.num_contexts
-    kv_len = int(md.kv_lens_host[c])
-    n_pages = -(-kv_len // summaries.page_size)
-    summ = summaries.gather(inputs.layer_idx, md.slots[c: c + 1], md.kv_lens_host[c: c + 1])  # [1, Hkv, Np, 2, D]
+    c, ps = md.num_contexts, summaries.page_size
+    n_pages = -(-int(md.kv_lens_host[c]) // ps)
+    pool = summaries.pools[inputs.layer_idx]  # [num_blocks, Hkv, S, 2, D]
+    n_blk = -(-n_pages // pool.shape[2])
+    ids = torch.from_numpy(summaries.cache.block_table[md.slots[c], :n_blk].astype(np.int64))
     g0 = md.generation_rows.start
-    scores = page_scores(inputs.q[g0: g0 + 1], summ, None, mode=mode, topr=topr, sm_scale=inputs.sm_scale)[0]  # [Hkv, Np]
-    scores[:, n_pages - 1] = 2.0  # the newest page (scores are <= 1)
-    k = min(topk, n_pages)
-    sel = top_units_topk(scores, k).sort(dim=-1).values.to(torch.int32)  # [Hkv, k]
+    q = inputs.q[g0]  # [Hq, D]
+    if topr < q.shape[-1]:
+        q = keep_top_channels(q.float().view(pool.shape[1], -1, q.shape[-1]), topr).flatten(0, 1)
+    sel = page_topk(pool, ids, n_pages, q, sm_scale=inputs.sm_scale, mode=mode, k=min(topk, n_pages)).indices
     n_before = g0 - inputs.rows.start  # context rows: empty segments
-    offsets = torch.tensor([0] * (n_before + 1) + [k], dtype=torch.int32, device=sel.device)
-    return SparseRuntimeParams(sparse_attn_indices=sel, sparse_attn_offsets=offsets, sparse_attn_indices_block_size=
-                               summaries.page_size, selected_phases=frozenset({"generation"}))
+    offsets = torch.tensor([0] * (n_before + 1) + [sel.shape[1]], dtype=torch.int32, device=sel.device)
+    return SparseRuntimeParams(sparse_attn_indices=sel, sparse_attn_offsets=offsets, sparse_attn_indices_block_size=ps,
+                               selected_phases=frozenset({"generation"}))
 
 
 def select_pages_golden(inputs: SelectorInputs, *, page_size: int, dtype: torch.dtype, mode: str, topk: int,

@@ -16,17 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["convert_gguf", "converted_checkpoint", "default_cache_dir"]
+from ...cache_dir import default_cache_dir
+
+__all__ = ["convert_gguf", "converted_checkpoint"]
 
 _MARKER = "kvsieve-converted.json"
-
-
-def default_cache_dir() -> Path:
-    """``$KVSIEVE_CACHE`` or ``$XDG_CACHE_HOME/kvsieve`` (``~/.cache/kvsieve``)."""
-    env = os.environ.get("KVSIEVE_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvsieve"
 
 
 def convert_gguf(gguf: Path, out_dir: Path, architecture: str = "LlamaForCausalLM") -> Path:

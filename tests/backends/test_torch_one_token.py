@@ -1,7 +1,11 @@
 """The torch backend's one-token path (a phase or chunk of a single query row: the decode step of
 one request) against the Vanilla golden: out, LSE and attended counts, on dense rows, padded and
-overshooting selections, repeated units, empty rows, every block size against the page."""
+overshooting selections, repeated units, empty rows, every block size against the page — through
+the native kernel (``kvsieve.kernels.cpu.sparse_decode``) and, with ``KVSIEVE_NATIVE=0``, through
+PyTorch's flash kernel."""
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -11,6 +15,18 @@ from kvsieve.sparse.backends import get_backend
 from kvsieve.sparse.backends.torch_backend import TorchBackend
 
 from .harness import build, random_selection
+
+HAS_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
+
+
+@pytest.fixture(params=["native", "torch"])
+def engine(request, monkeypatch):
+    """The one-token path's engine: the C kernel (where a compiler is), or PyTorch's flash kernel."""
+    if request.param == "native" and not HAS_CC:
+        pytest.skip("no C compiler on this machine: the native kernel cannot build")
+    if request.param == "torch":
+        monkeypatch.setenv("KVSIEVE_NATIVE", "0")
+    return request.param
 
 
 def _check(backend, md, q, geo, params):
@@ -39,12 +55,13 @@ def _repeated(params: SparseRuntimeParams) -> SparseRuntimeParams:
 
 @pytest.mark.parametrize("block_size,page", [(1, 16), (4, 16), (16, 16), (64, 16), (16, 53), (8, 1)])
 @pytest.mark.parametrize("group", [1, 3])
-def test_one_decode_request(block_size, page, group):
+def test_one_decode_request(block_size, page, group, engine):
     md, q, geo = build(page=page, hq=2 * group, hkv=2, d=16, ctx_lens=[], gen_hist=[150], seed=block_size)
     backend = TorchBackend()
-    assert _check(backend, md, q, geo, None).paths == {"generation": "dense_runs"}
+    suffix = "_native" if engine == "native" else ""
+    assert _check(backend, md, q, geo, None).paths == {"generation": "dense_runs" + suffix}
     sel = random_selection(md, 2, k=5, block_size=block_size, overshoot=2, seed=page)
-    assert _check(backend, md, q, geo, sel).paths == {"generation": "sparse_runs"}
+    assert _check(backend, md, q, geo, sel).paths == {"generation": "sparse_runs" + suffix}
     _check(backend, md, q, geo, _repeated(sel))
     empty = random_selection(md, 2, k=3, block_size=block_size, pad_frac=1.0)
     res = _check(backend, md, q, geo, empty)
@@ -52,7 +69,7 @@ def test_one_decode_request(block_size, page, group):
 
 
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_chunks_of_one_token_in_a_mixed_batch(block_size):
+def test_chunks_of_one_token_in_a_mixed_batch(block_size, engine):
     """``max_gather_bytes=1`` makes every chunk one token: prefill rows and decode rows of several
     requests all take the one-token path and still equal the golden."""
     md, q, geo = build(page=16, hq=4, hkv=2, d=16, ctx_lens=[9, 30], gen_hist=[40, 3, 77], seed=7)
@@ -78,6 +95,7 @@ def test_unmasked_prefix_only_when_every_head_reads_a_same_length_prefix(monkeyp
     apart. Both against the golden, with the kernel call observed."""
     from kvsieve.sparse.backends import torch_backend
 
+    monkeypatch.setenv("KVSIEVE_NATIVE", "0")  # the PyTorch flash path's mask choice
     md, q, geo = build(page=16, hq=4, hkv=2, d=16, ctx_lens=[], gen_hist=[150], seed=2)  # kv_len 151: page 9 partial
     biases = []
     flash = torch_backend._flash_cpu

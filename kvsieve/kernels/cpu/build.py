@@ -1,8 +1,9 @@
 """Compile a native CPU kernel's C source once per machine and load it with ctypes.
 
 The library is built with the system C compiler (``$CC``, else ``cc``) for this machine's CPU
-(``-march=native``) into ``default_cache_dir()/native/<stem>-<hash>.so``; the hash covers the
-source, the compiler, the flags and the CPU's feature flags, so a changed source or another
+(``-march=native``), with ``common/`` on the include path, into
+``default_cache_dir()/native/<stem>-<hash>.so``; the hash covers the source, the headers of
+``common/``, the compiler, the flags and the CPU's feature flags, so a changed source or another
 machine sharing the folder builds its own copy. A build is written beside its final name and
 renamed into place, so concurrent first uses never load half a file.
 
@@ -26,6 +27,7 @@ __all__ = ["ENV_VAR", "FLAGS", "NativeUnavailable", "native_library", "native_st
 ENV_VAR = "KVSIEVE_NATIVE"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c11", "-fPIC", "-shared")
 
+COMMON = Path(__file__).with_name("common")  # headers every kernel may include
 _loaded: dict[Path, ctypes.CDLL | str] = {}  # source -> its library, or why it has none
 
 
@@ -45,8 +47,9 @@ def _build(source: Path) -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise NativeUnavailable("no C compiler (set $CC, or install cc)")
-    text = source.read_bytes()
-    digest = hashlib.sha256(b"\0".join([text, cc.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()]))
+    headers = [h.read_bytes() for h in sorted(COMMON.glob("*.h"))]
+    digest = hashlib.sha256(b"\0".join([source.read_bytes(), *headers, cc.encode(), " ".join(FLAGS).encode(),
+                                        _cpu_flags().encode()]))
     out = default_cache_dir() / "native" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +57,7 @@ def _build(source: Path) -> ctypes.CDLL:
         os.close(fd)
         try:
             try:
-                done = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
+                done = subprocess.run([cc, *FLAGS, f"-I{COMMON}", "-o", tmp, str(source), "-lm"], capture_output=True, text=True)
             except OSError as e:
                 raise NativeUnavailable(f"cannot run the C compiler {cc}: {e}") from e
             if done.returncode != 0:

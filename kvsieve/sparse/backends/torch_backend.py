@@ -25,6 +25,8 @@ import math
 import numpy as np
 import torch
 
+from ...kernels.cpu import NativeUnavailable
+from ...kernels.cpu.sparse_decode import sparse_decode_native, supports_native
 from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams
 from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
@@ -192,10 +194,10 @@ class TorchBackend(AttentionBackend):
                 params is not None and params.threshold_scale_factor(phases[0]) > 0):
             # one query token (the decode step of one request): its result is the step's
             sel = params if params is not None and params.selects_positions(phases[0]) else None
-            o, row_lse, counts = self._attend_token(q, metadata, 0, metadata.kv_cache_manager.pools[layer_idx],
-                                                    geometry, sel)
+            o, row_lse, counts, path = self._attend_token(q, metadata, 0, metadata.kv_cache_manager.pools[layer_idx],
+                                                          geometry, sel)
             return AttentionResult(o.view(1, hq, -1).to(q.dtype), row_lse.view(1, hq), counts.view(1, -1),
-                                   {phases[0]: ("dense" if sel is None else "sparse") + "_runs"})
+                                   {phases[0]: ("dense_" if sel is None else "sparse_") + path})
         out = torch.zeros(n_tok, hq, geometry.value_dim, dtype=torch.float32, device=q.device)
         lse = torch.full((n_tok, hq), torch.inf, dtype=torch.float32, device=q.device)
         # what the gather read, counted from its valid masks (exact tokens, as the base class counts)
@@ -267,8 +269,8 @@ class TorchBackend(AttentionBackend):
         one_row = self._token_path(q, metadata, layer_idx, geometry)
         if one_row and phase_rows.stop - phase_rows.start == 1:  # a phase of one token: none of the set-up below
             t = phase_rows.start
-            out[t], lse[t], attended[t] = self._attend_token(q, metadata, t, pool, geometry, params)
-            return ("dense" if params is None else "sparse") + "_runs"
+            out[t], lse[t], attended[t], path = self._attend_token(q, metadata, t, pool, geometry, params)
+            return ("dense_" if params is None else "sparse_") + path
         if geometry.kind == "mla":
             lat = mgr.latent_cache(layer_idx).unsqueeze(1)  # [blocks, 1, P, R+rope]
             k_cache, v_cache = lat, lat[..., : geometry.kv_lora_rank]
@@ -293,7 +295,7 @@ class TorchBackend(AttentionBackend):
             rows = slice(t0, min(t0 + chunk, phase_rows.stop))
             t0 = rows.stop
             if one_row and rows.stop - rows.start == 1:  # a chunk of one token
-                out[rows.start], lse[rows.start], attended[rows.start] = self._attend_token(
+                out[rows.start], lse[rows.start], attended[rows.start], _ = self._attend_token(
                     q, metadata, rows.start, pool, geometry, params)
                 continue
             groups = None
@@ -346,13 +348,15 @@ class TorchBackend(AttentionBackend):
 
     def _attend_token(self, q: torch.Tensor, metadata: AttentionMetadata, t: int, pool: torch.Tensor,
                       geometry: AttentionGeometry, params: SparseRuntimeParams | None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
         """Query row ``t`` alone (a phase or chunk of one token: the decode step of one request) over a
         contiguous HND GQA pool on CPU: the same runs and masks as the batched path, their index
         arithmetic on the host (numpy; a few hundred entries) and one K+V gather, then PyTorch's
-        fused CPU flash kernel. A decode step's cost is mostly per-op overhead; this is about a
-        third of the batched path's ops. Returns fp32 out ``[Hq, Dv]``, fp32 lse ``[Hq]`` and the
-        positions each KV head read, int64 ``[Hkv]``."""
+        fused CPU flash kernel — or, where its library builds, the native kernel
+        (:mod:`kvsieve.kernels.cpu.sparse_decode`) reads the runs in place instead of the gather and
+        the flash kernel. A decode step's cost is mostly per-op overhead; this is about a third of
+        the batched path's ops. Returns fp32 out ``[Hq, Dv]``, fp32 lse ``[Hq]``, the positions each
+        KV head read, int64 ``[Hkv]``, and the path: ``"runs_native"`` or ``"runs"``."""
         hkv, d = geometry.num_kv_heads, pool.shape[-1]
         page = metadata.kv_cache_manager.tokens_per_block
         rpt = metadata.ragged_page_table
@@ -380,19 +384,26 @@ class TorchBackend(AttentionBackend):
         k_rows = blk.astype(np.int64) * (2 * hkv * per_page) + np.arange(0, hkv * per_page, per_page)[:, None]
         if per_page > 1:
             k_rows += runs % per_page
-        kv = self._rows("kv", pool.view(-1, unit * d), torch.from_numpy(
+        # a run's valid positions are its first `cnt` (those before kv_len), none when not ok
+        cnt = np.minimum(kv_len - runs * unit, unit) if params is None else np.where(
+            ok, np.minimum(kv_len - runs * unit, unit), 0)  # [Hkv, U] (an ok run starts before kv_len)
+        counts = np.full(hkv, kv_len, dtype=np.int64) if params is None else cnt.sum(-1)
+        rows = pool.view(-1, unit * d)
+        if supports_native(rows, q[t], hkv):  # the C kernel reads the runs in place
+            try:
+                o, row_lse = sparse_decode_native(rows, k_rows, cnt, hkv * per_page, q[t], sm_scale=geometry.sm_scale)
+                return o, row_lse, torch.from_numpy(counts), "runs_native"
+            except NativeUnavailable:
+                pass
+        kv = self._rows("kv", rows, torch.from_numpy(
             (k_rows.reshape(1, -1) + np.array([[0], [hkv * per_page]])).ravel())).view(2, 1, hkv, -1, d)
         k, v = kv.unbind(0)  # [1, Hkv, U*unit, D]
         qs = q[t].view(1, hkv, -1, d)  # [1, Hkv, g, D]: the KV heads as heads, a group's query heads as rows
         if qs.dtype != torch.float32:
             qs = qs.float()
         if params is None:  # dense: the valid positions are the prefix [0, kv_len) of the runs
-            counts = np.full(hkv, kv_len, dtype=np.int64)
             o, row_lse = _flash_cpu(qs, k[:, :, :kv_len], v[:, :, :kv_len], None, geometry.sm_scale)
         else:
-            # a run's valid positions are its first `cnt` (those before kv_len), none when not ok
-            cnt = np.where(ok, np.minimum(kv_len - runs * unit, unit), 0)  # [Hkv, U] (an ok run starts before kv_len)
-            counts = cnt.sum(-1)
             width = int(counts[0])
             # runs are sorted, so a partial run (the newest page's written head) is the last ok one:
             # when no run that is not ok precedes an ok one, each head's valid positions are the
@@ -410,7 +421,7 @@ class TorchBackend(AttentionBackend):
             if not counts.all():  # a head that attends nothing: out 0, lse inf
                 empty = torch.from_numpy(counts == 0).view(1, hkv, 1)
                 o, row_lse = o.masked_fill(empty.unsqueeze(-1), 0.0), row_lse.masked_fill(empty, torch.inf)
-        return o.reshape(-1, o.shape[-1]), row_lse.reshape(-1), torch.from_numpy(counts)
+        return o.reshape(-1, o.shape[-1]), row_lse.reshape(-1), torch.from_numpy(counts), "runs"
 
     def _gather_runs(self, pool: torch.Tensor, geometry: AttentionGeometry, params: SparseRuntimeParams | None,
                      ragged: tuple[torch.Tensor, torch.Tensor], tok_req: torch.Tensor, lens: torch.Tensor, rows: slice, unit: int,

@@ -1,0 +1,25 @@
+/* Vectorizable scalar helpers shared by the native CPU kernels (included, not compiled alone). */
+#ifndef KVSIEVE_VEC_MATH_H
+#define KVSIEVE_VEC_MATH_H
+#include <stdint.h>
+
+static inline float bf16_to_f32(uint16_t v) {
+  union { uint32_t u; float f; } x = {.u = (uint32_t)v << 16};
+  return x.f;
+}
+
+/* exp(x) for x <= 0: Cephes expf (Cody-Waite reduction, degree-6 polynomial, ~1 ulp), branch-free so
+ * the loop calling it vectorizes; 2^n is applied in two halves so results down to the denormals hold. */
+static inline float exp_nonpositive(float x) {
+  x = x < -104.0f ? -104.0f : x;
+  float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest, |.| < 2^22 */
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r
+             + 1.6666665459e-1f) * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  int32_t ni = (int32_t)n, n1 = ni / 2, n2 = ni - n1;
+  union { int32_t i; float f; } s1 = {.i = (n1 + 127) << 23}, s2 = {.i = (n2 + 127) << 23};
+  return y * s1.f * s2.f;
+}
+
+#endif

@@ -15,6 +15,7 @@
 #define MAX_D 256
 #define MAX_G 16
 #define CHUNK 64 /* tokens scored before their softmax update */
+#define PREFETCH_RUNS 2 /* how many runs ahead the rows are requested */
 
 static inline void load_row(const void* pool, int is_bf16, int64_t off, int D, float* dst) {
   if (is_bf16) {
@@ -24,6 +25,15 @@ static inline void load_row(const void* pool, int is_bf16, int64_t off, int D, f
   } else {
     memcpy(dst, (const float*)pool + off, sizeof(float) * D);
   }
+}
+
+/* Ask for the K and V rows of a later run (its valid tokens) while this one is computed: a decode
+ * step reads each run once, cold, so without this every run waits on memory. */
+static inline void prefetch_run(const void* pool, int is_bf16, int64_t k_off, int64_t v_delta, int n_tok, int D) {
+  const char* k = (const char*)pool + k_off * (is_bf16 ? 2 : 4);
+  const char* v = k + v_delta * (is_bf16 ? 2 : 4);
+  int64_t bytes = (int64_t)n_tok * D * (is_bf16 ? 2 : 4);
+  for (int64_t b = 0; b < bytes; b += 64) { __builtin_prefetch(k + b); __builtin_prefetch(v + b); }
 }
 
 /* One KV head: online softmax over its runs. D is a constant at the call sites that matter. */
@@ -38,12 +48,16 @@ static inline __attribute__((always_inline)) void head_attend(
     for (int d = 0; d < D; ++d) acc[g][d] = 0.0f;
   }
   const int64_t row_len = (int64_t)unit * D;
+  for (int64_t r = 0; r < PREFETCH_RUNS && r < n_runs; ++r)
+    prefetch_run(pool, is_bf16, k_rows[r] * row_len, v_offset * row_len, cnt[r], D);
   int64_t u = 0;
   int t = 0;
   while (u < n_runs) {
     int n = 0; /* gather up to CHUNK tokens' scores */
     while (u < n_runs && n < CHUNK) {
       if (t >= cnt[u]) { ++u; t = 0; continue; }
+      if (t == 0 && u + PREFETCH_RUNS < n_runs) prefetch_run(pool, is_bf16, k_rows[u + PREFETCH_RUNS] * row_len,
+                                                             v_offset * row_len, cnt[u + PREFETCH_RUNS], D);
       int64_t k_off = k_rows[u] * row_len + (int64_t)t * D;
       load_row(pool, is_bf16, k_off, D, row);
       for (int g = 0; g < G; ++g) {

@@ -9,10 +9,12 @@ For every (query token, KV head) the backend builds the request-local positions 
 rows are gathered in one advanced-indexing op, and attention runs in fp32. Query tokens are
 processed per phase, in chunks sized so the gathered tile stays under ``max_gather_bytes``.
 Tokens that share one gather (a prefill's dense rows, a block-sparse prefill's query blocks)
-attend through PyTorch's fused CPU flash-attention kernel under a mask of their positions; a
-chunk ends early when its gathers would pass ``max_gather_bytes``. A phase or chunk of a single
-token on CPU (the decode step of one request) takes a short path: its runs and masks computed on
-the host, one K+V gather, the same flash kernel.
+form groups; on a GQA HND cache on CPU each group's attention is split into the runs every
+member reads whole and the few it reads in part (:mod:`._torch_prefill`, no per-position tensors),
+both through PyTorch's fused CPU flash-attention kernel; a chunk ends early when its gathers would
+pass ``max_gather_bytes``. A phase or chunk of a single token on CPU (the decode step of one
+request) takes a short path: its runs and masks computed on the host, one K+V gather, the same
+flash kernel.
 
 Selections are read as sets: rows may have different lengths (``-1`` padded here), and an index
 listed twice in a row (possible only with validation off) is attended once, as in the Vanilla
@@ -29,6 +31,7 @@ from ...kernels.cpu import NativeUnavailable
 from ...kernels.cpu.sparse_decode import sparse_decode_native, supports_native
 from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams
+from ._torch_prefill import Groups, flash_cpu, group_tokens, split_prefill
 from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
 from .skip_softmax import RequestRows, WalkedRows, skip_softmax_phase
 
@@ -59,56 +62,6 @@ def selected_positions(params: SparseRuntimeParams | None, token_kv_lens: torch.
             sel = sel.flatten(2)
         pos = sel
     return torch.where((pos >= 0) & (pos < lens.view(1, n, 1)), pos, -1)
-
-
-def _grouped_flash(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                   groups: tuple[torch.Tensor, torch.Tensor, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of query tokens that share their group's gathered K/V (a prefill's dense rows, a
-    query block of a block-sparse prefill) through PyTorch's fused CPU flash-attention kernel,
-    which returns the log-sum-exp beside the output; the unfused masked softmax wrote and re-read
-    the ``[Hkv, n, g, K]`` scores several times and cost about 3x more.
-
-    Args:
-        qs: fp32 ``[Hkv, n, g, D]`` queries, ``sm_scale`` applied.
-        k, v: fp32 ``[Hkv, G, K, D]`` / ``[Hkv, G, K, Dv]`` gathered per group, contiguous.
-        valid: bool ``[Hkv, n, K]`` the positions each token attends (causal, selected).
-        groups: ``(group of each token [n], slot in its group [n], G, largest group M)``.
-
-    Returns:
-        out fp32 ``[Hkv, n, g, Dv]`` (0 for a token that attends nothing) and lse fp32
-        ``[Hkv, n, g]`` (natural log; ``inf`` for a token that attends nothing).
-    """
-    gid, slot, n_groups, m = groups
-    hkv, _, g, d = qs.shape
-    width = k.shape[2]
-    # one SDPA batch entry per (KV head, group); its heads are the g query heads, its rows the
-    # group's tokens; K/V and the mask broadcast over the g heads (stride 0, no copy)
-    qt = qs.new_zeros(hkv, n_groups, m, g, d)
-    qt[:, gid, slot] = qs
-    bias = qs.new_full((hkv, n_groups, m, width), float("-inf"))
-    bias[:, gid, slot] = torch.where(valid, 0.0, float("-inf"))
-    kb = k.reshape(hkv * n_groups, 1, width, d).expand(-1, g, -1, -1)
-    vb = v.reshape(hkv * n_groups, 1, width, v.shape[-1]).expand(-1, g, -1, -1)
-    o, lse = _flash_cpu(qt.transpose(2, 3).reshape(hkv * n_groups, g, m, d), kb, vb,
-                        bias.view(hkv * n_groups, 1, m, width).expand(-1, g, -1, -1), 1.0)
-    o = o.view(hkv, n_groups, g, m, -1).transpose(2, 3)[:, gid, slot]  # [Hkv, n, g, Dv]
-    lse = lse.view(hkv, n_groups, g, m).transpose(2, 3)[:, gid, slot]  # [Hkv, n, g]
-    empty = ~valid.any(-1, keepdim=True)  # [Hkv, n, 1]
-    return o.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, torch.inf)
-
-
-def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` (no causal mask, no dropout):
-    q fp32 ``[B, H, L, D]``, k/v ``[B, H, S, D]``/``[B, H, S, Dv]``, ``bias`` fp32 ``[B, H, L, S]``
-    (0 or ``-inf``) or ``None``. Returns out ``[B, H, L, Dv]`` and the natural-log lse ``[B, H, L]``;
-    with no keys (``S = 0``, where the kernel dies of a floating-point exception) out 0 and lse
-    ``inf``, the convention for a query that attends nothing."""
-    if k.shape[-2] == 0:
-        return q.new_zeros(*q.shape[:-1], v.shape[-1]), q.new_full(q.shape[:-1], torch.inf)
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                        scale=scale)[:2]
-    return o, lse
 
 
 def _selection(params: SparseRuntimeParams, num_kv_heads: int, rows: slice, n: int) -> tuple[torch.Tensor, int]:
@@ -303,9 +256,19 @@ class TorchBackend(AttentionBackend):
                 # the gathers that fit beside the chunk's per-token tensors; the chunk ends early
                 # when its tokens share less than the previous chunk's did
                 max_groups = max(1, int((self.max_gather_bytes - chunk * token_bytes) // gather_bytes))
-                k, v, valid, groups, rows = self._gather_runs(pool, geometry, params, (pages, page_start), tok_req,
-                                                              lens, rows, unit, page, max_groups)
+                starts, ok, raw = _unit_starts(params, lens, hkv, rows, unit)  # [Hkv, n, U]
+                groups, n = group_tokens(tok_req[rows], raw, max_groups, rows.stop < phase_rows.stop)
+                rows = slice(rows.start, rows.start + n)
                 t0 = rows.stop
+                share = 1.0 if groups is None else groups.count / n
+                if groups is not None and geometry.kind == "gqa" and q.device.type == "cpu":
+                    lse[rows], attended[rows] = split_prefill(
+                        q[rows], lens[rows].to(torch.int64), raw[:, groups.head], tok_req[rows][groups.head], groups,
+                        (pages, page_start), pool, unit, geometry.sm_scale, self._rows, out[rows])
+                    continue
+                k, v, valid = self._gather_runs(pool, geometry, (pages, page_start), tok_req[rows],
+                                                lens[rows].to(torch.int64), starts[:, :n], ok[:, :n], groups, unit,
+                                                page)
             else:
                 pos = selected_positions(params, lens, hkv, rows)  # [Hkv, n, K]
                 valid = pos >= 0
@@ -313,21 +276,16 @@ class TorchBackend(AttentionBackend):
                 blk = pages[page_start[tok_req[rows]].view(1, -1, 1) + p // page]
                 k = k_cache[blk, heads, p % page].float()  # [Hkv, n, K, D]
                 v = v_cache[blk, heads, p % page].float()
+                share = 1.0
             n = valid.shape[1]
-            share = 1.0 if groups is None else groups[2] / n
             attended[rows] = valid.sum(-1).T
             g = hq // hkv
             qs = q[rows].float().view(n, hkv, g, -1).permute(1, 0, 2, 3) * geometry.sm_scale  # [Hkv, n, g, D]
-            if groups is not None and geometry.kind == "gqa" and q.device.type == "cpu":
-                o, row_lse = _grouped_flash(qs, k, v, valid, groups)
-                out[rows] = o.permute(1, 0, 2, 3).reshape(n, hq, -1)
-                lse[rows] = row_lse.permute(1, 0, 2).reshape(n, hq)
-                continue
             if groups is None:
                 # K as the left operand streams the gathered rows once (q @ K^T would copy K transposed)
                 s = torch.matmul(k, qs.transpose(-1, -2)).transpose(-1, -2)  # [Hkv, n, g, K]
             else:  # tokens of a group share one gathered K/V: [Hkv, G, M, g, D] padded query tiles
-                gid, slot, n_groups, m = groups
+                gid, slot, n_groups, m = groups.gid, groups.slot, groups.count, groups.largest
                 qt = qs.new_zeros(hkv, n_groups, m, g, qs.shape[-1])
                 qt[:, gid, slot] = qs
                 s = torch.matmul(k, qt.view(hkv, n_groups, m * g, -1).transpose(-1, -2)).transpose(-1, -2)
@@ -402,7 +360,7 @@ class TorchBackend(AttentionBackend):
         if qs.dtype != torch.float32:
             qs = qs.float()
         if params is None:  # dense: the valid positions are the prefix [0, kv_len) of the runs
-            o, row_lse = _flash_cpu(qs, k[:, :, :kv_len], v[:, :, :kv_len], None, geometry.sm_scale)
+            o, row_lse = flash_cpu(qs, k[:, :, :kv_len], v[:, :, :kv_len], None, geometry.sm_scale)
         else:
             width = int(counts[0])
             # runs are sorted, so a partial run (the newest page's written head) is the last ok one:
@@ -412,57 +370,36 @@ class TorchBackend(AttentionBackend):
                 # every head's valid positions are the same-length prefix: no mask, only a shorter K/V
                 if width < k.shape[2]:
                     k, v = k[:, :, :width], v[:, :, :width]
-                o, row_lse = _flash_cpu(qs, k, v, None, geometry.sm_scale)
+                o, row_lse = flash_cpu(qs, k, v, None, geometry.sm_scale)
             else:
                 valid = (np.arange(unit) < cnt[..., None]).reshape(hkv, -1)  # [Hkv, U*unit]
                 bias = torch.from_numpy(np.where(valid, np.float32(0), np.float32(-np.inf)))
-                o, row_lse = _flash_cpu(qs, k, v, bias.view(1, hkv, 1, -1).expand(-1, -1, qs.shape[2], -1),
-                                        geometry.sm_scale)
+                o, row_lse = flash_cpu(qs, k, v, bias.view(1, hkv, 1, -1).expand(-1, -1, qs.shape[2], -1),
+                                       geometry.sm_scale)
             if not counts.all():  # a head that attends nothing: out 0, lse inf
                 empty = torch.from_numpy(counts == 0).view(1, hkv, 1)
                 o, row_lse = o.masked_fill(empty.unsqueeze(-1), 0.0), row_lse.masked_fill(empty, torch.inf)
         return o.reshape(-1, o.shape[-1]), row_lse.reshape(-1), torch.from_numpy(counts), "runs"
 
-    def _gather_runs(self, pool: torch.Tensor, geometry: AttentionGeometry, params: SparseRuntimeParams | None,
-                     ragged: tuple[torch.Tensor, torch.Tensor], tok_req: torch.Tensor, lens: torch.Tensor, rows: slice, unit: int,
-                     page: int, max_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None, slice]:
+    def _gather_runs(self, pool: torch.Tensor, geometry: AttentionGeometry, ragged: tuple[torch.Tensor, torch.Tensor],
+                     req: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, ok: torch.Tensor,
+                     groups: Groups | None, unit: int, page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gather whole runs of ``unit`` positions as contiguous rows of the pool (``index_select``,
         one memcpy per run) instead of one row per token. GQA HND pool ``[blocks, 2, Hkv, P, D]``
         or MLA latent ``[blocks, P, R+rope]``, contiguous.
 
-        Consecutive query tokens of one request that name the same runs (a prefill's dense rows, a
-        query block of a block-sparse prefill) form a group and share one gather, made for the
-        group's last token (the longest causal range, so a superset of the others' valid runs).
-        At most ``max_groups`` gathers: the tokens of later groups are left for the next call.
-        Returns K ``[Hkv, G, K, D]``, V ``[Hkv, G, K, Dv]`` (fp32; ``G`` = groups, or tokens when
-        no two share), the per-token valid mask ``[Hkv, n, K]``, ``(group of each token, slot in
-        its group, G, largest group)`` or ``None`` when every token is its own group, and the rows
-        covered (a prefix of ``rows``)."""
+        ``req`` int64 ``[n]`` and ``lens`` int64 ``[n]`` are the tokens' requests and kv lengths,
+        ``starts``/``ok`` (``[Hkv, n, U]``, as :func:`_unit_starts`) their runs. A group of tokens
+        shares one gather, made for the group's last token (the longest causal range, so a superset
+        of the others' valid runs). Returns K ``[Hkv, G, K, D]``, V ``[Hkv, G, K, Dv]`` (fp32;
+        ``G`` = groups, or tokens when ``groups`` is ``None``) and the per-token valid mask
+        ``[Hkv, n, K]``."""
         hkv = geometry.num_kv_heads
-        starts, ok, raw = _unit_starts(params, lens, hkv, rows, unit)  # [Hkv, n, U]
         n, u = starts.shape[1], starts.shape[2]
-        req = tok_req[rows]
         pos = (starts.unsqueeze(-1) + torch.arange(unit, device=starts.device)).flatten(2)  # [Hkv, n, U*unit]
-        valid = ok.repeat_interleave(unit, dim=2) & (pos < lens[rows].to(torch.int64).view(1, n, 1))
-        groups = None
-        if n > 1:
-            first = torch.ones(n, dtype=torch.bool, device=req.device)
-            first[1:] = req[1:] != req[:-1]
-            if u:
-                first[1:] |= (raw[:, 1:] != raw[:, :-1]).any(-1).any(0)
-            n_groups = int(first.sum())
-            if n_groups > max_groups:  # end at the first token of group max_groups
-                n = int(torch.nonzero(first).squeeze(1)[max_groups])
-                rows = slice(rows.start, rows.start + n)
-                starts, ok, raw, req, valid, first = starts[:, :n], ok[:, :n], raw[:, :n], req[:n], valid[:, :n], first[:n]
-                n_groups = max_groups
-            if n_groups < n:
-                gid = torch.cumsum(first, 0) - 1
-                heads = torch.nonzero(first).squeeze(1)
-                last = torch.cat([heads[1:] - 1, heads.new_tensor([n - 1])])
-                slot = torch.arange(n, device=req.device) - heads[gid]
-                groups = (gid, slot, n_groups, int((last - heads).max()) + 1)
-                starts, ok, req = starts[:, last], ok[:, last], req[last]
+        valid = ok.repeat_interleave(unit, dim=2) & (pos < lens.view(1, n, 1))
+        if groups is not None:
+            starts, req = starts[:, groups.last], req[groups.last]
         pages, page_start = ragged
         blk = pages[page_start[req].view(1, -1, 1) + starts // page]  # [Hkv, G, U]
         sub = (starts % page) // unit
@@ -472,14 +409,14 @@ class TorchBackend(AttentionBackend):
             width = pool.shape[-1]
             flat = pool.view(-1, unit * width)
             lat = self._rows("k", flat, (blk * per_page + sub).flatten()).view(1, rows_g, u * unit, width)
-            return lat, lat[..., : geometry.kv_lora_rank], valid, groups, rows
+            return lat, lat[..., : geometry.kv_lora_rank], valid
         d = pool.shape[-1]
         flat = pool.view(-1, unit * d)
         h = torch.arange(hkv, device=blk.device).view(hkv, 1, 1)
         k_rows = ((blk * 2) * hkv + h) * per_page + sub
         k = self._rows("k", flat, k_rows.flatten()).view(hkv, rows_g, u * unit, d)
         v = self._rows("v", flat, (k_rows + hkv * per_page).flatten()).view(hkv, rows_g, u * unit, d)
-        return k, v, valid, groups, rows
+        return k, v, valid
 
     @staticmethod
     def _width(params: SparseRuntimeParams | None, lens: torch.Tensor, rows: slice) -> int:

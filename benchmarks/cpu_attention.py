@@ -111,7 +111,8 @@ def bench_decode(cfg: dict, budget_s: float, bandwidth: dict) -> list[dict]:
             mask = torch.zeros(hkv, length, dtype=torch.bool).scatter_(1, pos.clamp(max=length - 1), True)
             ref_sparse = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.view(1, hkv, 1, length),
                                                         scale=geo.sm_scale).reshape(1, hq, d)
-            err = float((backend.forward(q, md, 0, geo, params).out - ref_sparse).abs().max())
+            res = backend.forward(q, md, 0, geo, params)
+            err = float((res.out - ref_sparse).abs().max())
             gathered = hkv * n_sel * page * d * 4 * 2  # K and V bytes read through the block table
             rows.append({
                 "context": length, "density": f"1/{dens}", "density_inv": dens, "selected_tokens_per_head": n_sel * page,
@@ -122,6 +123,7 @@ def bench_decode(cfg: dict, budget_s: float, bandwidth: dict) -> list[dict]:
                 "fraction_of_copy_bandwidth": gathered / t.median_s / 1e9 / bandwidth["gb_per_s"],
                 "sdpa_dense_gb_per_s": 2 * k.numel() * 4 / sdpa.median_s / 1e9,
                 "max_abs_err_vs_masked_sdpa": err, "dense_max_abs_err_vs_sdpa": dense_err,
+                "path": res.paths["generation"],
             })
         del mgr, md, k, v
         gc.collect()

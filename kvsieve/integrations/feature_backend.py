@@ -15,8 +15,10 @@
   Vanilla golden's math with the cap) for the plain-PyTorch backends ``vanilla`` and ``torch``;
   the kernel backends refuse softcap models by name (:func:`check_backend`).
 * **Dense fast path.** A step with no selection (only the window, if any) runs torch SDPA over
-  each request's K/V gathered from the paged cache, with a banded causal mask for windows. SDPA
-  returns no LSE, so such a step's result has ``lse=None`` (transformers never reads it).
+  each request's K/V gathered from the paged cache, with a banded causal mask for windows; a
+  request's lone decode token whose keys all lie in its window is read in place by the native CPU
+  kernel instead (path ``native_dense``; fp32 math over the cache's values) where it applies. The
+  step's result has ``lse=None`` (SDPA returns none; transformers never reads it).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch
 from ..metadata import AttentionMetadata, KVCacheManager
 from ..metadata import PHASES
 from ..sparse.backends import AttentionBackend, AttentionGeometry, AttentionResult
-from ..sparse.backends.sdpa import causal_sdpa, gather_blocks, sdpa_gqa
+from ..sparse.backends.sdpa import causal_sdpa, gather_blocks, native_dense_decode, sdpa_gqa
 from ..sparse.backends.torch_backend import selected_positions
 from ..sparse.params import SparseRuntimeParams, is_dense
 from ..sparse.selection import selection_mask
@@ -162,9 +164,9 @@ class FeatureBackend(AttentionBackend):
             res = AttentionResult(out, lse, self.inner.effective_attended_tokens(wparams, metadata, geometry),
                                   {p: "softcap_torch" for p in phases})
         elif self.dense_fast_path and all(is_dense(params, p) for p in phases) and f.sinks is None:
-            out = self._sdpa(q, metadata, layer_idx, geometry, f.window)
+            out, path = self._sdpa(q, metadata, layer_idx, geometry, f.window)
             res = AttentionResult(out, None, self.inner.effective_attended_tokens(wparams, metadata, geometry),
-                                  {p: "sdpa_dense" if f.window is None else "sdpa_window" for p in phases})
+                                  {p: path for p in phases})
         else:
             res = self.inner.forward(q, metadata, layer_idx, geometry, wparams)
         if f.sinks is not None:
@@ -190,12 +192,26 @@ class FeatureBackend(AttentionBackend):
         return out.to(q.dtype), lse
 
     def _sdpa(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
-              window: int | None) -> torch.Tensor:
+              window: int | None) -> tuple[torch.Tensor, str]:
+        """The dense fast path's output and its path: ``sdpa_dense``/``sdpa_window``, ``native_dense``
+        when every request's row was a lone decode token the native CPU kernel read in place, or
+        both joined by ``+``."""
         out = torch.zeros(q.shape[0], q.shape[1], geometry.value_dim, dtype=q.dtype, device=q.device)
+        cache = metadata.kv_cache_manager
+        paths = set()
         for i, rid in enumerate(metadata.request_ids):
             t0, t1 = (int(x) for x in metadata.query_start_host[i: i + 2])
             if t1 == t0:
                 continue
+            kv_len = cache.valid_len(rid)
+            if t1 - t0 == 1 and (window is None or kv_len <= window):  # a decode token: in place, no gather
+                o = native_dense_decode(cache.pools[layer_idx], cache.spec.layout, cache.block_ids(rid), kv_len,
+                                        q[t0], geometry.sm_scale)
+                if o is not None:
+                    out[t0] = o.to(q.dtype)
+                    paths.add("native_dense")
+                    continue
+            paths.add("sdpa_dense" if window is None else "sdpa_window")
             k, v = gather_request_kv(metadata.kv_cache_manager, layer_idx, rid, head_major=True,
                                      scratch=self._scratch)  # [Hkv, L, D], views of the scratch buffer
             k, v = k.to(q.dtype), v.to(q.dtype)
@@ -213,7 +229,7 @@ class FeatureBackend(AttentionBackend):
                 mask = (kpos <= qpos[:, None]) & (kpos > qpos[:, None] - window)
                 out[t0 + c0:t0 + c1] = sdpa_gqa(q[t0 + c0:t0 + c1], k[:, first:int(qpos[-1]) + 1],
                                                 v[:, first:int(qpos[-1]) + 1], mask, False, geometry.sm_scale)
-        return out
+        return out, "+".join(sorted(paths)) or ("sdpa_dense" if window is None else "sdpa_window")
 
 
 #: query rows per SDPA call on a windowed layer (each call reads its rows' keys plus one window)

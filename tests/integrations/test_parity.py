@@ -5,6 +5,7 @@ kvsieve (no window, no softcap, no sinks) the logits move far past the tolerance
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -101,3 +102,25 @@ def test_windowed_prefill_in_query_chunks(family: str, monkeypatch) -> None:
     monkeypatch.setattr(feature_backend, "_WINDOW_CHUNK", 1)
     model, ref = build(family)
     assert max_logit_diff(KvsieveSession(model, None, max_tokens=64), ref, _ids(), steps=1) < TOL
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dense_decode_rows_take_the_native_kernel(native: bool, monkeypatch) -> None:
+    """A dense decode step's lone token is read in place by the native CPU kernel (``native_dense``)
+    on full-attention layers and on windowed ones still inside their window; past the window, or
+    with ``KVSIEVE_NATIVE=0``, SDPA over the gathered K/V runs. Parity holds either way."""
+    if native and shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine: the native kernel cannot build")
+    if not native:
+        monkeypatch.setenv("KVSIEVE_NATIVE", "0")
+    model, ref = build("gemma3")  # windows of 8 on every other layer
+    session = KvsieveSession(model, None, backend="torch", dense_fast_path=True, max_tokens=64)
+    assert max_logit_diff(session, ref, _ids(6), steps=1) < TOL  # kv_len 7: inside every window
+    within = [layer.last.paths["generation"] for layer in session.layers]
+    assert max_logit_diff(session, ref, _ids(), steps=1) < TOL  # kv_len 41: past the windows
+    past = [layer.last.paths["generation"] for layer in session.layers]
+    windowed = [f.window is not None for f in session.features]
+    assert any(windowed) and not all(windowed)
+    want = "native_dense" if native else "sdpa_dense"
+    assert within == [want if native else ("sdpa_window" if w else want) for w in windowed]
+    assert past == [("sdpa_window" if w else want) for w in windowed]

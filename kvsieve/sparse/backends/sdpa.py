@@ -14,11 +14,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...kernels.cpu import NativeUnavailable
+from ...kernels.cpu.sparse_decode import sparse_decode_native, supports_native
 from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams, is_dense
 from .base import BACKENDS, AttentionBackend, AttentionGeometry, AttentionResult, register_backend
 
-__all__ = ["SdpaBackend", "causal_sdpa", "sdpa_gqa", "gather_blocks"]
+__all__ = ["SdpaBackend", "causal_sdpa", "sdpa_gqa", "gather_blocks", "native_dense_decode"]
 
 
 @register_backend
@@ -113,3 +115,25 @@ def gather_blocks(pool: torch.Tensor, layout: str, block_ids: list[int], kv_len:
     sel = sel.permute(1, 3, 0, 2, 4) if layout == "NHD" else sel.permute(1, 2, 0, 3, 4)
     kv = sel.reshape(2, sel.shape[1], -1, sel.shape[-1])[:, :, :kv_len]
     return kv[0], kv[1]
+
+
+def native_dense_decode(pool: torch.Tensor, layout: str, block_ids: list[int], kv_len: int, q: torch.Tensor,
+                        sm_scale: float) -> torch.Tensor | None:
+    """One query row's attention over positions ``[0, kv_len)`` of a request, by the native CPU
+    kernel (:mod:`kvsieve.kernels.cpu.sparse_decode`) reading the request's blocks of the pool in
+    place: no gather. ``pool`` a contiguous HND pool ``[blocks, 2, Hkv, P, D]``, ``q [Hq, D]``.
+    Returns out fp32 ``[Hq, D]``, or ``None`` where the kernel does not apply (another layout or
+    device, an unsupported dtype or shape, or its library unavailable)."""
+    if layout != "HND" or not pool.is_contiguous() or kv_len < 1:
+        return None
+    _, _, hkv, page, d = pool.shape
+    rows = pool.view(-1, page * d)
+    if not supports_native(rows, q, hkv):
+        return None
+    ids = np.asarray(block_ids[: -(-kv_len // page)], dtype=np.int64)
+    k_rows = ids[None, :] * (2 * hkv) + np.arange(hkv)[:, None]  # [Hkv, blocks]: K rows; V rows Hkv further
+    cnt = np.broadcast_to(np.minimum(kv_len - np.arange(ids.size) * page, page), k_rows.shape)
+    try:
+        return sparse_decode_native(rows, k_rows, cnt, hkv, q, sm_scale=sm_scale)[0]
+    except NativeUnavailable:
+        return None

@@ -294,7 +294,10 @@ def render_markdown(res: dict) -> str:
                   f"selection at page granularity. Memory-copy bandwidth in this run: {bw['gb_per_s']:.1f} GB/s "
                   f"(median; best {bw['gb_per_s_best']:.1f}). `GB/s` = K+V bytes read through the block table / time; "
                   "`path`: the backend's path (`sparse_runs_native`: the native C kernel reads the runs in place; "
-                  "`sparse_runs`: gather, then PyTorch's flash kernel).", "",
+                  "`sparse_runs`: gather, then PyTorch's flash kernel). `of ideal` above 100% means the sparse path "
+                  "reads its bytes faster than dense SDPA reads the whole contiguous cache (SDPA here: "
+                  f"{min(r['sdpa_dense_gb_per_s'] for r in c['decode']):.1f}-"
+                  f"{max(r['sdpa_dense_gb_per_s'] for r in c['decode']):.1f} GB/s).", "",
                   "| context | density | path | sparse ms | dense SDPA ms | speedup | ideal | of ideal | read GB/s | of copy BW | max err | load |",
                   "|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in c["decode"]:

@@ -15,7 +15,7 @@
 #define MAX_D 256
 #define MAX_G 16
 #define CHUNK 64 /* tokens scored before their softmax update */
-#define PREFETCH_RUNS 2 /* how many runs ahead the rows are requested */
+#define PREFETCH_RUNS 8 /* how many runs ahead the rows are requested */
 
 static inline void load_row(const void* pool, int is_bf16, int64_t off, int D, float* dst) {
   if (is_bf16) {
@@ -36,7 +36,7 @@ static inline void prefetch_run(const void* pool, int is_bf16, int64_t k_off, in
   for (int64_t b = 0; b < bytes; b += 64) { __builtin_prefetch(k + b); __builtin_prefetch(v + b); }
 }
 
-/* One KV head: online softmax over its runs. D is a constant at the call sites that matter. */
+/* One KV head: online softmax over its runs. D (and G) are constants at the call sites that matter. */
 static inline __attribute__((always_inline)) void head_attend(
     const void* pool, int is_bf16, const int64_t* k_rows, const int32_t* cnt, int64_t n_runs, int64_t v_offset,
     int unit, int D, const float* qh, int G, float sm_scale, float* out, float* lse) {

@@ -1,6 +1,7 @@
 """Attention of one decode token over runs of a paged KV cache, on the CPU: the native C kernel
-beside its plain-PyTorch ``naive`` twin. The torch backend's single-token path calls the native
-kernel (and keeps its own PyTorch path where the library is unavailable).
+beside its plain-PyTorch ``naive`` twin. The torch backend's single-token path and the
+integrations' dense fast path (a lone decode token) call the native kernel, and keep their own
+PyTorch paths where the library is unavailable.
 
 Inputs:
 
@@ -19,6 +20,6 @@ rows in place (no gather, no fp32 copy) with an online softmax over chunks of 64
 from __future__ import annotations
 
 from .naive import sparse_decode_naive
-from .native import SOURCE, sparse_decode_native, supports_native
+from .native import sparse_decode_native, supports_native
 
-__all__ = ["SOURCE", "sparse_decode_naive", "sparse_decode_native", "supports_native"]
+__all__ = ["sparse_decode_naive", "sparse_decode_native", "supports_native"]

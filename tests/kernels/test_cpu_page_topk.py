@@ -117,12 +117,20 @@ def test_build_is_cached_and_a_failed_build_says_why(tmp_path, monkeypatch):
 
     broken = tmp_path / "broken.c"
     broken.write_text("int f( {")
-    with pytest.raises(build.NativeUnavailable, match="failed on broken.c"):
+    with pytest.warns(RuntimeWarning, match="broken.c is unavailable"), \
+            pytest.raises(build.NativeUnavailable, match="failed on broken.c"):
         build.native_library(broken)
     assert build.native_status(broken).startswith("torch (")
     assert sorted(p.name for p in (tmp_path / "cache" / "native").iterdir()) == [built[0].name]  # no partial file
     monkeypatch.setenv("CC", str(Path("/nonexistent/cc")))
     other = tmp_path / "other.c"
     other.write_text(SOURCE.read_text() + "\n")
-    with pytest.raises(build.NativeUnavailable, match="nonexistent"):
+    with pytest.warns(RuntimeWarning, match="nonexistent"), pytest.raises(build.NativeUnavailable, match="nonexistent"):
         build.native_library(other)
+
+
+@pytest.mark.parametrize("value", ["false", "off", "2", ""])
+def test_a_switch_value_other_than_0_or_1_is_refused(monkeypatch, value):
+    monkeypatch.setenv(build.ENV_VAR, value)
+    with pytest.raises(ValueError, match="KVSIEVE_NATIVE must be 0"):
+        build.native_library(SOURCE)

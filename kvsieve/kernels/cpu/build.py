@@ -8,7 +8,9 @@ machine sharing the folder builds its own copy. A build is written beside its fi
 renamed into place, so concurrent first uses never load half a file.
 
 ``KVSIEVE_NATIVE=0`` turns every native kernel off (their callers then run the plain-PyTorch
-path, which computes the same thing); :func:`native_status` says which one a process uses and why.
+path, which computes the same thing); ``1`` (the default) turns them on, any other value is an
+error. A library that cannot be built is reported once per process with a ``RuntimeWarning``
+naming the reason; :func:`native_status` says which path a process uses and why.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 from ...cache_dir import default_cache_dir
@@ -75,7 +78,10 @@ def _build(source: Path) -> ctypes.CDLL:
 def native_library(source: Path) -> ctypes.CDLL:
     """The loaded library of C file ``source``, built on first use; raises
     :class:`NativeUnavailable` (with the reason) when it is turned off or cannot be built."""
-    if os.environ.get(ENV_VAR) == "0":
+    switch = os.environ.get(ENV_VAR, "1")
+    if switch not in ("0", "1"):
+        raise ValueError(f"{ENV_VAR} must be 0 (native kernels off) or 1 (on, the default), got {switch!r}")
+    if switch == "0":
         raise NativeUnavailable(f"turned off by {ENV_VAR}=0")
     found = _loaded.get(source)
     if found is None:
@@ -83,6 +89,9 @@ def native_library(source: Path) -> ctypes.CDLL:
             found = _build(source)
         except NativeUnavailable as e:
             found = str(e)
+            warnings.warn(f"kvsieve: the native CPU kernel {source.name} is unavailable ({found}); its PyTorch "
+                          f"path runs instead (same results, slower). {ENV_VAR}=0 chooses that path without "
+                          "trying to build.", RuntimeWarning, stacklevel=2)
         _loaded[source] = found
     if isinstance(found, str):
         raise NativeUnavailable(found)

@@ -267,12 +267,12 @@ def run(cfg: E2EConfig, profile: bool = True) -> dict:
     and to kvsieve dense."""
     from kvsieve import SparseAttentionConfig
     from kvsieve.integrations.transformers import KvsieveSession
-    from kvsieve.kernels.cpu import page_topk_status
+    from kvsieve.kernels.cpu import native_kernels_status
 
     model, vocab, name = _load(cfg)
     lengths = sorted({cfg.floor_length, *cfg.lengths}, reverse=True)
     out: dict = {"config": {**asdict(cfg), "lengths": list(cfg.lengths)}, "model_name": name,
-                 "num_layers": model.config.num_hidden_layers, "page_topk": page_topk_status(),
+                 "num_layers": model.config.num_hidden_layers, "native_kernels": native_kernels_status(),
                  "loadavg_start": load_averages(), "rows": []}
     gen = torch.Generator().manual_seed(cfg.seed)
     ids = torch.randint(0, vocab, (1, lengths[0]), generator=gen)
@@ -339,7 +339,8 @@ def render_markdown(res: dict) -> list[str]:
     lines = ["", f"## End to end: greedy decode through the transformers integration ({res['model_name']})", "",
              f"{res['num_layers']} layers, backend `{cfg['backend']}`, one request, {cfg['steps']} timed greedy steps "
              f"after {cfg['warmup']} warm-up per configuration; selectors at budget = length / {cfg['density_inv']} "
-             f"(page {cfg['page_size']}; a single-stream step's page top-k: {res['page_topk']}). One prefill of {res['prefill']['length']} random tokens "
+             f"(page {cfg['page_size']}; native CPU kernels: "
+             + ", ".join(f"{k} {v}" for k, v in res["native_kernels"].items()) + f"). One prefill of {res['prefill']['length']} random tokens "
              f"({res['prefill']['seconds']:.0f} s)" + (f", its blocks repeated up to {res['prefill']['tiled_to']} tokens "
              "(longer contexts are not prefilled: speed only)" if res['prefill']['tiled_to'] > res['prefill']['length']
              else "") + ", rewound to each length; configurations timed interleaved, a step "

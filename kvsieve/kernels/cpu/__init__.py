@@ -3,6 +3,13 @@ plain-PyTorch ``naive`` twin that computes the same thing and runs where the nat
 from __future__ import annotations
 
 from .build import ENV_VAR, NativeUnavailable, native_status
-from .page_topk import PageTopK, page_topk, page_topk_status
+from .page_topk import SOURCE as _PAGE_TOPK
+from .page_topk import PageTopK, page_topk
+from .sparse_decode.native import SOURCE as _SPARSE_DECODE
 
-__all__ = ["ENV_VAR", "NativeUnavailable", "PageTopK", "native_status", "page_topk", "page_topk_status"]
+__all__ = ["ENV_VAR", "NativeUnavailable", "PageTopK", "native_kernels_status", "native_status", "page_topk"]
+
+
+def native_kernels_status() -> dict[str, str]:
+    """Per native kernel, what this process runs: ``"native"`` or ``"torch (<why>)"``."""
+    return {"page_topk": native_status(_PAGE_TOPK), "sparse_decode": native_status(_SPARSE_DECODE)}

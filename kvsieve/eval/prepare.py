@@ -7,7 +7,7 @@ that step for the eval model and merges its result into the entry's ``params``:
   (:func:`kvsieve.eval.distill_indexer.distill`); gives ``projections`` (the file) and the
   indexer geometry ``n_heads``/``head_dim``/``rope_dim``/``rope_theta``.
 * ``calibrate_skip_softmax`` (``skip_softmax``): the decode-phase skipped-tile fraction measured
-  against the factor by :func:`kvsieve.selectors.skip_softmax.calibrate_threshold` on the model's
+  against the factor by :func:`kvsieve.selectors.skip_softmax.selector.calibrate_threshold` on the model's
   own attention (the last query of each layer the entry runs on — its ``layers`` /
   ``layer_types`` / ``dense_layers``, by default the full-attention layers of a model that
   interleaves layer types — over the whole context, on essay text), bisected around each target
@@ -121,7 +121,7 @@ def prepare_selectors(cfg: EvalConfig, lm: LoadedModel, log: Callable[[str], Non
 
 def _distill(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
              log: Callable[[str], None]) -> dict[str, Any]:
-    from ..selectors.dsa_projections import load_projections, save_projections
+    from ..selectors.dsa.projections import load_projections, save_projections
     from .distill_indexer import _rope_theta, distill
 
     path = stem.with_suffix(".pt")
@@ -147,7 +147,7 @@ def _distill(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
 
 def _calibrate(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
                log: Callable[[str], None]) -> dict[str, Any]:
-    from ..selectors.skip_softmax import calibrate_threshold, interpolate_factor
+    from ..selectors.skip_softmax.selector import calibrate_threshold, interpolate_factor
 
     path = stem.with_suffix(".json")
     if path.is_file():

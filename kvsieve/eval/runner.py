@@ -35,7 +35,7 @@ import yaml
 
 from .. import __version__, create_selector
 from ..integrations.transformers import KvsieveSession
-from ..selectors.dsa_projections import IndexerInputs
+from ..selectors.dsa.projections import IndexerInputs
 from ..sparse import SparseAttentionConfig, SparseSelector, attach_refusal, get_selector_class
 from .config import RESULT_NEUTRAL, Budget, EvalConfig, SelectorSpec, TaskSpec
 from .memory import reset_peak_rss, rss_mb

@@ -10,7 +10,7 @@ import torch
 from kvsieve import SparseAttentionConfig
 from kvsieve.eval.distill_indexer import attach_dsa_indexer, main
 from kvsieve.eval.model import ByteTokenizer, tiny_random_llama
-from kvsieve.selectors.dsa_projections import load_projections
+from kvsieve.selectors.dsa.projections import load_projections
 
 
 def test_distill_command_and_selector(tmp_path):
@@ -42,7 +42,7 @@ def test_session_hands_indexer_inputs_down_with_each_forward_only():
     """The pre-hook's IndexerInputs reach the layer through the attention call; once the hooks are
     removed the next forward is refused by name (nothing was kept from the previous one)."""
     from kvsieve.integrations.transformers import KvsieveSession
-    from kvsieve.selectors.dsa_projections import IndexerProjections
+    from kvsieve.selectors.dsa.projections import IndexerProjections
 
     model = tiny_random_llama()
     cfg = SparseAttentionConfig("dsa", dict(n_heads=2, head_dim=16, rope_dim=8, index_topk=8))
@@ -68,7 +68,7 @@ def test_transformers_driven_refusal_leaves_no_step_open():
     """``model.generate`` (transformers' own cache) with the hooks removed is refused at layer 0 and
     the step it opened is undone, so the next ``generate`` starts cleanly."""
     from kvsieve.integrations.transformers import KvsieveSession
-    from kvsieve.selectors.dsa_projections import IndexerProjections
+    from kvsieve.selectors.dsa.projections import IndexerProjections
 
     model = tiny_random_llama()
     cfg = SparseAttentionConfig("dsa", dict(n_heads=2, head_dim=16, rope_dim=8, index_topk=8))

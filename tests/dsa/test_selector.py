@@ -9,7 +9,7 @@ from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, Sparse
 from kvsieve import lower_config
 from kvsieve.kernels.triton.topk.naive import radix_topk
 from kvsieve.selectors import IndexerInputs
-from kvsieve.selectors.dsa import INDEX_K_POOL, INDEX_K_SCALE_POOL
+from kvsieve.selectors.dsa.selector import INDEX_K_POOL, INDEX_K_SCALE_POOL
 
 H, D, R, TOPK = 4, 32, 16, 48
 

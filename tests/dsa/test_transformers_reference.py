@@ -14,7 +14,7 @@ import torch
 
 from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, SparseAttentionConfig, lower_config
 from kvsieve.selectors import IndexerInputs
-from kvsieve.selectors.dsa_projections import IndexerProjections
+from kvsieve.selectors.dsa.projections import IndexerProjections
 
 dsv32 = pytest.importorskip("transformers.models.deepseek_v32",
                             reason="transformers has no DeepseekV32 (needs transformers >= 5.x)")

@@ -10,7 +10,7 @@ import torch
 from kvsieve import SparseAttentionConfig
 from kvsieve.eval.runner import _shares_prefill
 from kvsieve.integrations.transformers import KvsieveSession
-from kvsieve.selectors._page_selector import PageSelectorBase
+from kvsieve.selectors.common.page_selector import PageSelectorBase
 from kvsieve.sparse import Capabilities, SparseSelector, attach_refusal, create_selector, register_selector
 from kvsieve.sparse.registry import SELECTORS
 

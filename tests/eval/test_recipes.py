@@ -15,8 +15,8 @@ from kvsieve.eval.config import RECIPES, ConfigError, from_dict, load_config
 from kvsieve.eval.model import load_model
 from kvsieve.eval.runner import plan_runs, run_identity, run_sweep
 from kvsieve.integrations.transformers import KvsieveSession
-from kvsieve.selectors.dsa_projections import load_projections
-from kvsieve.selectors.skip_softmax import interpolate_factor
+from kvsieve.selectors.dsa.projections import load_projections
+from kvsieve.selectors.skip_softmax.selector import interpolate_factor
 
 TINY = ["model=tiny-random", "selectors.dsa.prepare_params={seq_len: 64, num_seqs: 2, epochs: 1}",
         # the tiny random model's attention is nearly flat: tiles start to be skipped near factor = kv_len,

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, SparseAttentionConfig, lower_config
-from kvsieve.selectors.oracle_topk import attention_mass
-from kvsieve.selectors.streaming import streaming_topk
+from kvsieve.selectors.oracle_topk.selector import attention_mass
+from kvsieve.selectors.streaming.selector import streaming_topk
 from kvsieve.sparse.backends.vanilla import masked_attention
 from kvsieve.sparse.selection import selection_mask
 

@@ -15,7 +15,7 @@ from families import build
 from kvsieve import SparseAttention, SparseAttentionConfig, SparseSelector, lower_config
 from kvsieve.eval.distill_indexer import attach_dsa_indexer
 from kvsieve.integrations.transformers import KvsieveSession
-from kvsieve.selectors.dsa_projections import IndexerProjections
+from kvsieve.selectors.dsa.projections import IndexerProjections
 from kvsieve.sparse import Capabilities, LayerPlan
 
 W, PROMPT, DECODE = 32, 80, 3

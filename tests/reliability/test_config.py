@@ -134,7 +134,7 @@ def test_budget_above_the_context_means_everything(name, params):
         extra = None
         if name == "dsa":
             gen = torch.Generator().manual_seed(i)
-            extra = kvsieve.selectors.dsa_projections.IndexerInputs(
+            extra = kvsieve.selectors.dsa.projections.IndexerInputs(
                 q_index=torch.randn(sum(n), 2, 8, generator=gen), k_index=torch.randn(sum(n), 8, generator=gen),
                 weights=torch.rand(sum(n), 2, generator=gen))
         got = sparse.engine.step(r, n, c, inputs, [extra])

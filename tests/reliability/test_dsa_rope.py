@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.selectors.dsa_projections import IndexerInputs, IndexerProjections, apply_rope, rope_cos_sin
+from kvsieve.selectors.dsa.projections import IndexerInputs, IndexerProjections, apply_rope, rope_cos_sin
 
 from .rig import make_rig
 

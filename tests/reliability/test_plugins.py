@@ -68,7 +68,7 @@ def test_registering_an_existing_name_is_an_error(clean_registries):
             return None
 
     with pytest.raises(ValueError, match=r"selector name 'streaming' is already registered by "
-                                         r"kvsieve.selectors.streaming.StreamingSelector"):
+                                         r"kvsieve.selectors.streaming.selector.StreamingSelector"):
         register_selector(Again)
 
     class Vanilla2(VanillaBackend):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, lower_config
-from kvsieve.selectors.dsa_projections import IndexerInputs
+from kvsieve.selectors.dsa.projections import IndexerInputs
 from kvsieve.sparse import SparseAttentionConfig, selection_mask
 
 BACKENDS = ("vanilla", "torch", "triton")

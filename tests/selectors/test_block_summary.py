@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from harness import Harness, selection_sets
-from kvsieve.selectors.recall_table import make_input, run_selector, selector_params
+from recall_table import make_input, run_selector, selector_params
 
 BLOCK, TOPK = 32, 4
 #: share of the exact mode's top-k blocks the summary mode also picks, over the prefill rows that see
@@ -63,7 +63,7 @@ def test_exact_mode_keeps_no_summary_pool(data):
     ({"scoring": "minmax"}, r"scoring \(where block scores come from\) must be one of \['exact', 'summary'\]"),
 ])
 def test_summary_config_errors(params, match):
-    from kvsieve.selectors.block_select import BlockSelectConfig
+    from kvsieve.selectors.block_select.selector import BlockSelectConfig
     with pytest.raises(ValueError, match=match):  # KnobError is a ValueError
         BlockSelectConfig(**params)
 

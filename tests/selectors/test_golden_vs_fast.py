@@ -139,7 +139,7 @@ def test_one_request_decode_takes_the_short_path(name, params, tpb, monkeypatch)
     """A step whose only generation row is one token of one request (alone, then behind another
     request's prefill rows) takes the single-request path of ``select_pages`` and refreshes its page
     through the block slice, and still equals the golden, across page and block boundaries."""
-    from kvsieve.selectors import _page_summary
+    from kvsieve.selectors.common import page_summary as _page_summary
 
     calls = {"select": 0, "refresh": 0}
 

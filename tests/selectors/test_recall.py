@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsieve.selectors.recall_table import make_input, run_selector, selector_params
+from recall_table import make_input, run_selector, selector_params
 
 BUDGET = 128
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvsieve.selectors.snapkv_variants import KVPRESS, jaccard
+from snapkv_variants import KVPRESS, jaccard
 
 from harness import Harness
 

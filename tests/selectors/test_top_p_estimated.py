@@ -16,9 +16,9 @@ import torch
 
 from kvsieve.selectors import IndexerInputs
 from kvsieve.sparse.knobs import KnobError
-from kvsieve.selectors.block_select import BlockSelectConfig
-from kvsieve.selectors.dsa import DSAConfig
-from kvsieve.selectors.quest import QuestConfig
+from kvsieve.selectors.block_select.selector import BlockSelectConfig
+from kvsieve.selectors.dsa.selector import DSAConfig
+from kvsieve.selectors.quest.selector import QuestConfig
 
 from kvsieve.sparse.attention import place_rows
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.selectors._paged import top_units, top_units_topk
+from kvsieve.selectors.common.paged import top_units, top_units_topk
 
 
 @pytest.mark.parametrize("k", [1, 5, 64])

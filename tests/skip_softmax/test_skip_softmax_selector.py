@@ -8,7 +8,7 @@ import torch
 
 import kvsieve
 from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, SparseAttentionConfig, lower_config
-from kvsieve.selectors.skip_softmax import (calibrate_threshold, fit_threshold_formula, interpolate_factor,
+from kvsieve.selectors.skip_softmax.selector import (calibrate_threshold, fit_threshold_formula, interpolate_factor,
                                            measure_skip_fraction)
 
 

@@ -179,7 +179,7 @@ def test_undeclared_eviction_is_refused(where):
     (lower_plans refuses only the declared ones); nothing is attended and the cache is untouched."""
     from dataclasses import replace
 
-    from kvsieve.selectors.streaming import StreamingSelector
+    from kvsieve.selectors.streaming.selector import StreamingSelector
     from kvsieve.sparse import LayerPlan
 
     def first_half(inputs):

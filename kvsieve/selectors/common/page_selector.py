@@ -1,5 +1,5 @@
 """The page-selecting selectors' shared base (``rocketkv`` stage 2, ``quest``): keep page summaries
-in sync with the cache and select pages for generation rows (:mod:`._page_summary`)."""
+in sync with the cache and select pages for generation rows (:mod:`.page_summary`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..sparse import SelectorInputs, SparseRuntimeParams, SparseSelector
-from ._page_summary import SUMMARY_DTYPES, PageSummaries, select_pages, select_pages_golden
-from ._paged import check_power_of_two
+from ...sparse import SelectorInputs, SparseRuntimeParams, SparseSelector
+from .page_summary import SUMMARY_DTYPES, PageSummaries, select_pages, select_pages_golden
+from .paged import check_power_of_two
 
 __all__ = ["PageKnobs", "PageSelectorBase", "check_page_knobs"]
 

@@ -1,16 +1,16 @@
 """How much SnapKV's definition variants move the kept set: the Jaccard index, per KV head and
 averaged, between the prompt tokens kept by each variant of the ``snapkv`` options and by the
 option set equal to NVIDIA kvpress's ``SnapKVPress``, on the seeded structured input of
-:mod:`.recall_table` (sinks, a needle, a passage, a recency bias).
+tools/recall_table.py (sinks, a needle, a passage, a recency bias).
 
-Run ``python -m kvsieve.selectors.snapkv_variants``.
+Run ``python tools/snapkv_variants.py``.
 """
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
 
-from .recall_table import make_input, run_selector
+from recall_table import make_input, run_selector
 
 __all__ = ["KVPRESS", "VARIANTS", "jaccard", "variant_table"]
 

@@ -1,12 +1,12 @@
 """RocketKV (arXiv 2502.14051; TensorRT-LLM ``rocket``): two-stage KV selection for GQA.
 
 * Stage 1, prefill (``predict_kv``): SnapKV-style permanent eviction of prompt tokens down to
-  ``prompt_budget`` per KV head (:mod:`._prefill_scoring`, max pooling, softmax over the prefix,
+  ``prompt_budget`` per KV head (:mod:`..common.prefill_scoring`, max pooling, softmax over the prefix,
   the query group summed before pooling: kvsieve's definition, not checked against RocketKV's
   code); the layer compacts the cache after the (dense) prompt attention and the engine commits
   the shorter length.
 * Stage 2, decode (``predict_attn``): page-level top-k over K min/max page summaries with the
-  sign trick and an optional top-``topr`` query-channel filter (:mod:`._page_summary`); indices
+  sign trick and an optional top-``topr`` query-channel filter (:mod:`..common.page_summary`); indices
   at block granularity ``page_size``.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sparse import Capabilities, SelectorInputs, register_selector
-from ..sparse.knobs import check_knobs, knob
-from ._page_selector import PageKnobs, PageSelectorBase, check_page_knobs
-from ._page_summary import SUMMARY_DTYPES
-from ._prefill_scoring import PromptBudget, check_prompt_budget, pack_kept, snap_keep, snap_keep_golden
+from ...sparse import Capabilities, SelectorInputs, register_selector
+from ...sparse.knobs import check_knobs, knob
+from ..common.page_selector import PageKnobs, PageSelectorBase, check_page_knobs
+from ..common.page_summary import SUMMARY_DTYPES
+from ..common.prefill_scoring import PromptBudget, check_prompt_budget, pack_kept, snap_keep, snap_keep_golden
 
 __all__ = ["RocketKVConfig", "RocketKVSelector"]
 

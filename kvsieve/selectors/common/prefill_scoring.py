@@ -24,8 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..sparse import SelectorInputs
-from ._paged import gather_padded_keys, top_units
+from ...sparse import SelectorInputs
+from .paged import gather_padded_keys, top_units
 
 __all__ = ["PromptBudget", "POOLINGS", "SOFTMAX_OVER", "GROUP_SUMS", "check_prompt_budget", "snap_keep_golden",
            "snap_keep", "pack_kept"]

@@ -1,7 +1,7 @@
 """Quest (arXiv 2406.10774): query-aware page selection at decode time.
 
 Per page of ``page_size`` tokens the K min/max summaries (shared with RocketKV stage 2,
-:mod:`._page_summary`) give the upper bound ``sum_d max(q_d * min_d, q_d * max_d)`` of ``q . k``;
+:mod:`..common.page_summary`) give the upper bound ``sum_d max(q_d * min_d, q_d * max_d)`` of ``q . k``;
 the top ``budget // page_size`` pages per (query token, KV head) are attended, the newest
 page always among them. For GQA the per-head bounds are turned into a softmax over pages and
 averaged over the group (with one query head per KV head this is exactly Quest's ranking).
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..sparse import Capabilities, register_selector
-from ..sparse.knobs import check_knobs, knob
-from ._page_selector import PageKnobs, PageSelectorBase, check_page_knobs
-from ._page_summary import SUMMARY_DTYPES
-from ._paged import top_p_knob
+from ...sparse import Capabilities, register_selector
+from ...sparse.knobs import check_knobs, knob
+from ..common.page_selector import PageKnobs, PageSelectorBase, check_page_knobs
+from ..common.page_summary import SUMMARY_DTYPES
+from ..common.paged import top_p_knob
 
 __all__ = ["QuestConfig", "QuestSelector"]
 

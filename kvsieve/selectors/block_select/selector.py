@@ -14,7 +14,7 @@ sliding-window layer the blocks lying wholly before a query's window are not can
 
 * ``exact`` (default): from every visible key, as above (reads ``O(context)`` keys per query row).
 * ``summary``: from cached per-block key summaries, the element-wise min and max of K over the
-  block (the page-summary aux pool of :mod:`._page_summary`, fp32, at page size
+  block (the page-summary aux pool of :mod:`..common.page_summary`, fp32, at page size
   ``gcd(block_size, tokens_per_block)``, refreshed on every append like Quest's). A block scores
   ``sum_d max(q_d * min_d, q_d * max_d) * sm_scale``, an upper bound of its ``max`` score (Quest's
   bound), so it needs ``score_type="max"``. The query's own block is summarized over its positions
@@ -39,11 +39,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, register_selector
-from ..sparse.knobs import check_knobs, knob
-from ._page_selector import PageSelectorBase
-from ._page_summary import PageSummaries
-from ._paged import drop_empty_columns, gather_padded_keys, top_p_count, top_p_cut, top_p_knob, top_units
+from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, register_selector
+from ...sparse.knobs import check_knobs, knob
+from ..common.page_selector import PageSelectorBase
+from ..common.page_summary import PageSummaries
+from ..common.paged import drop_empty_columns, gather_padded_keys, top_p_count, top_p_cut, top_p_knob, top_units
 
 __all__ = ["BlockSelectConfig", "BlockSelectSelector", "SCORE_TYPES", "SCORINGS"]
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ..sparse.knobs import check_knobs, knob
+from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ...sparse.knobs import check_knobs, knob
 
 __all__ = ["StreamingConfig", "StreamingSelector", "streaming_topk"]
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..metadata import PHASES
-from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ..sparse.knobs import check_knobs, knob
+from ...metadata import PHASES
+from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ...sparse.knobs import check_knobs, knob
 
 __all__ = ["SkipSoftmaxConfig", "SkipSoftmaxSelector", "measure_skip_fraction", "fit_threshold_formula",
            "ThresholdFit", "calibrate_threshold", "interpolate_factor"]
@@ -116,7 +116,7 @@ def measure_skip_fraction(samples: Sequence[tuple[torch.Tensor, torch.Tensor, to
     all ``L`` keys (decode against a captured context). Uses the kernels' plain-PyTorch reference,
     which walks the same tiles as the Triton kernel.
     """
-    from ..kernels.triton.sparse_gqa_decode.naive import sparse_gqa_decode as decode_reference  # lazy: triton
+    from ...kernels.triton.sparse_gqa_decode.naive import sparse_gqa_decode as decode_reference  # lazy: triton
 
     skipped = walked = 0
     for q, k, v in samples:

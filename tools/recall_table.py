@@ -1,6 +1,6 @@
 """Recall of the true attention mass vs budget, per selector, on one seeded synthetic input.
 
-Run ``python -m kvsieve.selectors.recall_table``. The input is a single GQA request whose
+Run ``python tools/recall_table.py``. The input is a single GQA request whose
 prompt has the structures real attention shows: attention sinks (the first 4 keys), a planted
 needle key, a relevant passage, a recency bias and random background; the observation window
 (last 32 prompt queries) and the decode queries ask for the needle and the passage. Each
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..metadata import KVCacheManager, KVCacheSpec
-from ..sparse import Engine, SparseAttention, SparseAttentionConfig, lower_config, selection_mask
-from .oracle_topk import attention_mass
+from kvsieve.metadata import KVCacheManager, KVCacheSpec
+from kvsieve.selectors.oracle_topk.selector import attention_mass
+from kvsieve.sparse import Engine, SparseAttention, SparseAttentionConfig, lower_config, selection_mask
 
 __all__ = ["SyntheticInput", "RecallResult", "make_input", "run_selector", "selector_params", "recall_table"]
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from ..metadata import KVCacheManager
-from ..sparse import SelectorInputs, SparseRuntimeParams
-from ..sparse.knobs import knob
+from ...metadata import KVCacheManager
+from ...sparse import SelectorInputs, SparseRuntimeParams
+from ...sparse.knobs import knob
 
 __all__ = ["gather_padded_keys", "top_units", "top_units_topk", "top_p_knob", "top_p_cut", "top_p_count", "drop_empty_columns",
            "pack_generation_rows", "check_power_of_two"]

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ..sparse.knobs import check_knobs, knob
-from ._paged import drop_empty_columns, top_p_cut, top_p_knob
-from .dsa_projections import IndexerInputs, IndexerProjections, load_projections, rope_cos_sin
+from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ...sparse.knobs import check_knobs, knob
+from ..common.paged import drop_empty_columns, top_p_cut, top_p_knob
+from .projections import IndexerInputs, IndexerProjections, load_projections, rope_cos_sin
 
 __all__ = ["DSAConfig", "DSASelector", "IndexerInputs", "INDEX_K_POOL", "INDEX_K_SCALE_POOL"]
 
@@ -104,7 +104,7 @@ class DSASelector(SparseSelector):
 
     def __init__(self, config: DSAConfig | None = None, **overrides) -> None:
         super().__init__(config, **overrides)
-        from ..kernels.triton.topk.dispatch import choose_topk_engine  # kernels decorate lazily
+        from ...kernels.triton.topk.dispatch import choose_topk_engine  # kernels decorate lazily
 
         c = self.config
         dev = torch.device(c.device)
@@ -168,7 +168,7 @@ class DSASelector(SparseSelector):
             raise ValueError(f"dsa: IndexerInputs cover {q.shape[0]} tokens, the step has {md.num_tokens}")
         self._write_keys(inputs, k)
         if self.k_dtype == torch.float8_e4m3fn:
-            from ..kernels.triton.dsa_indexer.quant import quantize_pow2_fp8
+            from ...kernels.triton.dsa_indexer.quant import quantize_pow2_fp8
 
             q, q_scale = quantize_pow2_fp8(q)  # per (token, head), folded into the weights
             w = w * q_scale
@@ -192,7 +192,7 @@ class DSASelector(SparseSelector):
         if s_pool is None:
             k_pool[blk, off] = k.to(self.k_dtype)
         else:
-            from ..kernels.triton.dsa_indexer.quant import quantize_pow2_fp8
+            from ...kernels.triton.dsa_indexer.quant import quantize_pow2_fp8
 
             kq, ks = quantize_pow2_fp8(k)
             k_pool[blk, off] = kq
@@ -229,7 +229,7 @@ class DSASelector(SparseSelector):
 
     # ---- logits + top-k ------------------------------------------------------------------
     def _select(self, inputs: SelectorInputs, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        from ..kernels.triton.topk.dispatch import TopKWorkspace, run_topk
+        from ...kernels.triton.topk.dispatch import TopKWorkspace, run_topk
 
         md = inputs.metadata
         if self._workspace is None or self._workspace.max_rows < md.max_num_tokens:
@@ -253,9 +253,9 @@ class DSASelector(SparseSelector):
         one request at a time; the other rows (decode, chunked-prefill continuations) take the
         paged decode path, consecutive requests batched into one chunk."""
         if self.logits_kernel == "triton":
-            from ..kernels.triton.dsa_indexer import kernel as impl
+            from ...kernels.triton.dsa_indexer import kernel as impl
         else:
-            from ..kernels.triton.dsa_indexer import naive as impl
+            from ...kernels.triton.dsa_indexer import naive as impl
         md = inputs.metadata
         lens = md.token_kv_lens
         lens_host = inputs.token_kv_lens_host()

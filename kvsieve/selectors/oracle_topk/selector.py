@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ..sparse.knobs import check_knobs, knob
-from ._paged import drop_empty_columns, top_p_cut, top_p_knob
+from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ...sparse.knobs import check_knobs, knob
+from ..common.paged import drop_empty_columns, top_p_cut, top_p_knob
 
 __all__ = ["OracleTopKConfig", "OracleTopKSelector", "attention_mass"]
 

@@ -1,6 +1,6 @@
 """SnapKV (arXiv 2404.14469): prompt eviction from the attention of an observation window.
 
-Stage 1 of RocketKV alone (:mod:`._prefill_scoring`): the last ``window_size`` prompt queries
+Stage 1 of RocketKV alone (:mod:`..common.prefill_scoring`): the last ``window_size`` prompt queries
 vote (their softmax probabilities of the prefix keys, summed over the window queries and the
 query heads of each KV group), the votes are pooled with ``kernel_size`` and the top
 ``prompt_budget - window_size`` prefix tokens plus the window are kept per KV head. Decode then
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sparse import Capabilities, SelectorInputs, SparseSelector, register_selector
-from ..sparse.knobs import check_knobs, knob
-from ._prefill_scoring import (GROUP_SUMS, POOLINGS, SOFTMAX_OVER, PromptBudget, check_prompt_budget, pack_kept,
+from ...sparse import Capabilities, SelectorInputs, SparseSelector, register_selector
+from ...sparse.knobs import check_knobs, knob
+from ..common.prefill_scoring import (GROUP_SUMS, POOLINGS, SOFTMAX_OVER, PromptBudget, check_prompt_budget, pack_kept,
                                snap_keep, snap_keep_golden)
 
 __all__ = ["SnapKVConfig", "SnapKVSelector"]

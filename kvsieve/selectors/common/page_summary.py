@@ -27,17 +27,17 @@ the lower page). Indices are page ids (block granularity ``page_size``). On a sl
 the pages lying wholly before a query's window are not candidates (they get no softmax share and
 are never picked; :meth:`~kvsieve.sparse.SelectorInputs.mask_outside_window`). With ``top_p`` the
 list (newest page first, then by score) is cut where the scores before the next page reach
-``top_p`` (:func:`._paged.top_p_cut`; the scores are each query's page distribution, summing to 1).
+``top_p`` (:func:`.paged.top_p_cut`; the scores are each query's page distribution, summing to 1).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from ..kernels.cpu import page_topk
-from ..metadata import KVCacheManager
-from ..sparse import SelectorInputs, SparseRuntimeParams
-from ._paged import drop_empty_columns, pack_generation_rows, top_p_count, top_p_cut, top_units, top_units_topk
+from ...kernels.cpu import page_topk
+from ...metadata import KVCacheManager
+from ...sparse import SelectorInputs, SparseRuntimeParams
+from .paged import drop_empty_columns, pack_generation_rows, top_p_count, top_p_cut, top_units, top_units_topk
 
 __all__ = ["SUMMARY_DTYPES", "SCORE_MODES", "PageSummaries", "page_scores", "select_pages", "select_pages_golden"]
 

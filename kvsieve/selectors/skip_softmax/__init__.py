@@ -1,0 +1,11 @@
+"""Skip-softmax: no indices; the kernels skip a KV tile whose scores fall below a threshold.
+
+Kernels: :mod:`kvsieve.kernels.triton.sparse_gqa_decode`, :mod:`kvsieve.kernels.triton.paged_prefill`,
+:mod:`kvsieve.kernels.cute.sparse_gqa_decode`, :mod:`kvsieve.kernels.cpu.sparse_decode`, and the torch
+backend's tile loop (:mod:`kvsieve.sparse.backends.skip_softmax`).
+"""
+from __future__ import annotations
+
+from .selector import SkipSoftmaxConfig, SkipSoftmaxSelector
+
+__all__ = ["SkipSoftmaxConfig", "SkipSoftmaxSelector"]

@@ -172,7 +172,7 @@ def _calibrate(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
 
 def _planned_layers(lm: LoadedModel, spec: SelectorSpec) -> list[int]:
     """The layers ``spec`` runs its selector on in ``lm``, as the session's plan resolves them."""
-    from ..sparse.layer_plan import sparse_layers
+    from ..sparse.sparse_layers import sparse_layers
 
     cfg = lm.model.config
     cfg = getattr(cfg, "text_config", cfg)

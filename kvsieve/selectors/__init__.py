@@ -1,4 +1,5 @@
-"""Built-in selectors, one module per algorithm; importing this package registers them."""
+"""Built-in selectors, one folder per selector family (config and algorithm, plain-PyTorch reference,
+pointers to its kernels; shared page machinery in ``common``); importing this package registers them."""
 from __future__ import annotations
 
 from .block_select import BlockSelectConfig, BlockSelectSelector

@@ -1,7 +1,7 @@
 """The plug-in contract: params, selector base class, registry, config lowering, the layer, backends."""
 from __future__ import annotations
 
-from .algorithm import Capabilities, SelectorInputs, SparseSelector, attach_refusal
+from .selector_base import Capabilities, SelectorInputs, SparseSelector, attach_refusal
 from .attention import LayerOutput, LayerStats, SparseAttention, commit_evictions
 from .backends import (AttentionBackend, AttentionGeometry, AttentionResult, available_backends, get_backend,
                        register_backend)

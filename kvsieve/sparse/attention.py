@@ -4,7 +4,7 @@ Order within ``forward`` for one step:
 
 0. ``selector.on_attach`` for requests that held positions before the plan was installed (a
    selector that keeps per-token state and cannot rebuild it is refused here, before anything is
-   written: :func:`~.algorithm.attach_refusal`);
+   written: :func:`~.selector_base.attach_refusal`);
 1. write the step's K/V into the paged cache;
 2. ``selector.on_append`` (e.g. page summaries), every step;
 3. the phases the selector runs in are the plan's phases present this step
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..metadata import AttentionMetadata
-from .algorithm import SelectorInputs, attach_refusal
+from .selector_base import SelectorInputs, attach_refusal
 from .backends import AttentionBackend, AttentionGeometry, default_backend, get_backend
 from .config import LayerPlan
 from .knobs import check_value

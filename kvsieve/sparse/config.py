@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from .algorithm import ATTENTION_KINDS, PHASES, SparseSelector
+from .selector_base import ATTENTION_KINDS, PHASES, SparseSelector
 from .knobs import KnobError, check_knobs, check_value
-from .layer_plan import sparse_layers
+from .sparse_layers import sparse_layers
 from .registry import create_selector
 
 __all__ = ["SparseAttentionConfig", "LayerPlan", "lower_config"]
@@ -30,7 +30,7 @@ class SparseAttentionConfig:
     the end); ``phases`` restricts where the selector runs (default: all it supports).
     ``layers`` (explicit indices) and ``layer_types`` (e.g. ``("full_attention",)``) choose the
     layers the selector runs on; by default only the full-attention layers of a model that
-    interleaves layer types, else all (see :mod:`kvsieve.sparse.layer_plan`). A list is taken for
+    interleaves layer types, else all (see :mod:`kvsieve.sparse.sparse_layers`). A list is taken for
     any of these tuples; a bare string is refused (it is not a tuple).
     """
 

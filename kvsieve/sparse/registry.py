@@ -23,7 +23,7 @@ from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Generic, TypeVar
 
-from .algorithm import SparseSelector
+from .selector_base import SparseSelector
 
 __all__ = ["PluginError", "Registry", "ENTRY_POINT_GROUP", "register_selector", "get_selector_class",
            "create_selector", "available_selectors", "SELECTORS"]

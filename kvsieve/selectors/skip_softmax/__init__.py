@@ -2,7 +2,7 @@
 
 Kernels: :mod:`kvsieve.kernels.triton.sparse_gqa_decode`, :mod:`kvsieve.kernels.triton.paged_prefill`,
 :mod:`kvsieve.kernels.cute.sparse_gqa_decode`, :mod:`kvsieve.kernels.cpu.sparse_decode`, and the torch
-backend's tile loop (:mod:`kvsieve.sparse.backends.skip_softmax`).
+backend's tile loop (:mod:`kvsieve.sparse.backends.skip_tiling`).
 """
 from __future__ import annotations
 

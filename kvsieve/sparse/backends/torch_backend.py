@@ -34,7 +34,7 @@ from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams
 from ._torch_prefill import Groups, flash_cpu, group_tokens, split_prefill
 from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
-from .skip_softmax import RequestRows, WalkedRows, skip_softmax_phase
+from .skip_tiling import RequestRows, WalkedRows, skip_softmax_phase
 
 __all__ = ["TorchBackend", "selected_positions"]
 

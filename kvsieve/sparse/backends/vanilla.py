@@ -10,7 +10,7 @@ from ...metadata import AttentionMetadata, KVCacheManager
 from ..params import SparseRuntimeParams
 from ..selection import selection_mask
 from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
-from .skip_softmax import skip_softmax_phase
+from .skip_tiling import skip_softmax_phase
 
 __all__ = ["VanillaBackend", "masked_attention", "gather_nhd"]
 

@@ -16,7 +16,7 @@ runs in this step (``inputs.rows``, ``inputs.phases``); rows of other phases sta
 the selector's help. ``predict_attn`` returns a carrier whose ``sparse_attn_offsets`` has
 ``len(rows) + 1`` entries (row ``0`` of the carrier is step row ``rows.start``); it may narrow
 ``selected_phases`` (e.g. RocketKV selects only generation rows and leaves context rows dense,
-with empty segments). The optional ``predict_attn_reference`` is the plain-PyTorch reference of
+with empty segments). The optional ``predict_attn_naive`` is the plain-PyTorch reference of
 ``predict_attn``; the shared selector test checks every registered selector against it.
 
 Sliding windows: on a layer whose queries see only their last ``window`` positions
@@ -52,14 +52,17 @@ DEVICES = ("cpu", "cuda")
 @dataclass(frozen=True)
 class Capabilities:
     """What a selector can serve: the phases it selects in, the attention kinds and devices it
-    runs on, whether its ``predict_kv`` evicts prompt tokens, and whether it restricts its choice
-    to a sliding-window layer's window (``sliding_window``; see :attr:`SelectorInputs.window`)."""
+    runs on, whether its ``predict_kv`` evicts prompt tokens, whether it restricts its choice
+    to a sliding-window layer's window (``sliding_window``; see :attr:`SelectorInputs.window`), and
+    whether its carrier asks the backend for skip-softmax thresholds (``skip_softmax``: a backend
+    that does not run them is refused when the plan is set)."""
 
     phases: frozenset[str] = frozenset(PHASES)
     attention_kinds: frozenset[str] = frozenset({"gqa"})
     devices: frozenset[str] = frozenset(DEVICES)
     evicts: bool = False
     sliding_window: bool = False
+    skip_softmax: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (("phases", PHASES), ("attention_kinds", ATTENTION_KINDS), ("devices", DEVICES)):
@@ -241,9 +244,9 @@ class SparseSelector:
 
     #: optional plain-PyTorch reference of :meth:`predict_attn` (same signature and result);
     #: ``None`` when the selector has none. Checked for every registered selector by one test.
-    predict_attn_reference: ClassVar[Any] = None
+    predict_attn_naive: ClassVar[Any] = None
     #: optional plain-PyTorch reference of :meth:`predict_kv`, likewise.
-    predict_kv_reference: ClassVar[Any] = None
+    predict_kv_naive: ClassVar[Any] = None
 
     def on_compacted(self, inputs: SelectorInputs, kept: list[torch.Tensor]) -> None:
         """Called after this layer's cache was compacted (``kept[i]``: ``[Hkv, n_keep]`` of context ``i``)."""

@@ -1,5 +1,5 @@
-"""Every index-emitting selector, end to end through the Engine, gives the same layer output on
-the vanilla golden, the torch backend and the triton backend (interpreter on CPU).
+"""Every index-emitting selector of tests/default_selectors.py, end to end through the Engine, gives
+the same layer output on the vanilla golden, the torch backend and the triton backend (interpreter on CPU).
 
 Tolerance: fp32, rtol = atol = 2e-5. The same selector instance config runs on three engines fed
 identical inputs, so prompt eviction and page summaries evolve identically.
@@ -8,19 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from default_selectors import index_selectors
 
 from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, SparseAttentionConfig, lower_config
 
 HQ, HKV, D, PAGE, PROMPT = 4, 2, 16, 16, 96
 
-SELECTORS = {
-    "streaming": {"budget": 24, "num_sink": 4},
-    "oracle_topk": {"budget": 32, "block_size": 8},
-    "rocketkv": {"prompt_budget": 64, "window_size": 8, "kernel_size": 3, "page_size": 4, "topk": 6},
-    "quest": {"budget": 32},
-    "snapkv": {"prompt_budget": 48, "window_size": 8, "kernel_size": 3},
-    "block_select": {"block_size": 16, "topk_blocks": 2},
-}
+SELECTORS = index_selectors()
 
 EVICT_ONLY = {"snapkv"}  # decode reads the kept cache densely
 

@@ -1,7 +1,7 @@
 """``block_select`` with ``scoring="summary"`` (min/max key summaries per block) against the exact
 mode: recall of the exact top-k blocks on a fixed structured input, attention-mass recall, the
 needle, valid selections, and the exact mode keeping no summary pool. (Fast path vs its
-per-request reference: ``test_golden_vs_fast.py``.)"""
+per-request reference: ``test_naive_vs_fast.py``.)"""
 from __future__ import annotations
 
 import pytest

@@ -17,7 +17,7 @@ SCALE = 32 ** -0.5
     ("block_select", {"block_size": 16, "topk_blocks": 3}),
     ("block_select", {"block_size": 16, "topk_blocks": 3, "score_type": "mean"}),
 ])
-def test_layer_output_matches_vanilla_over_the_golden_selection(name, params):
+def test_layer_output_matches_vanilla_over_the_naive_selection(name, params):
     h = Harness(name, params, hkv=2, g=2, d=32)
     gen = torch.Generator().manual_seed(4)
     for rids, lens, ctx in (([1, 2], [150, 90], 2), ([3, 1, 2], [40, 1, 1], 1), ([1, 2], [1, 1], 0)):
@@ -25,13 +25,13 @@ def test_layer_output_matches_vanilla_over_the_golden_selection(name, params):
         md = h.engine.begin_step(rids, lens, ctx)
         res = h.layers[0].forward(q, k, v, md)
         out, lse = res.out, res.lse
-        golden = reference_params(h.selector, h.layers[0].selector_inputs(q, k, v, md))  # None = dense
+        naive = reference_params(h.selector, h.layers[0].selector_inputs(q, k, v, md))  # None = dense
         starts = md.query_start_host
         for i, rid in enumerate(rids):
             keys, values = h.cache.gather(0, rid)
             rows = slice(int(starts[i]), int(starts[i + 1]))
             phase = "context" if i < ctx else "generation"
-            ref_out, ref_lse = expected_output(q, keys, values, golden, md, rows, keys.shape[0], h.hkv, SCALE, phase)
+            ref_out, ref_lse = expected_output(q, keys, values, naive, md, rows, keys.shape[0], h.hkv, SCALE, phase)
             torch.testing.assert_close(out[rows], ref_out, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(lse[rows], ref_lse, rtol=1e-5, atol=1e-5)
         h.engine.end_step()
@@ -73,8 +73,8 @@ def test_rocketkv_end_to_end():
             res = layer.forward(q, k, v, md)
             out = res.out
             inputs = layer.selector_inputs(q, k, v, md)
-            golden = reference_params(h.selector, inputs)
-            assert torch.equal(res.params.sparse_attn_indices, golden.sparse_attn_indices)
+            naive = reference_params(h.selector, inputs)
+            assert torch.equal(res.params.sparse_attn_indices, naive.sparse_attn_indices)
             keys, values = h.cache.gather(i, 1)
             assert keys.shape[0] == budget + step + 1
             slots = h.cache.slots([1])
@@ -82,7 +82,7 @@ def test_rocketkv_end_to_end():
             pages = [keys[p: p + page] for p in range(0, keys.shape[0], page)]
             assert torch.equal(kmin[0, : len(pages)], torch.stack([x.amin(0) for x in pages]))
             assert torch.equal(kmax[0, : len(pages)], torch.stack([x.amax(0) for x in pages]))
-            ref, _ = expected_output(q, keys, values, golden, md, slice(0, 1), keys.shape[0], 2, SCALE)
+            ref, _ = expected_output(q, keys, values, naive, md, slice(0, 1), keys.shape[0], 2, SCALE)
             torch.testing.assert_close(out[:1], ref, rtol=1e-5, atol=1e-5)
         h.engine.end_step()
 

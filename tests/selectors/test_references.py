@@ -1,4 +1,4 @@
-"""Every registered selector that declares ``predict_attn_reference`` agrees with it on a mixed batch
+"""Every registered selector that declares ``predict_attn_naive`` agrees with it on a mixed batch
 (a fresh prompt, a chunked-prefill continuation and decodes), at its default configuration, and
 on a sliding-window layer where it declares window support."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from kvsieve.sparse import available_selectors, get_selector_class
 from kvsieve.sparse.attention import place_rows
 
 WITH_REFERENCE = sorted(n for n in available_selectors()
-                        if get_selector_class(n).predict_attn_reference is not None)
+                        if get_selector_class(n).predict_attn_naive is not None)
 
 
 def test_the_page_and_block_selectors_declare_a_reference():

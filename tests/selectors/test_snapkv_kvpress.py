@@ -108,5 +108,5 @@ def test_fast_path_equals_reference_per_option_set(options):
     lens = [300, 170, 80]
     q, k, v = h.qkv(sum(lens), torch.Generator().manual_seed(4))
     inputs = h.hook_inputs([0, 1, 2], lens, 3, q * 2.0, k, v)
-    fast, ref = h.selector.predict_kv(inputs), h.selector.predict_kv_reference(inputs)
+    fast, ref = h.selector.predict_kv(inputs), h.selector.predict_kv_naive(inputs)
     assert torch.equal(fast[1], ref[1]) and torch.equal(fast[0], ref[0])

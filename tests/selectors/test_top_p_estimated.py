@@ -114,7 +114,7 @@ def test_block_select_keeps_the_smallest_block_prefix_reaching_p(p, topk, init, 
     q = q * 3.0
     inputs = h.hook_inputs([0], [n], 1, q, k, v)
     got = selection_sets(h.selector.predict_attn(inputs), n, HKV)
-    ref = selection_sets(h.selector.predict_attn_reference(inputs), n, HKV)
+    ref = selection_sets(h.selector.predict_attn_naive(inputs), n, HKV)
     sizes = set()
     for t in range(n):
         want = block_expected(q, k, t, bs, p, topk, init, local, D ** -0.5)

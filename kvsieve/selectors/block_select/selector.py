@@ -89,7 +89,7 @@ def _force(scores: torch.Tensor, kv_lens: torch.Tensor, cfg: BlockSelectConfig) 
     return scores.masked_fill(j >= n_valid, float("-inf"))
 
 
-def block_select_golden(inputs: SelectorInputs, cfg: BlockSelectConfig) -> SparseRuntimeParams:
+def block_select_naive(inputs: SelectorInputs, cfg: BlockSelectConfig) -> SparseRuntimeParams:
     """Plain-PyTorch reference: per request, token, KV head and block, in loops."""
     md, bs = inputs.metadata, cfg.block_size
     g, reqs = inputs.group_size, inputs.requests
@@ -299,6 +299,6 @@ class BlockSelectSelector(PageSelectorBase):
             return block_select_summary(inputs, self.config, self.summaries(inputs))
         return block_select(inputs, self.config)
 
-    def predict_attn_reference(self, inputs: SelectorInputs) -> SparseRuntimeParams:
+    def predict_attn_naive(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         """The per-request reference of :meth:`predict_attn`."""
-        return block_select_golden(inputs, self.config)
+        return block_select_naive(inputs, self.config)

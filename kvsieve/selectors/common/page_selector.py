@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ...sparse import SelectorInputs, SparseRuntimeParams, SparseSelector
-from .page_summary import SUMMARY_DTYPES, PageSummaries, select_pages, select_pages_golden
+from .page_summary import SUMMARY_DTYPES, PageSummaries, select_pages, select_pages_naive
 from .paged import check_power_of_two
 
 __all__ = ["PageKnobs", "PageSelectorBase", "check_page_knobs"]
@@ -78,8 +78,8 @@ class PageSelectorBase(SparseSelector):
         return select_pages(inputs, self.summaries(inputs), mode=self.mode, topk=knobs.topk, topr=knobs.topr,
                             top_p=knobs.top_p)
 
-    def predict_attn_reference(self, inputs: SelectorInputs) -> SparseRuntimeParams | None:
+    def predict_attn_naive(self, inputs: SelectorInputs) -> SparseRuntimeParams | None:
         """The plain-PyTorch per-request reference of :meth:`predict_attn`."""
         knobs = self.page_knobs(inputs.q.shape[-1])
-        return select_pages_golden(inputs, page_size=knobs.page_size, dtype=SUMMARY_DTYPES[knobs.summary_dtype],
+        return select_pages_naive(inputs, page_size=knobs.page_size, dtype=SUMMARY_DTYPES[knobs.summary_dtype],
                                    mode=self.mode, topk=knobs.topk, topr=knobs.topr, top_p=knobs.top_p)

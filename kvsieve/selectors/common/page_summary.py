@@ -39,7 +39,7 @@ from ...metadata import KVCacheManager
 from ...sparse import SelectorInputs, SparseRuntimeParams
 from .paged import drop_empty_columns, pack_generation_rows, top_p_count, top_p_cut, top_units, top_units_topk
 
-__all__ = ["SUMMARY_DTYPES", "SCORE_MODES", "PageSummaries", "page_scores", "select_pages", "select_pages_golden"]
+__all__ = ["SUMMARY_DTYPES", "SCORE_MODES", "PageSummaries", "page_scores", "select_pages", "select_pages_naive"]
 
 SUMMARY_DTYPES = {"bfloat16": torch.bfloat16, "float8_e5m2": torch.float8_e5m2, "float32": torch.float32}
 SCORE_MODES = ("sign", "bound")
@@ -241,7 +241,7 @@ def _select_pages_one(inputs: SelectorInputs, summaries: PageSummaries, *, mode:
                                selected_phases=frozenset({"generation"}))
 
 
-def select_pages_golden(inputs: SelectorInputs, *, page_size: int, dtype: torch.dtype, mode: str, topk: int,
+def select_pages_naive(inputs: SelectorInputs, *, page_size: int, dtype: torch.dtype, mode: str, topk: int,
                         topr: int, top_p: float | None) -> SparseRuntimeParams | None:
     """Plain-PyTorch reference: per request summarize the gathered keys page by page, then per
     generation token and KV head score, softmax, average and pick. Same output as :func:`select_pages`."""

@@ -44,7 +44,7 @@ def gather_padded_keys(cache: KVCacheManager, layer_idx: int, slots: np.ndarray,
 
 def top_units(scores: torch.Tensor, k: int) -> torch.Tensor:
     """int64 ``[..., k]``: the ``k`` highest entries of ``scores [..., N]``, ties broken by the
-    lower index (a stable descending sort, so the golden and the fast path agree on plateaus).
+    lower index (a stable descending sort, so the naive reference and the fast path agree on plateaus).
     Entries whose score is ``-inf`` (invalid units) come back as ``-1``; needs ``k <= N``."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     picked = torch.gather(scores, -1, order)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ...sparse import SelectorInputs
 from .paged import gather_padded_keys, top_units
 
-__all__ = ["PromptBudget", "POOLINGS", "SOFTMAX_OVER", "GROUP_SUMS", "check_prompt_budget", "snap_keep_golden",
+__all__ = ["PromptBudget", "POOLINGS", "SOFTMAX_OVER", "GROUP_SUMS", "check_prompt_budget", "snap_keep_naive",
            "snap_keep", "pack_kept"]
 
 POOLINGS = ("max", "avg")
@@ -75,7 +75,7 @@ def _pool(scores: torch.Tensor, cfg: PromptBudget) -> torch.Tensor:
     return pool(scores.reshape(-1, 1, shape[-1]), k, stride=1, padding=k // 2).reshape(shape)
 
 
-def snap_keep_golden(inputs: SelectorInputs, cfg: PromptBudget) -> list[torch.Tensor]:
+def snap_keep_naive(inputs: SelectorInputs, cfg: PromptBudget) -> list[torch.Tensor]:
     """Per-request, per-head, per-query loops in plain PyTorch: the reference of :func:`snap_keep`."""
     kept = []
     for i, n in enumerate(_context_lengths(inputs).tolist()):
@@ -108,7 +108,7 @@ def snap_keep_golden(inputs: SelectorInputs, cfg: PromptBudget) -> list[torch.Te
 
 
 def snap_keep(inputs: SelectorInputs, cfg: PromptBudget) -> list[torch.Tensor]:
-    """Batched over every long context request (padded keys, one einsum); same result as the golden."""
+    """Batched over every long context request (padded keys, one einsum); same result as :func:`snap_keep_naive`."""
     lens = _context_lengths(inputs)
     hkv, g, dev = inputs.num_kv_heads, inputs.group_size, inputs.q.device
     kept: list[torch.Tensor] = [torch.arange(n, dtype=torch.int32, device=dev).expand(hkv, n) for n in lens.tolist()]

@@ -19,7 +19,7 @@ from ...sparse import Capabilities, SelectorInputs, register_selector
 from ...sparse.knobs import check_knobs, knob
 from ..common.page_selector import PageKnobs, PageSelectorBase, check_page_knobs
 from ..common.page_summary import SUMMARY_DTYPES
-from ..common.prefill_scoring import PromptBudget, check_prompt_budget, pack_kept, snap_keep, snap_keep_golden
+from ..common.prefill_scoring import PromptBudget, check_prompt_budget, pack_kept, snap_keep, snap_keep_naive
 
 __all__ = ["RocketKVConfig", "RocketKVSelector"]
 
@@ -68,6 +68,6 @@ class RocketKVSelector(PageSelectorBase):
     def predict_kv(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         return pack_kept(snap_keep(inputs, self._budget()))
 
-    def predict_kv_reference(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def predict_kv_naive(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The per-request reference of :meth:`predict_kv`."""
-        return pack_kept(snap_keep_golden(inputs, self._budget()))
+        return pack_kept(snap_keep_naive(inputs, self._budget()))

@@ -22,7 +22,7 @@ import torch
 from ...sparse import Capabilities, SelectorInputs, SparseSelector, register_selector
 from ...sparse.knobs import check_knobs, knob
 from ..common.prefill_scoring import (GROUP_SUMS, POOLINGS, SOFTMAX_OVER, PromptBudget, check_prompt_budget, pack_kept,
-                               snap_keep, snap_keep_golden)
+                               snap_keep, snap_keep_naive)
 
 __all__ = ["SnapKVConfig", "SnapKVSelector"]
 
@@ -67,6 +67,6 @@ class SnapKVSelector(SparseSelector):
     def predict_kv(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         return pack_kept(snap_keep(inputs, self._budget()))
 
-    def predict_kv_reference(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def predict_kv_naive(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The per-request reference of :meth:`predict_kv`."""
-        return pack_kept(snap_keep_golden(inputs, self._budget()))
+        return pack_kept(snap_keep_naive(inputs, self._budget()))

@@ -1,4 +1,4 @@
-"""Each fast path against its per-request golden: identical on tie-free inputs, overlapping on ties."""
+"""Each fast path against its per-request naive reference: identical on tie-free inputs, overlapping on ties."""
 from __future__ import annotations
 
 import pytest
@@ -40,7 +40,7 @@ def test_prompt_eviction(name, params, ties):
     gen = torch.Generator().manual_seed(1)
     q, k, v = _data(h, sum(PROMPTS), gen, ties)
     inputs = h.hook_inputs([1, 2, 3], PROMPTS, 3, q, k, v)
-    fast, gold = h.selector.predict_kv(inputs), h.selector.predict_kv_reference(inputs)
+    fast, gold = h.selector.predict_kv(inputs), h.selector.predict_kv_naive(inputs)
     assert torch.equal(fast[1], gold[1])
     budget = params["prompt_budget"]
     assert fast[1].tolist() == [0, budget, 2 * budget, 2 * budget + PROMPTS[2]]
@@ -69,7 +69,7 @@ def test_attention_selection(name, params, ties):
     gen = torch.Generator().manual_seed(2)
     q, k, v = _data(h, sum(PROMPTS), gen, ties)
     inputs = h.hook_inputs([1, 2, 3], PROMPTS, 3, q, k, v)
-    fast, gold = h.selector.predict_attn(inputs), h.selector.predict_attn_reference(inputs)
+    fast, gold = h.selector.predict_attn(inputs), h.selector.predict_attn_naive(inputs)
     if name == "block_select":
         _equal_or_overlap(fast, gold, sum(PROMPTS), h.hkv, ties, 0.98)
     else:
@@ -138,7 +138,7 @@ def test_page_summaries_read_through_both_paths():
 def test_one_request_decode_takes_the_short_path(name, params, tpb, monkeypatch):
     """A step whose only generation row is one token of one request (alone, then behind another
     request's prefill rows) takes the single-request path of ``select_pages`` and refreshes its page
-    through the block slice, and still equals the golden, across page and block boundaries."""
+    through the block slice, and still equals the naive reference, across page and block boundaries."""
     from kvsieve.selectors.common import page_summary as _page_summary
 
     calls = {"select": 0, "refresh": 0}

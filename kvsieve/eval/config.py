@@ -43,7 +43,7 @@ import yaml
 from ..sparse import SparseAttentionConfig
 
 __all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "load_config", "apply_overrides",
-           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "PRESETS"]
+           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "PRESETS", "PREPARE_OPTIONS", "check_prepare"]
 
 QUICK = "quick"
 DEFAULT = "default"
@@ -279,11 +279,39 @@ def _mapping(key: str, raw: Any, example: str) -> dict[str, Any]:
     return raw
 
 
+#: each ``prepare`` step (run by :mod:`kvsieve.eval.prepare`): its options and their defaults (``prepare_params`` may set any of them, nothing else)
+PREPARE_OPTIONS: dict[str, dict[str, Any]] = {
+    "distill_indexer": {"n_heads": 8, "head_dim": 32, "rope_dim": 16, "seq_len": 512, "num_seqs": 8, "epochs": 8,
+                        "lr": 3e-3, "seed": 0},
+    "calibrate_skip_softmax": {"length": 2048, "num_texts": 2,
+                               "factors": [10.0 ** e for e in range(-1, 7)], "steps": 8},
+}
+_PREPARES = {"distill_indexer": "dsa", "calibrate_skip_softmax": "skip_softmax"}
+
+
+def check_prepare(spec: SelectorSpec) -> None:
+    """Raise :class:`ConfigError` naming the key unless ``spec.prepare`` is a known step for its
+    selector and ``spec.prepare_params`` holds only that step's options."""
+    where = f"selectors.{spec.label}"
+    if spec.prepare is None:
+        if spec.prepare_params:
+            raise ConfigError(f"{where}.prepare_params: given without prepare; valid prepare: {list(PREPARE_OPTIONS)}")
+        return
+    if spec.prepare not in PREPARE_OPTIONS:
+        raise ConfigError(f"{where}.prepare: unknown step {spec.prepare!r}; valid: {list(PREPARE_OPTIONS)}")
+    if _PREPARES[spec.prepare] != spec.selector:
+        raise ConfigError(f"{where}.prepare: {spec.prepare!r} prepares selector {_PREPARES[spec.prepare]!r}, "
+                          f"not {spec.selector!r}")
+    unknown = set(spec.prepare_params) - set(PREPARE_OPTIONS[spec.prepare])
+    if unknown:
+        raise ConfigError(f"{where}.prepare_params: unknown option(s) {sorted(unknown)}; valid: "
+                          f"{sorted(PREPARE_OPTIONS[spec.prepare])}")
+
+
 def from_dict(raw: dict[str, Any]) -> EvalConfig:
     """Validate a raw mapping (as read from YAML) into an :class:`EvalConfig`; a :class:`ConfigError`
     names the offending key, the expected type and the valid values."""
     from ..sparse import available_backends, available_selectors, create_selector
-    from .prepare import check_prepare
     from .tasks import available_tasks
 
     top = _fields(EvalConfig, "config", raw, skip=(), nested=("tasks", "selectors"))

@@ -33,41 +33,13 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, EvalConfig, SelectorSpec
+from .config import PREPARE_OPTIONS, ConfigError, EvalConfig, SelectorSpec
 from .distill_indexer import special_prefix
 from .model import LoadedModel, cache_dir
 
-__all__ = ["PREPARE_OPTIONS", "check_prepare", "last_query_samples", "model_hash", "prepare_selectors",
-           "prepared_dir"]
+__all__ = ["last_query_samples", "model_hash", "prepare_selectors", "prepared_dir"]
 
-#: each step's options and their defaults (``prepare_params`` may set any of them, nothing else)
-PREPARE_OPTIONS: dict[str, dict[str, Any]] = {
-    "distill_indexer": {"n_heads": 8, "head_dim": 32, "rope_dim": 16, "seq_len": 512, "num_seqs": 8, "epochs": 8,
-                        "lr": 3e-3, "seed": 0},
-    "calibrate_skip_softmax": {"length": 2048, "num_texts": 2,
-                               "factors": [10.0 ** e for e in range(-1, 7)], "steps": 8},
-}
-_SELECTOR_OF = {"distill_indexer": "dsa", "calibrate_skip_softmax": "skip_softmax"}
 _CAPTURE = "kvsieve_capture"
-
-
-def check_prepare(spec: SelectorSpec) -> None:
-    """Raise :class:`ConfigError` naming the key unless ``spec.prepare`` is a known step for its
-    selector and ``spec.prepare_params`` holds only that step's options."""
-    where = f"selectors.{spec.label}"
-    if spec.prepare is None:
-        if spec.prepare_params:
-            raise ConfigError(f"{where}.prepare_params: given without prepare; valid prepare: {list(PREPARE_OPTIONS)}")
-        return
-    if spec.prepare not in PREPARE_OPTIONS:
-        raise ConfigError(f"{where}.prepare: unknown step {spec.prepare!r}; valid: {list(PREPARE_OPTIONS)}")
-    if _SELECTOR_OF[spec.prepare] != spec.selector:
-        raise ConfigError(f"{where}.prepare: {spec.prepare!r} prepares selector {_SELECTOR_OF[spec.prepare]!r}, "
-                          f"not {spec.selector!r}")
-    unknown = set(spec.prepare_params) - set(PREPARE_OPTIONS[spec.prepare])
-    if unknown:
-        raise ConfigError(f"{where}.prepare_params: unknown option(s) {sorted(unknown)}; valid: "
-                          f"{sorted(PREPARE_OPTIONS[spec.prepare])}")
 
 
 def prepared_dir() -> Path:

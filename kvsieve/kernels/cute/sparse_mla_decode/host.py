@@ -85,7 +85,7 @@ def _compiled(arch: str, kind: str, d_qk: int, d_v: int, dv_tile: int, group: in
 def _kernel(arch: str, spec: dict):
     """The launcher of a compile key: from the ahead-of-time bundle named by
     ``KVSIEVE_CUTE_AOT`` when set (refusing keys or archs it lacks), else JIT-compiled."""
-    from ..aot import bundle_from_env, key_of
+    from ..aot_bundle import bundle_from_env, key_of
     bundle = bundle_from_env()
     if bundle is None:
         return _compiled(arch, **spec)

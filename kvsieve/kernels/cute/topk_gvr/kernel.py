@@ -58,7 +58,7 @@ def _compiled(arch: str, k: int):
 def _kernel(arch: str, k: int):
     """The launcher for ``k``: from the ahead-of-time bundle named by ``KVSIEVE_CUTE_AOT`` when
     set (it holds sm_90a code only; other archs and missing k are refused), else JIT-compiled."""
-    from ..aot import bundle_from_env, key_of
+    from ..aot_bundle import bundle_from_env, key_of
     bundle = bundle_from_env()
     if bundle is None:
         return _compiled(arch, k)

@@ -27,15 +27,14 @@ import dataclasses
 import torch
 
 from ..metadata import AttentionMetadata, KVCacheManager
-from ..metadata import PHASES
-from ..sparse.backends import AttentionBackend, AttentionGeometry, AttentionResult
+from ..sparse.backends import AttentionBackend, AttentionGeometry, AttentionResult, BackendCapabilities
 from ..sparse.backends.sdpa import causal_sdpa, gather_blocks, native_dense_decode, sdpa_gqa
-from ..sparse.backends.torch_backend import selected_positions
 from ..sparse.params import SparseRuntimeParams, is_dense
 from ..sparse.selection import selection_mask
+from ..sparse.window import window_params
 from .attention_features import LayerFeatures
 
-__all__ = ["FeatureBackend", "window_params", "apply_sinks", "softcapped_attention", "check_backend",
+__all__ = ["FeatureBackend", "apply_sinks", "softcapped_attention", "check_backend",
            "gather_request_kv", "SOFTCAP_BACKENDS"]
 
 #: backends whose math is plain PyTorch, for which :func:`softcapped_attention` stands in
@@ -63,38 +62,6 @@ def gather_request_kv(cache: KVCacheManager, layer_idx: int, request_id: int, *,
     k, v = gather_blocks(cache.pools[layer_idx], cache.spec.layout, cache.block_ids(request_id),
                          cache.valid_len(request_id), scratch)  # [Hkv, L, D] each
     return (k, v) if head_major else (k.transpose(0, 1), v.transpose(0, 1))
-
-
-def window_params(params: SparseRuntimeParams | None, metadata: AttentionMetadata, num_kv_heads: int,
-                  window: int) -> SparseRuntimeParams:
-    """``params`` restricted to each query's last ``window`` positions ``[kv_len - window, kv_len)``
-    as a token selection of every phase (block size 1, ``[T, Hkv, <= window]`` packed by
-    :meth:`SparseRuntimeParams.from_topk`); every other field of ``params`` is kept.
-
-    Rows of a phase ``params`` does not select (or ``params=None``) get the window alone; rows it
-    selects keep their selected positions (blocks expanded to tokens) inside the window.
-    """
-    token_kv_lens = metadata.token_kv_lens
-    lens = token_kv_lens.to(torch.int64)
-    t = lens.numel()
-    lo = (lens - window).clamp_min(0)  # [T]
-    pos = lo.view(t, 1) + torch.arange(window, device=lens.device)  # [T, W]
-    pos = torch.where(pos < lens.view(t, 1), pos, -1).unsqueeze(1).expand(t, num_kv_heads, window).clone()
-    for phase in metadata.phases():
-        if params is None or not params.selects_positions(phase):
-            continue
-        rows = metadata.phase_rows(phase)
-        sel = selected_positions(params, token_kv_lens, num_kv_heads, rows).transpose(0, 1)  # [n, Hkv, K]
-        sel = torch.where(sel >= lo[rows].view(-1, 1, 1), sel, -1)
-        big = torch.iinfo(torch.int64).max
-        sel = torch.where(sel < 0, big, sel).sort(dim=-1).values[..., :window]
-        sel = torch.where(sel == big, -1, sel)
-        pos[rows] = torch.nn.functional.pad(sel, (0, window - sel.shape[-1]), value=-1)
-    fields = {} if params is None else {k: getattr(params, k) for k in (
-        "sparse_kv_indices", "sparse_kv_offsets", "threshold_scale_factor_context",
-        "threshold_scale_factor_generation")}
-    return SparseRuntimeParams.from_topk(pos.to(torch.int32).contiguous(), block_size=1,
-                                         selected_phases=frozenset(PHASES), **fields)
 
 
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -133,6 +100,13 @@ class FeatureBackend(AttentionBackend):
 
     def __init__(self, inner: AttentionBackend, features: list[LayerFeatures], *, dense_fast_path: bool) -> None:
         check_backend(inner.name, features)
+        inner_caps = inner.capabilities
+        # GQA only; the window (its banded SDPA fast path), sinks and, over plain-PyTorch inner
+        # backends, softcap are applied here
+        self.capabilities = BackendCapabilities(
+            attention_kinds=frozenset({"gqa"}), dtypes=inner_caps.dtypes, devices=inner_caps.devices,
+            skip_softmax_devices=inner_caps.skip_softmax_devices, softcap=inner.name in SOFTCAP_BACKENDS, sinks=True,
+            window=True)
         self.inner = inner
         self.features = features
         self.dense_fast_path = dense_fast_path

@@ -38,6 +38,7 @@ from .backends import AttentionBackend, AttentionGeometry, default_backend, get_
 from .config import LayerPlan
 from .knobs import check_value
 from .params import PHASES, SparseRuntimeParams
+from .window import window_params
 
 __all__ = ["SparseAttention", "LayerOutput", "LayerStats", "commit_evictions"]
 
@@ -85,9 +86,10 @@ class SparseAttention:
 
     ``window``: the layer's sliding window, told to the selector (:attr:`SelectorInputs.window`)
     so that it chooses only inside it; a plan whose selector does not declare
-    ``Capabilities.sliding_window`` is refused on such a layer. The layer does not apply the
-    window to the attention itself: its backend does (the transformers integration's
-    ``FeatureBackend``)."""
+    ``Capabilities.sliding_window`` is refused on such a layer. The layer applies the window to
+    the selection it hands a backend that does not apply windows itself
+    (:func:`~kvsieve.sparse.window.window_params`; ``BackendCapabilities.window``), so every
+    backend reads only the window."""
 
     def __init__(self, *, layer_idx: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  plan: LayerPlan | None = None, backend: AttentionBackend | str | None = None, kind: str = "gqa",
@@ -101,28 +103,40 @@ class SparseAttention:
             kind=kind, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim), kv_lora_rank=kv_lora_rank,
         )
-        self.plan = plan  # checked by the setter
         if backend is None:
             backend = default_backend(device)
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self.plan = plan  # checked by the setter, with the backend
         self.debug = debug
         self._last: LayerOutput | None = None
 
     @property
     def plan(self) -> LayerPlan | None:
         """The layer's plan (``None`` = dense); setting one checks that its selector supports the
-        layer's attention kind and window."""
+        layer's attention kind and window, and that the backend computes the layer's attention kind
+        and what the selector asks of it (skip-softmax), before any step."""
         return self._plan
 
     @plan.setter
     def plan(self, plan: LayerPlan | None) -> None:
-        if plan is not None:
-            try:
+        try:
+            if plan is not None:
                 plan.selector.check_support(attention_kind=self.geometry.kind, window=self.window)
-            except ValueError as e:
-                raise ValueError(f"layer {self.layer_idx}: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"layer {self.layer_idx}: {e}") from None
+        self.check_backend(plan)
         self._plan = plan
         self._attached: set[int] = set()  # live requests whose positions the plan's selector has seen
+
+    def check_backend(self, plan: LayerPlan | None, *, device: str | torch.device | None = None,
+                      dtype: torch.dtype | None = None) -> None:
+        """Raise ``ValueError`` naming the layer when the backend cannot compute this layer with
+        ``plan`` (its attention kind, the skip-softmax its selector asks for) on ``device`` /
+        ``dtype`` (``None``: not asked; the :class:`~kvsieve.sparse.Engine` asks with its cache's)."""
+        reason = self.backend.refusal(attention_kind=self.geometry.kind, device=device, dtype=dtype,
+                                      skip_softmax=plan is not None and plan.selector.capabilities.skip_softmax)
+        if reason is not None:
+            raise ValueError(f"layer {self.layer_idx}: {reason}")
 
     @property
     def last(self) -> LayerOutput | None:
@@ -178,7 +192,10 @@ class SparseAttention:
                 params.validate(num_kv_heads=g.num_kv_heads, num_query_tokens=metadata.num_tokens,
                                 num_contexts=metadata.num_contexts, kv_lens=metadata.token_kv_lens,
                                 prompt_lens=prompt_lens)
-        res = self.backend.forward(q, metadata, self.layer_idx, g, params)
+        attend = params
+        if self.window is not None and not self.backend.capabilities.window:
+            attend = window_params(params, metadata, g.num_kv_heads, self.window)
+        res = self.backend.forward(q, metadata, self.layer_idx, g, attend)
         dense = metadata.token_kv_lens.to(torch.int64).sum() * g.num_kv_heads
         n_kept = self._compact(metadata, inputs, *kept) if kept is not None else None
         stats = LayerStats(int(res.attended.sum()), int(dense), n_kept, res.skipped_tiles, res.walked_tiles)

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from .backends import AttentionBackend, get_backend
 from .selector_base import ATTENTION_KINDS, PHASES, SparseSelector
 from .knobs import KnobError, check_knobs, check_value
 from .sparse_layers import sparse_layers
@@ -56,12 +57,15 @@ class SparseAttentionConfig:
 
 def lower_config(config: SparseAttentionConfig | None, *, num_layers: int, attention_kind: str = "gqa",
                  device: str | torch.device = "cpu", layer_types: list[str] | None = None,
-                 layer_windows: list[int | None] | None = None) -> list[LayerPlan | None]:
+                 layer_windows: list[int | None] | None = None,
+                 backend: AttentionBackend | str | None = None) -> list[LayerPlan | None]:
     """Resolve ``config`` into one plan per layer; raises at configuration time on anything unsupported.
     ``layer_types``: the model's type of each layer (``None``: every layer ``"full_attention"``);
     ``layer_windows``: each layer's sliding window (``None`` entries or list: none). A selector
     chosen for a windowed layer must declare ``Capabilities.sliding_window`` and not evict; the
-    error names the selector, the layer and its type."""
+    error names the selector, the layer and its type. ``backend`` (a name or an instance): refused
+    when it cannot compute ``attention_kind`` on ``device`` or run what the selector asks of it
+    (:meth:`AttentionBackend.refusal`)."""
     check_value("lower_config.num_layers", num_layers, int, ge=1)
     if layer_windows is not None and len(layer_windows) != num_layers:
         raise ValueError(f"lower_config: layer_windows has {len(layer_windows)} entries for {num_layers} layers")
@@ -72,6 +76,9 @@ def lower_config(config: SparseAttentionConfig | None, *, num_layers: int, atten
         raise TypeError(f"lower_config expects a SparseAttentionConfig or None, got {type(config).__name__}")
     selector = create_selector(config.selector, **config.params)
     selector.check_support(attention_kind=attention_kind, device=device)
+    if backend is not None:
+        (get_backend(backend) if isinstance(backend, str) else backend).check(
+            attention_kind=attention_kind, device=device, skip_softmax=selector.capabilities.skip_softmax)
     for phase in config.phases or ():
         selector.check_support(phase=phase)
     chosen = sparse_layers(num_layers=num_layers, model_layer_types=layer_types, layers=config.layers,

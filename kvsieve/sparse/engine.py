@@ -30,6 +30,8 @@ class Engine:
                  max_num_tokens: int, translations: Sequence[str] | None = None) -> None:
         check_value("Engine.max_num_requests", max_num_requests, int, ge=1)
         check_value("Engine.max_num_tokens", max_num_tokens, int, ge=1)
+        for layer in layers:  # an impossible backend for the cache's device or dtype: refused before any step
+            layer.check_backend(layer.plan, device=cache.spec.device, dtype=cache.spec.dtype)
         needed = sorted({t for layer in layers for t in layer.backend.required_translations})
         self.cache = cache
         self.layers = list(layers)

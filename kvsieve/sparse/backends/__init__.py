@@ -8,13 +8,13 @@ from typing import Any
 import torch
 
 from .base import (BACKEND_ENTRY_POINT_GROUP, BACKENDS, AttentionBackend, AttentionGeometry, AttentionResult,
-                   register_backend)
+                   BackendCapabilities, register_backend)
 from .torch_backend import TorchBackend
 from .vanilla import VanillaBackend, masked_attention
 
-__all__ = ["AttentionBackend", "AttentionGeometry", "AttentionResult", "VanillaBackend", "TorchBackend",
-           "masked_attention", "get_backend", "available_backends", "default_backend", "register_backend",
-           "BACKEND_ENTRY_POINT_GROUP"]
+__all__ = ["AttentionBackend", "AttentionGeometry", "AttentionResult", "BackendCapabilities", "VanillaBackend",
+           "TorchBackend", "masked_attention", "get_backend", "available_backends", "default_backend",
+           "register_backend", "BACKEND_ENTRY_POINT_GROUP"]
 
 # the fast path per device type; "vanilla" is the golden, never a default
 _DEFAULTS = {"cpu": "torch", "cuda": "triton"}

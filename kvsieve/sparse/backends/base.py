@@ -20,8 +20,34 @@ from ..params import SparseRuntimeParams
 from ..registry import Registry
 from ..selection import attended_counts
 
-__all__ = ["AttentionGeometry", "AttentionBackend", "AttentionResult", "BACKENDS", "BACKEND_ENTRY_POINT_GROUP",
-           "register_backend"]
+__all__ = ["AttentionGeometry", "AttentionBackend", "AttentionResult", "BackendCapabilities", "BACKENDS",
+           "BACKEND_ENTRY_POINT_GROUP", "register_backend"]
+
+_FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend computes exactly, asked before any step (vLLM's ``supports_*`` questions,
+    answered by the backend):
+
+    * ``attention_kinds``: ``"gqa"`` and/or ``"mla"``;
+    * ``dtypes``: query/cache dtypes;
+    * ``devices``: device types (``"cpu"``, ``"cuda"``) its kernels run on;
+    * ``skip_softmax_devices``: device types on which it runs skip-softmax thresholds (empty: none);
+    * ``softcap``: attention-logit soft-capping; ``sinks``: learned attention sinks;
+    * ``window``: it applies a sliding-window layer's window itself. A backend without it gets
+      the window applied to its selection by :class:`~kvsieve.sparse.SparseAttention`
+      (:func:`kvsieve.sparse.window.window_params`), so every backend honours windows.
+    """
+
+    attention_kinds: frozenset[str] = frozenset({"gqa", "mla"})
+    dtypes: frozenset[torch.dtype] = _FLOATS
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    skip_softmax_devices: frozenset[str] = frozenset()
+    softcap: bool = False
+    sinks: bool = False
+    window: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,13 +102,44 @@ class AttentionBackend(ABC):
     """Computes attention of a step's query tokens over the paged cache, as ``params`` select.
 
     Rows of a phase for which :func:`kvsieve.sparse.params.is_dense` holds attend densely and
-    causally; a backend that cannot honour a request (e.g. skip-softmax on a backend without it)
-    raises ``ValueError`` naming the feature and a backend that has it.
+    causally. What it can compute is declared in ``capabilities``; :meth:`refusal` answers whether
+    a combination runs, and the layer, :func:`~kvsieve.sparse.lower_config` and the
+    :class:`~kvsieve.sparse.Engine` refuse an impossible one before any step.
     """
 
     name: ClassVar[str]
     required_translations: ClassVar[tuple[str, ...]] = ()
     kv_page_granular: ClassVar[bool] = False
+    capabilities: BackendCapabilities = BackendCapabilities()
+
+    def refusal(self, *, attention_kind: str | None = None, device: str | torch.device | None = None,
+                dtype: torch.dtype | None = None, skip_softmax: bool = False, softcap: bool = False,
+                sinks: bool = False) -> str | None:
+        """Why this backend cannot run the combination (one sentence naming the feature and what
+        it supports), or ``None`` when it can; ``None`` arguments are not asked about."""
+        cap = self.capabilities
+        dev = None if device is None else torch.device(device).type
+        for what, value, allowed in (("attention kind", attention_kind, cap.attention_kinds),
+                                     ("device", dev, cap.devices), ("dtype", dtype, cap.dtypes)):
+            if value is not None and value not in allowed:
+                supported = sorted(map(str, allowed))
+                return f"backend {self.name!r} does not support {what} {value!r}; supported: {supported}"
+        if skip_softmax and not cap.skip_softmax_devices:
+            return f"backend {self.name!r} does not run skip-softmax thresholds"
+        if skip_softmax and dev is not None and dev not in cap.skip_softmax_devices:
+            return (f"backend {self.name!r} runs skip-softmax thresholds only on {sorted(cap.skip_softmax_devices)}, "
+                    f"not on {dev!r}")
+        for what, wanted, has in (("attention logit soft-capping", softcap, cap.softcap),
+                                  ("attention sinks", sinks, cap.sinks)):
+            if wanted and not has:
+                return f"backend {self.name!r} does not apply {what}"
+        return None
+
+    def check(self, **combination: object) -> None:
+        """Raise ``ValueError`` with :meth:`refusal`'s reason when the combination cannot run."""
+        reason = self.refusal(**combination)
+        if reason is not None:
+            raise ValueError(reason)
 
     @abstractmethod
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,

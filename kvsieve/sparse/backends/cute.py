@@ -19,7 +19,7 @@ import torch
 from ...kernels.cute._common import cute_available, detect_arch
 from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams
-from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
+from .base import AttentionBackend, AttentionGeometry, AttentionResult, BackendCapabilities, register_backend
 from .triton_backend import TritonBackend, phase_selection
 
 __all__ = ["CuteBackend"]
@@ -30,6 +30,8 @@ class CuteBackend(AttentionBackend):
     name = "cute"
     kv_page_granular = False
     required_translations = TritonBackend.required_translations
+    # skip-softmax and what the CuTe kernels do not cover run on the Triton kernels
+    capabilities = BackendCapabilities(devices=frozenset({"cuda"}), skip_softmax_devices=frozenset({"cuda"}))
 
     def __init__(self) -> None:
         self._triton = TritonBackend()

@@ -33,6 +33,7 @@ class SdpaBackend(AttentionBackend):
             raise ValueError("the sdpa backend's inner backend cannot be sdpa itself")
         self.required_translations = tuple(sorted({"block_lists", *self.inner.required_translations}))
         self.kv_page_granular = self.inner.kv_page_granular
+        self.capabilities = self.inner.capabilities  # SDPA serves dense GQA steps, any dtype and device
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                 params: SparseRuntimeParams | None) -> AttentionResult:

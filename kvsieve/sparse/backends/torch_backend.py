@@ -33,7 +33,7 @@ from ...kernels.cpu.sparse_decode import sparse_decode_native, supports_native
 from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams
 from ._torch_prefill import Groups, flash_cpu, group_tokens, split_prefill
-from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
+from .base import AttentionBackend, AttentionGeometry, AttentionResult, BackendCapabilities, register_backend
 from .skip_tiling import RequestRows, WalkedRows, skip_softmax_phase
 
 __all__ = ["TorchBackend", "selected_positions"]
@@ -115,6 +115,8 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
     required_translations = ("ragged_page_table",)
+    # skip-softmax rebuilds the Triton kernels' CPU launch table (skip_tiling): CPU only
+    capabilities = BackendCapabilities(skip_softmax_devices=frozenset({"cpu"}))
 
     def __init__(self, max_gather_bytes: int = 256 << 20) -> None:
         self.max_gather_bytes = max_gather_bytes

@@ -21,7 +21,7 @@ from ...kernels.triton import paged_prefill, select_prefill_path, sparse_gqa_dec
 from ...metadata import AttentionMetadata, half_block_views
 from ..params import SparseRuntimeParams
 from ..selection import unique_sorted_segments
-from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
+from .base import AttentionBackend, AttentionGeometry, AttentionResult, BackendCapabilities, register_backend
 
 __all__ = ["TritonBackend", "phase_selection"]
 
@@ -54,6 +54,11 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     kv_page_granular = True
     required_translations = ("block_offsets",)
+
+    def __init__(self) -> None:
+        # CPU tensors only under the Triton interpreter (read when the kernels are imported)
+        devices = frozenset({"cuda", "cpu"} if os.environ.get("TRITON_INTERPRET") == "1" else {"cuda"})
+        self.capabilities = BackendCapabilities(devices=devices, skip_softmax_devices=devices)
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                 params: SparseRuntimeParams | None) -> AttentionResult:

@@ -9,7 +9,7 @@ import torch
 from ...metadata import AttentionMetadata, KVCacheManager
 from ..params import SparseRuntimeParams
 from ..selection import selection_mask
-from .base import AttentionBackend, AttentionGeometry, AttentionResult, register_backend
+from .base import AttentionBackend, AttentionGeometry, AttentionResult, BackendCapabilities, register_backend
 from .skip_tiling import skip_softmax_phase
 
 __all__ = ["VanillaBackend", "masked_attention", "gather_nhd"]
@@ -54,6 +54,8 @@ def gather_nhd(mgr: KVCacheManager, layer_idx: int, block_ids: list[int], kv_len
 @register_backend
 class VanillaBackend(AttentionBackend):
     name = "vanilla"
+    # skip-softmax rebuilds the Triton kernels' CPU launch table (skip_tiling): CPU only
+    capabilities = BackendCapabilities(skip_softmax_devices=frozenset({"cpu"}))
     required_translations = ("block_lists",)
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,

@@ -29,8 +29,14 @@ def test_readme_has_python_blocks():
 
 @pytest.mark.parametrize("index", range(len(_README_BLOCKS)))
 def test_readme_python_block_runs(index, capsys):
+    """Each block runs and prints something; every kernel path it prints (``'phase': 'path'``) is
+    named in the block's own text, so the README names the path that really runs."""
     code = compile(_README_BLOCKS[index], f"README.md python block {index + 1}", "exec")
     exec(code, {"__name__": f"readme_block_{index + 1}"})
+    out = capsys.readouterr().out
+    assert out.strip(), f"README.md python block {index + 1} prints nothing"
+    for path in re.findall(r"'(?:context|generation)': '(\w+)'", out):
+        assert f"'{path}'" in _README_BLOCKS[index], f"block {index + 1} runs path {path!r} but does not name it"
 
 
 def test_no_links_outside_the_repository():
@@ -41,3 +47,12 @@ def test_no_links_outside_the_repository():
             if re.search(r"\.\./shared|DESIGN\b|/work/", line):
                 bad.append(f"{f.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not bad, "\n".join(bad)
+
+
+def test_docs_index_lists_every_page():
+    """docs/index.md links every reference page and every results page."""
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    pages = [p.relative_to(ROOT / "docs").as_posix() for p in sorted((ROOT / "docs").rglob("*.md"))
+             if p.name != "index.md"]
+    missing = [p for p in pages if f"]({p})" not in index]
+    assert not missing, f"docs/index.md does not list {missing}"

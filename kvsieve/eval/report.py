@@ -25,12 +25,19 @@ def _num(x: Any, digits: int = 2) -> str:
     return "nan" if math.isnan(v) else f"{v:.{digits}f}"
 
 
+def _interval(low: Any, high: Any) -> str:
+    """``[low, high]``, or ``n/a`` when the interval is undefined (one continuous score: ``nan`` bounds)."""
+    if any(x in (None, "") or math.isnan(float(x)) for x in (low, high)):
+        return "n/a"
+    return f"[{_num(low)}, {_num(high)}]"
+
+
 def table_cells(rows: list[dict[str, Any]]) -> list[list[str]]:
     """One list of strings per summary row, in the order of the table's headers."""
     out = []
     for r in rows:
         ok = r["status"] == "ok"
-        ci = f"[{_num(r.get('ci95_low'))}, {_num(r.get('ci95_high'))}]" if ok else "-"
+        ci = _interval(r.get("ci95_low"), r.get("ci95_high")) if ok else "-"
         out.append([str(r["task"]), str(r["length"]), str(r["selector"]), str(r["budget_label"]),
                     str(r["budget_tokens"]), _num(r.get("score")) if ok else "-", ci,
                     str(r.get("n") or "-"), _num(r.get("achieved_sparsity")) if ok else "-",

@@ -167,8 +167,9 @@ class SparseAttention:
             raise RuntimeError("AttentionMetadata.prepare() must run before forward")
         metadata.require(f"backend {self.backend.name!r}", self.backend.required_translations)
         g = self.geometry
-        if q.shape[0] != metadata.num_tokens or q.shape[1] != g.num_q_heads:
-            raise ValueError(f"q must be [num_tokens={metadata.num_tokens}, {g.num_q_heads}, D], got {tuple(q.shape)}")
+        if q.dim() != 3 or q.shape[0] != metadata.num_tokens or q.shape[1] != g.num_q_heads or q.shape[2] != g.head_dim:
+            raise ValueError(f"layer {self.layer_idx}: q must be [num_tokens={metadata.num_tokens}, num_q_heads="
+                             f"{g.num_q_heads}, head_dim={g.head_dim}], got {tuple(q.shape)}")
         self._check_model_inputs(model_inputs)
         mgr = metadata.kv_cache_manager
         params = kept = inputs = None

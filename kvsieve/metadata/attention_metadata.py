@@ -69,7 +69,6 @@ class AttentionMetadata:
 
         self._seq_lens_host = torch.zeros(r, dtype=torch.int32)
         self._seq_lens_view = self._seq_lens_host[:0]
-        self._seq_lens_device = ibuf(r)
         self._kv_lens_host = np.zeros(r, dtype=np.int32)
         self._kv_lens_device = ibuf(r)
         self._token_to_req = ibuf(t)
@@ -92,7 +91,6 @@ class AttentionMetadata:
         self._request_ids: list[int] = []
         self._num_seqs = 0
         self._num_contexts = 0
-        self._seq_lens_kv: torch.Tensor | None = None
         self.num_tokens = 0
         self.num_ctx_tokens = 0
         self.num_generations = 0
@@ -115,8 +113,7 @@ class AttentionMetadata:
 
     @property
     def seq_lens(self) -> torch.Tensor:
-        """Host int32 ``[num_seqs]``: new query tokens per request this step (one object per step,
-        so identity with :attr:`seq_lens_kv` tells self- from cross attention)."""
+        """Host int32 ``[num_seqs]``: new query tokens per request this step."""
         return self._seq_lens_view
 
     @seq_lens.setter
@@ -131,28 +128,9 @@ class AttentionMetadata:
         if total > self.max_num_tokens:
             raise ValueError(f"seq_lens sum to {total} tokens > max_num_tokens={self.max_num_tokens}")
         self._seq_lens_host[:n].copy_(lens)
-        self._seq_lens_device[:n].copy_(lens, non_blocking=True)
         self._num_seqs = n
         self._seq_lens_view = self._seq_lens_host[:n]
         self._update_counts()
-
-    @property
-    def seq_lens_cuda(self) -> torch.Tensor:
-        """The device twin of :attr:`seq_lens` (a view of a capacity buffer)."""
-        return self._seq_lens_device[: self._num_seqs]
-
-    @property
-    def seq_lens_kv(self) -> torch.Tensor:
-        """Key/value lengths; the same object as :attr:`seq_lens` unless cross attention."""
-        return self._seq_lens_kv if self._seq_lens_kv is not None else self.seq_lens
-
-    @seq_lens_kv.setter
-    def seq_lens_kv(self, lens: torch.Tensor | None) -> None:
-        self._seq_lens_kv = None if lens is None else torch.as_tensor(lens, dtype=torch.int32)
-
-    @property
-    def is_cross_attention(self) -> bool:
-        return self.seq_lens_kv is not self.seq_lens
 
     @property
     def num_contexts(self) -> int:

@@ -146,10 +146,6 @@ def test_derived_counts_and_cross_attention_identity():
     md.num_contexts = 0
     assert md.phases() == ("generation",) and md.context_rows == slice(0, 0)
     md.num_contexts = 2
-    assert not md.is_cross_attention
-    md.seq_lens_kv = torch.tensor([5, 3, 1, 1], dtype=torch.int32)
-    assert md.is_cross_attention
-    assert md.seq_lens_cuda.data_ptr() == md._seq_lens_device.data_ptr()
     with pytest.raises(ValueError, match="max_num_tokens"):
         md.seq_lens = [30, 30]
     with pytest.raises(ValueError, match="unknown"):

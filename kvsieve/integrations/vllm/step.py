@@ -198,18 +198,23 @@ class LayerRunner:
         attended = md.token_kv_lens.to(torch.int64)[:, None].repeat(1, g.num_kv_heads)
         if all(is_dense(params, p) for p in phases):
             out = step.to_kvsieve(host.dense())
-        elif "generation" in phases and not params.selects_positions("context"):
+        elif "generation" in phases and not ("context" in phases and params.selects_positions("context")):
             tables = per_head_block_tables(params, md, step.view)
-            if tables is None:
+            if tables is None and "context" not in phases:
                 return None
             rows = md.generation_rows
             # a copy: host.dense() stays the host's own output (the capture compares with it)
             out = step.to_kvsieve(host.dense()).clone() if "context" in phases else q.new_empty(md.num_tokens, *q.shape[1:])
-            hkv = g.num_kv_heads
-            sub = host.paged_per_head(q[rows].reshape(-1, g.num_q_heads // hkv, g.head_dim), tables)
-            out[rows] = sub.view(-1, g.num_q_heads, g.value_dim)
-            attended[rows] = tables.seq_lens.view(-1, hkv)
-            paths["generation"] = "host_paged"
+            if tables is None:  # the decode rows' selection is not whole blocks: the backend on their sub-step
+                sub = self.backend.forward(q[rows], step.generation_metadata(), self.layer_idx, g,
+                                           _rows_params(params, rows))
+                out[rows], attended[rows], paths["generation"] = sub.out, sub.attended, sub.paths["generation"]
+            else:
+                hkv = g.num_kv_heads
+                paged = host.paged_per_head(q[rows].reshape(-1, g.num_q_heads // hkv, g.head_dim), tables)
+                out[rows] = paged.view(-1, g.num_q_heads, g.value_dim)
+                attended[rows] = tables.seq_lens.view(-1, hkv)
+                paths["generation"] = "host_paged"
         else:
             return None
         return AttentionResult(out, None, attended, paths, 0, 0)

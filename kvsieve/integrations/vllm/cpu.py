@@ -19,6 +19,8 @@ and the layout is checked once per process by writing known values through vLLM'
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
@@ -36,16 +38,25 @@ from .host import PerHeadTables
 from .layer_checks import refuse_features, refusing_backend
 from .layouts import kv_views
 from .state import PluginState, plugin_state
+from .step import VllmStep
 
-__all__ = ["KvsieveCPUAttentionBackend", "KvsieveCPUAttentionImpl", "KvsieveCPUMetadataBuilder", "RefuseMLABackend",
-           "VllmHostAttention"]
+__all__ = ["KvsieveCPUAttentionBackend", "KvsieveCPUAttentionImpl", "KvsieveCPUAttentionMetadata",
+           "KvsieveCPUMetadataBuilder", "RefuseMLABackend", "VllmHostAttention"]
 
 LAYOUT = "vllm-cpu"
 VIEWABLE_ISAS = ("vec", "vec16")
 
 
+@dataclass
+class KvsieveCPUAttentionMetadata(CPUAttentionMetadata):
+    """vLLM's step metadata and kvsieve's host copy of its tables (read once per step, not per layer)."""
+
+    step: VllmStep | None = None
+
+
 class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
-    """vLLM's builder with the KV write kept in a layout kvsieve can view (``vec``/``vec16``)."""
+    """vLLM's builder with the KV write kept in a layout kvsieve can view (``vec``/``vec16``); its
+    metadata also carries the step's tables on the host (:class:`KvsieveCPUAttentionMetadata`)."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:  # noqa: ANN001 (vLLM's signature)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -53,6 +64,12 @@ class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
             self._set_isa_to_layers(layer_names)
         probe_cpu_layout(self.isa, self.dtype, self.block_size, self.head_dim, self.num_kv_heads)
+
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False  # noqa: ANN001
+              ) -> KvsieveCPUAttentionMetadata:
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        step = VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens)
+        return KvsieveCPUAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, step=step)
 
 
 def probe_cpu_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int, num_kv_heads: int) -> None:
@@ -90,7 +107,7 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
         self.state: PluginState = plugin_state(get_current_vllm_config(), device=torch.device("cpu"))
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # noqa: ANN001
-                kv_cache: torch.Tensor, attn_metadata: CPUAttentionMetadata | None, output: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: KvsieveCPUAttentionMetadata | None, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None
                 ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
@@ -104,11 +121,14 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
         if self.sliding_window != -1 or self.state.host_only(layer_idx):  # vLLM's own attention, nothing else
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         host = VllmHostAttention(self, layer, query, key, value, kv_cache, attn_metadata)
+        step = getattr(attn_metadata, "step", None)  # None: metadata vLLM built without the plug-in's builder
+        if step is None:
+            step = VllmStep.from_tensors(attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                                         attn_metadata.block_table, n)
         self.state.run_layer(
-            layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n],
-            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
-            block_table=attn_metadata.block_table, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size, scale=self.scale, host=host)
+            layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n], step=step,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size, scale=self.scale,
+            host=host)
         return output
 
 

@@ -88,7 +88,7 @@ class StepTranslator:
     def prepare(self, step: VllmStep) -> AttentionMetadata:
         """Prepare the metadata for ``step``; the layers after the first of a step find it prepared
         (the metadata is a function of the step's three tables, so equal tables reuse it)."""
-        if self._step is not None and self._step.same_as(step):
+        if self._step is step or (self._step is not None and self._step.same_as(step)):
             return self.metadata
         qlens = np.diff(step.query_start_loc)
         is_gen = qlens == 1

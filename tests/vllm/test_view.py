@@ -13,6 +13,7 @@ from kvsieve.integrations.vllm.layouts import kv_views
 from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
 from kvsieve.metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
 from kvsieve.sparse import AttentionGeometry, SparseAttentionConfig, get_backend
+from kvsieve.sparse.backends import VanillaBackend
 
 HKV, G, D, P, LAYERS, BLOCKS = 2, 2, 32, 32, 2, 64
 # (request ids, query tokens) per step: prompts, a chunked prompt and decodes mixed, then decodes
@@ -55,7 +56,56 @@ def test_view_matches_kvsieve_engine(layout, backend, selector):
         torch.set_num_threads(threads)
 
 
-def _check_view_matches_engine(layout, backend, selector):
+class _TorchHost:
+    """A plain-PyTorch stand-in for vLLM's kernels (:class:`~kvsieve.integrations.vllm.host.HostAttention`)
+    over the same vllm-cpu cache: ``dense`` is the Vanilla golden with no selection in vLLM's
+    order; ``paged_per_head`` reads the pseudo-blocks ``b * Hkv + h`` of the cache tensor one by one."""
+
+    def __init__(self, translator: StepTranslator, raw: torch.Tensor, layer_idx: int, q_vllm: torch.Tensor,
+                 geometry: AttentionGeometry) -> None:
+        self.tr, self.raw, self.layer_idx, self.q, self.geometry = translator, raw, layer_idx, q_vllm, geometry
+
+    def dense(self) -> torch.Tensor:
+        out = VanillaBackend().forward(self.tr.to_kvsieve(self.q), self.tr.metadata, self.layer_idx, self.geometry,
+                                       None).out
+        got = torch.empty_like(out)
+        self.tr.to_vllm(out, got)
+        return got
+
+    def paged_per_head(self, q: torch.Tensor, tables) -> torch.Tensor:  # noqa: ANN001
+        n, hkv, p, two_d = self.raw.shape
+        flat = self.raw.reshape(n * hkv, 2, p * (two_d // 2))
+        k = flat[:, 0].reshape(n * hkv, -1, p).transpose(1, 2)  # K stored [D, block] per (block, head)
+        v = flat[:, 1].reshape(n * hkv, p, -1)
+        out = torch.empty_like(q)
+        for i in range(q.shape[0]):
+            length = int(tables.seq_lens[i])
+            ids = tables.block_table[i, : -(-length // p)].long()
+            kk, vv = k[ids].reshape(-1, k.shape[-1])[:length], v[ids].reshape(-1, v.shape[-1])[:length]
+            out[i] = torch.softmax(q[i] @ kk.T * self.geometry.sm_scale, dim=-1) @ vv
+        return out
+
+
+HOST_SELECTORS = [None, ("quest", {"budget": 64, "page_size": P, "summary_dtype": "float32"}),
+                  ("block_select", {"block_size": P, "topk_blocks": 2}),
+                  ("quest", {"budget": 64, "page_size": 16, "summary_dtype": "float32"})]
+
+
+@pytest.mark.parametrize("selector", HOST_SELECTORS, ids=lambda c: "dense" if c is None else f"{c[0]}-{c[1]}")
+def test_host_paths_match_kvsieve_engine(selector):
+    """With the host's kernels (a plain-PyTorch stand-in here; vLLM's own in test_plugin/test_engine):
+    dense phases take ``host_dense``, decode rows selecting whole cache blocks ``host_paged`` (next to
+    the dense prompt rows of a mixed step), everything else the kvsieve backend; every output equals
+    kvsieve's own engine on its own cache."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _check_view_matches_engine("vllm-cpu", "torch", selector, host=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check_view_matches_engine(layout, backend, selector, host=False):
     gen = torch.Generator().manual_seed(0)
     cfg = None if selector is None else SparseAttentionConfig(selector[0], selector[1])
     spec = KVCacheSpec(num_layers=LAYERS, num_blocks=BLOCKS, tokens_per_block=P, num_kv_heads=HKV, head_dim=D,
@@ -67,8 +117,8 @@ def _check_view_matches_engine(layout, backend, selector):
 
     raw = [_owner_cache(layout) for _ in range(LAYERS)]
     view = _foreign(layout)
-    translator = StepTranslator(view, max_num_tokens=512,
-                                translations=get_backend(backend).required_translations)
+    translator = StepTranslator(view, max_num_tokens=512, translations=tuple(
+        {*get_backend(backend).required_translations, *(("block_lists",) if host else ())}))
     plans = lower_plans(PluginConfig(sparse=cfg), num_layers=LAYERS, backend_name="torch")
     geometry = AttentionGeometry(kind="gqa", num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D, sm_scale=D ** -0.5)
     runners = [LayerRunner(layer_idx=i, geometry=geometry, plan=p, backend=get_backend(backend))
@@ -99,18 +149,28 @@ def _check_view_matches_engine(layout, backend, selector):
         kmd = translator.prepare(step)
         assert translator.prepare(step) is kmd  # once per step, shared by the layers
         for i, (q, k, v) in enumerate(qkv):
+            on_host = _TorchHost(translator, raw[i], i, q[tok], geometry) if host else None
             res = runners[i].forward(translator.to_kvsieve(q[tok]), translator.to_kvsieve(k[tok]),
-                                     translator.to_kvsieve(v[tok]), translator)
+                                     translator.to_kvsieve(v[tok]), translator, on_host)
             out = res.out
             got = torch.empty_like(out)
             translator.to_vllm(out, got)
             torch.testing.assert_close(got, ref[i][tok], rtol=1e-5, atol=1e-5)
             last = layers[i].last
-            # prompt rows the plan does not select took the block-wise SDPA path, the others the backend
             for phase in kmd.phases():
                 selects = last.params is not None and last.params.selects_positions(phase)
-                assert (res.paths[phase] == "sdpa_dense") == (phase == "context" and not selects), (phase, res.paths)
                 paths_seen.add((phase, res.paths[phase]))
+                if host:  # dense phases on the host; whole-block decode selections on its paged kernel
+                    ctx_selects = selects and "context" in kmd.phases() and last.params.selects_positions("context")
+                    whole = selects and last.params.sparse_attn_indices_block_size == P and not ctx_selects
+                    expected = "host_dense" if not selects else "host_paged" if whole else None
+                    if expected is None:  # the kvsieve backend
+                        assert not res.paths[phase].startswith("host"), (phase, res.paths)
+                    else:
+                        assert res.paths[phase] == expected, (phase, res.paths)
+                    continue
+                # prompt rows the plan does not select took the block-wise SDPA path, the others the backend
+                assert (res.paths[phase] == "sdpa_dense") == (phase == "context" and not selects), (phase, res.paths)
             if last.params is not None and last.params.sparse_attn_indices is not None:
                 sparse_seen |= last.stats.attended < last.stats.dense
                 # the plug-in's backend read fewer positions than dense too (page-granular backends round up)
@@ -119,7 +179,10 @@ def _check_view_matches_engine(layout, backend, selector):
     # every case mixes a chunked prompt with decode rows: both phases ran, and a generation-only
     # selector's decode rows went through the backend on the sub-step next to SDPA prompt rows
     assert {p for p, _ in paths_seen} == {"context", "generation"}
-    if selector is None or selector[0] == "quest":
+    if host:
+        whole_pages = selector is not None and selector[1].get("page_size", selector[1].get("block_size")) == P
+        assert (("generation", "host_paged") in paths_seen) == whole_pages
+    elif selector is None or selector[0] == "quest":
         assert ("context", "sdpa_dense") in paths_seen
 
 

@@ -1,13 +1,14 @@
 """The plug-in's configuration: read from the environment once per process, checked at start-up.
 
 * ``KVSIEVE_SELECTOR="quest:budget=256,page_size=16"``: a selector and its config fields (values
-  parsed as YAML scalars), or ``"dense"`` (the plug-in computes vLLM's attention with kvsieve's
-  backend and no selector);
+  parsed as YAML scalars), or ``"dense"`` (no selector: on CPU every layer is vLLM's own
+  attention; on CUDA kvsieve's backend computes it);
 * or ``KVSIEVE_CONFIG=/path/to/file.{json,yaml,yml}`` with keys ``selector`` (name or
   ``"dense"``), ``params`` (mapping), ``dense_layers`` (list of layer indices, negative from the
   end), ``phases`` (subset of ``["context", "generation"]``), ``backend`` (kvsieve backend name);
-* ``KVSIEVE_BACKEND``: the kvsieve backend of the selected rows and of the decode rows (default
-  ``torch`` on CPU, ``triton`` on CUDA); prompt rows a layer does not select take SDPA over a
+* ``KVSIEVE_BACKEND``: the kvsieve backend of what vLLM's own kernels do not take (default
+  ``torch`` on CPU, ``triton`` on CUDA; on CPU dense rows and whole-block decode selections run
+  vLLM's kernels, :mod:`.host`); elsewhere prompt rows a layer does not select take SDPA over a
   block-wise gather of the view (:func:`.step.dense_context_rows`), whatever the backend;
 * ``KVSIEVE_CAPTURE=/dir``: for tests, every layer also runs kvsieve's Vanilla golden on the same
   selection and appends the largest difference to ``/dir/capture-<pid>.jsonl``.

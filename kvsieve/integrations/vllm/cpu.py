@@ -6,16 +6,24 @@ layer's cache (:mod:`.layouts`), translates the step (:class:`.step.StepTranslat
 step) and runs the layer's selector, then the attention (:class:`.step.LayerRunner`: SDPA over a
 block-wise gather for prompt rows the layer does not select, the kvsieve backend for the others).
 
-Refused when the layer is built, naming the feature: ALiBi, sliding window, logit soft-capping,
-attention sinks, KV sharing between layers, FP8 KV cache, encoder / cross attention; at
-``forward``: non-causal steps and fused output quantization. The builder keeps vLLM's KV write
+Whatever a layer attends densely runs vLLM's own kernel on vLLM's own metadata (no gather): dense
+layers whole, sliding-window layers whole (their selector, if any, is not run: Gemma 3's local
+layers), and the dense rows of a selecting layer; a selection of whole vLLM blocks runs vLLM's paged
+kernel on per-(row, KV head) block tables (:class:`VllmHostAttention`).
+
+Refused when the layer is built, naming the feature: ALiBi, logit soft-capping, attention sinks,
+KV sharing between layers, FP8 KV cache, encoder / cross attention; at ``forward``: non-causal
+steps and fused output quantization. The builder keeps vLLM's KV write
 in a layout kvsieve can view: the ``amx`` ISA (which packs K for AMX tiles) is replaced by ``vec``,
 and the layout is checked once per process by writing known values through vLLM's own op.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 from vllm import _custom_ops as ops
+from vllm import envs
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
@@ -26,18 +34,29 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from .host import PerHeadTables
 from .layer_checks import refuse_features, refusing_backend
 from .layouts import kv_views
 from .state import PluginState, plugin_state
+from .step import VllmStep
 
-__all__ = ["KvsieveCPUAttentionBackend", "KvsieveCPUAttentionImpl", "KvsieveCPUMetadataBuilder", "RefuseMLABackend"]
+__all__ = ["KvsieveCPUAttentionBackend", "KvsieveCPUAttentionImpl", "KvsieveCPUAttentionMetadata",
+           "KvsieveCPUMetadataBuilder", "RefuseMLABackend", "VllmHostAttention"]
 
 LAYOUT = "vllm-cpu"
 VIEWABLE_ISAS = ("vec", "vec16")
 
 
+@dataclass
+class KvsieveCPUAttentionMetadata(CPUAttentionMetadata):
+    """vLLM's step metadata and kvsieve's host copy of its tables (read once per step, not per layer)."""
+
+    step: VllmStep | None = None
+
+
 class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
-    """vLLM's builder with the KV write kept in a layout kvsieve can view (``vec``/``vec16``)."""
+    """vLLM's builder with the KV write kept in a layout kvsieve can view (``vec``/``vec16``); its
+    metadata also carries the step's tables on the host (:class:`KvsieveCPUAttentionMetadata`)."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:  # noqa: ANN001 (vLLM's signature)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -45,6 +64,12 @@ class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
             self._set_isa_to_layers(layer_names)
         probe_cpu_layout(self.isa, self.dtype, self.block_size, self.head_dim, self.num_kv_heads)
+
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False  # noqa: ANN001
+              ) -> KvsieveCPUAttentionMetadata:
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        step = VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens)
+        return KvsieveCPUAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, step=step)
 
 
 def probe_cpu_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int, num_kv_heads: int) -> None:
@@ -73,7 +98,8 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, sinks: torch.Tensor | None = None) -> None:
-        refuse_features(alibi_slopes=alibi_slopes, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        # a sliding-window layer (Gemma 3's local layers) is vLLM's own attention, whole (forward)
+        refuse_features(alibi_slopes=alibi_slopes, sliding_window=None, logits_soft_cap=logits_soft_cap,
                         attn_type=attn_type, kv_sharing_target_layer_name=kv_sharing_target_layer_name, sinks=sinks,
                         kv_cache_dtype=kv_cache_dtype)
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
@@ -81,7 +107,7 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
         self.state: PluginState = plugin_state(get_current_vllm_config(), device=torch.device("cpu"))
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # noqa: ANN001
-                kv_cache: torch.Tensor, attn_metadata: CPUAttentionMetadata | None, output: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: KvsieveCPUAttentionMetadata | None, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None
                 ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
@@ -92,16 +118,72 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("kvsieve vLLM plug-in: non-causal attention steps are not supported")
         n = attn_metadata.num_actual_tokens
         layer_idx = extract_layer_index(layer.layer_name)
-        host = None
-        if self.state.config.capture_dir is not None:  # tests: vLLM's own kernel on the same step
-            host = super().forward(layer, query, key, value, kv_cache, attn_metadata, torch.empty_like(output))
-            host = host[:n].view(n, self.num_heads, self.head_size)
+        if self.sliding_window != -1 or self.state.host_only(layer_idx):  # vLLM's own attention, nothing else
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        host = VllmHostAttention(self, layer, query, key, value, kv_cache, attn_metadata)
+        step = getattr(attn_metadata, "step", None)  # None: metadata vLLM built without the plug-in's builder
+        if step is None:
+            step = VllmStep.from_tensors(attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                                         attn_metadata.block_table, n)
         self.state.run_layer(
-            layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n],
-            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
-            block_table=attn_metadata.block_table, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size, scale=self.scale, host_output=host)
+            layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n], step=step,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size, scale=self.scale,
+            host=host)
         return output
+
+
+class VllmHostAttention:
+    """vLLM's own CPU kernels on one layer call (:class:`.host.HostAttention`): ``dense`` is
+    ``CPU_ATTN``'s forward on vLLM's step metadata; ``paged_per_head`` is vLLM's
+    ``cpu_attention_with_kv_cache`` over the cache seen as ``[num_blocks * Hkv, 1, block_size, 2*D]``
+    (pseudo-block ``b * Hkv + h`` = block ``b`` of KV head ``h``, one contiguous ``[2*D, block_size]``
+    tile per (block, head) in the ``vec``/``vec16`` layouts) with one pseudo-request per (row, KV head)."""
+
+    def __init__(self, impl: KvsieveCPUAttentionImpl, layer, query: torch.Tensor, key: torch.Tensor,  # noqa: ANN001
+                 value: torch.Tensor, kv_cache: torch.Tensor, md: CPUAttentionMetadata) -> None:
+        self.impl, self.layer, self.md = impl, layer, md
+        self.query, self.key, self.value, self.kv_cache = query, key, value, kv_cache
+        self._dense: torch.Tensor | None = None
+
+    def dense(self) -> torch.Tensor:
+        if self._dense is None:
+            impl, n = self.impl, self.md.num_actual_tokens
+            out = self.query.new_empty(self.query.shape[0], impl.num_heads * impl.head_size)
+            CPUAttentionBackendImpl.forward(impl, self.layer, self.query, self.key, self.value, self.kv_cache, self.md,
+                                            out)
+            self._dense = out[:n].view(n, impl.num_heads, impl.head_size)
+        return self._dense
+
+    def paged_per_head(self, q: torch.Tensor, tables: PerHeadTables) -> torch.Tensor:
+        num_blocks, hkv, block_size, two_d = self.kv_cache.shape
+        key_cache, value_cache = self.kv_cache.view(num_blocks * hkv, 1, 2 * block_size, two_d // 2).chunk(2, dim=2)
+        q = q.contiguous()
+        rows = q.shape[0]
+        starts = torch.arange(rows + 1, dtype=torch.int32)
+        sched = _scheduler_metadata(q.shape, q.dtype, self.layer.isa, tables.seq_lens)
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
+            seq_lens=tables.seq_lens, scale=self.impl.scale, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=tables.block_table, softcap=0, scheduler_metadata=sched, s_aux=None,
+            k_scale=self.layer._k_scale_float, v_scale=self.layer._v_scale_float, kv_cache_dtype="auto")
+        return out
+
+
+_SCHEDULE: list = [None, None]  # the last (key, scheduler metadata): a step's layers share their lengths
+
+
+def _scheduler_metadata(q_shape: torch.Size, dtype: torch.dtype, isa: str, seq_lens: torch.Tensor) -> torch.Tensor:
+    """vLLM's work split for ``q_shape[0]`` one-token pseudo-requests of ``q_shape[1]`` query heads
+    and one KV head of lengths ``seq_lens``; reused while the next call asks the same."""
+    key = (tuple(q_shape), dtype, isa, seq_lens.numpy().tobytes())
+    if _SCHEDULE[0] != key:
+        rows = q_shape[0]
+        _SCHEDULE[:] = key, ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=rows, num_heads=q_shape[1], num_kv_heads=1, head_dim=q_shape[2], seq_lens=seq_lens.clone(),
+            dtype=dtype, query_start_loc=torch.arange(rows + 1, dtype=torch.int32), causal=True,
+            sliding_window_size=-1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
+    return _SCHEDULE[1]
 
 
 class KvsieveCPUAttentionBackend(CPUAttentionBackend):

@@ -19,6 +19,7 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, Trito
 
 from .layer_checks import refuse_features, refusing_backend
 from .state import PluginState, plugin_state
+from .step import VllmStep
 
 __all__ = ["KvsieveTritonAttentionBackend", "KvsieveTritonAttentionImpl", "RefuseOtherCudaBackend", "LAYOUT"]
 
@@ -66,9 +67,9 @@ class KvsieveTritonAttentionImpl(TritonAttentionImpl):
         n = attn_metadata.num_actual_tokens
         self.state.run_layer(
             extract_layer_index(layer.layer_name), LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n],
-            query_start_loc=attn_metadata.query_start_loc, seq_lens=attn_metadata.seq_lens,
-            block_table=attn_metadata.block_table, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size, scale=self.scale)
+            step=VllmStep.from_tensors(attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                                       attn_metadata.block_table, n),
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size, scale=self.scale)
         return output
 
 

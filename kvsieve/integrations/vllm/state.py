@@ -12,6 +12,7 @@ import torch
 from ...metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
 from ...sparse import AttentionGeometry
 from .config import PluginConfig, lower_plans, read_plugin_config
+from .host import HostAttention
 from .layouts import kv_views
 from .step import LayerRunner, StepTranslator, VllmStep, make_backend
 
@@ -62,20 +63,25 @@ class PluginState:
                                                   backend=self.backend, capture_dir=self.config.capture_dir)
         return self.runners[layer_idx]
 
+    def host_only(self, layer_idx: int) -> bool:
+        """Whether the layer is left whole to the host's own attention: no plan and nothing to capture."""
+        return 0 <= layer_idx < self.num_layers and self.plans[layer_idx] is None and self.config.capture_dir is None
+
     def run_layer(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor, output: torch.Tensor, *, query_start_loc: torch.Tensor,
-                  seq_lens: torch.Tensor, block_table: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  head_size: int, scale: float, host_output: torch.Tensor | None = None) -> torch.Tensor:
+                  value: torch.Tensor, output: torch.Tensor, *, step: VllmStep, num_heads: int, num_kv_heads: int,
+                  head_size: int, scale: float, host: HostAttention | None = None) -> torch.Tensor:
         """One layer of one step: q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (vLLM's token order, K/V
-        already in ``kv_cache``); writes ``output [T, H, D]`` (or ``[T, H*D]``) and returns it.
-        ``host_output [T, H, D]``: vLLM's own attention of the step, for the capture only."""
+        already in ``kv_cache``), ``step`` vLLM's step tables (read once per step, by the caller);
+        writes ``output [T, H, D]`` (or ``[T, H*D]``) and returns it.
+        ``host``: vLLM's own kernels on this layer call (:meth:`.step.LayerRunner.forward`)."""
         k_view, v_view = kv_views(layout, kv_cache)
         tr = self.translator(layout, kv_cache, k_view)
         tr.view.bind_layer(layer_idx, kv_cache, k_view, v_view)
-        tr.prepare(VllmStep.from_tensors(query_start_loc, seq_lens, block_table, query.shape[0]))
+        if step.num_tokens != query.shape[0]:
+            raise ValueError(f"vLLM step of {step.num_tokens} tokens, layer call of {query.shape[0]}")
+        tr.prepare(step)
         out = self.runner(layer_idx, num_heads, num_kv_heads, head_size, scale).forward(
-            tr.to_kvsieve(query), tr.to_kvsieve(key), tr.to_kvsieve(value), tr,
-            None if host_output is None else tr.to_kvsieve(host_output)).out
+            tr.to_kvsieve(query), tr.to_kvsieve(key), tr.to_kvsieve(value), tr, host).out
         tr.to_vllm(out.to(output.dtype), output.view(query.shape[0], num_heads, head_size))
         return output
 

@@ -36,6 +36,7 @@ from ...sparse.attention import _checked_kept, _checked_params, place_rows
 from ...sparse.backends import AttentionResult, VanillaBackend, default_backend
 from ...sparse.backends.sdpa import causal_sdpa
 from ...sparse.params import is_dense
+from .host import HostAttention, per_head_block_tables
 
 __all__ = ["VllmStep", "StepTranslator", "LayerRunner", "dense_context_rows"]
 
@@ -87,7 +88,7 @@ class StepTranslator:
     def prepare(self, step: VllmStep) -> AttentionMetadata:
         """Prepare the metadata for ``step``; the layers after the first of a step find it prepared
         (the metadata is a function of the step's three tables, so equal tables reuse it)."""
-        if self._step is not None and self._step.same_as(step):
+        if self._step is step or (self._step is not None and self._step.same_as(step)):
             return self.metadata
         qlens = np.diff(step.query_start_loc)
         is_gen = qlens == 1
@@ -159,7 +160,7 @@ class LayerRunner:
                                        backend=backend, kind=geometry.kind, sm_scale=geometry.sm_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepTranslator,
-                host_output: torch.Tensor | None = None) -> AttentionResult:
+                host: HostAttention | None = None) -> AttentionResult:
         """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (kvsieve order, already in the cache), ``step`` the
         translator holding the step's prepared metadata -> an
         :class:`~kvsieve.sparse.backends.AttentionResult` (``out [T, Hq, D]``, ``attended [T, Hkv]``, ...).
@@ -167,16 +168,56 @@ class LayerRunner:
         :meth:`SparseAttention.forward` asks it (same inputs, same placement of its answer). Dense
         context rows take :func:`dense_context_rows` (``lse`` is then ``None``, as on kvsieve's SDPA
         path); the other rows the kvsieve backend.
-        ``host_output [T, Hq, D]``: the host engine's own (dense) attention, read only by the capture."""
+
+        With ``host`` (the host engine's own kernels, :mod:`.host`): a step the layer attends densely
+        in every phase present is the host's own attention (path ``host_dense``); generation rows
+        whose selection is whole cache blocks go to the host's paged kernel with per-(row, KV head)
+        block tables (``host_paged``), their step's context rows (dense) to the host's own
+        attention. Every other case as without ``host``; the capture also compares dense layer
+        calls with the host's own attention."""
         md = step.metadata
         params = self._select(q, k, v, md)
-        if "context" in md.phases() and is_dense(params, "context"):
+        res = None if host is None else self._on_host(q, step, params, host)
+        if res is None and "context" in md.phases() and is_dense(params, "context"):
             res = self._dense_context_first(q, step, params)
-        else:
+        elif res is None:
             res = self.backend.forward(q, md, self.layer_idx, self.geometry, params)
         if self.golden is not None:
-            self._capture(q, md, params, res.out, host_output)
+            self._capture(q, md, params, res, None if host is None else step.to_kvsieve(host.dense()))
         return res
+
+    def _on_host(self, q: torch.Tensor, step: StepTranslator, params: SparseRuntimeParams | None,
+                 host: HostAttention) -> AttentionResult | None:
+        """The step on the host's kernels (:meth:`forward`), or ``None`` when they cannot compute it."""
+        md, g = step.metadata, self.geometry
+        phases = md.phases()
+        if any(params is not None and params.threshold_scale_factor(p) > 0 for p in phases):
+            return None
+        paths = {p: "host_dense" for p in phases}
+        # positions read per (row, KV head): dense rows all they may attend, paged rows their tables' lengths
+        attended = md.token_kv_lens.to(torch.int64)[:, None].repeat(1, g.num_kv_heads)
+        if all(is_dense(params, p) for p in phases):
+            out = step.to_kvsieve(host.dense())
+        elif "generation" in phases and not ("context" in phases and params.selects_positions("context")):
+            tables = per_head_block_tables(params, md, step.view)
+            if tables is None and "context" not in phases:
+                return None
+            rows = md.generation_rows
+            # a copy: host.dense() stays the host's own output (the capture compares with it)
+            out = step.to_kvsieve(host.dense()).clone() if "context" in phases else q.new_empty(md.num_tokens, *q.shape[1:])
+            if tables is None:  # the decode rows' selection is not whole blocks: the backend on their sub-step
+                sub = self.backend.forward(q[rows], step.generation_metadata(), self.layer_idx, g,
+                                           _rows_params(params, rows))
+                out[rows], attended[rows], paths["generation"] = sub.out, sub.attended, sub.paths["generation"]
+            else:
+                hkv = g.num_kv_heads
+                paged = host.paged_per_head(q[rows].reshape(-1, g.num_q_heads // hkv, g.head_dim), tables)
+                out[rows] = paged.view(-1, g.num_q_heads, g.value_dim)
+                attended[rows] = tables.seq_lens.view(-1, hkv)
+                paths["generation"] = "host_paged"
+        else:
+            return None
+        return AttentionResult(out, None, attended, paths, 0, 0)
 
     def _select(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
                 ) -> SparseRuntimeParams | None:
@@ -216,8 +257,8 @@ class LayerRunner:
         return AttentionResult(out, None, self.backend.effective_attended_tokens(params, md, g), paths, skipped, walked)
 
     def _capture(self, q: torch.Tensor, md: AttentionMetadata, params: SparseRuntimeParams | None,
-                 out: torch.Tensor, host_output: torch.Tensor | None) -> None:
-        ref = self.golden.forward(q, md, self.layer_idx, self.geometry, params).out
+                 res: AttentionResult, host_output: torch.Tensor | None) -> None:
+        ref, out = self.golden.forward(q, md, self.layer_idx, self.geometry, params).out, res.out
         attended = self.golden.effective_attended_tokens(params, md, self.geometry)
         record = {
             "layer": self.layer_idx, "num_tokens": md.num_tokens, "num_contexts": md.num_contexts,
@@ -226,6 +267,7 @@ class LayerRunner:
             "attended": int(attended.sum()), "dense": int(md.token_kv_lens.to(torch.int64).sum()) * self.geometry.num_kv_heads,
             "max_abs_diff": float((out.float() - ref.float()).abs().max()) if out.numel() else 0.0,
             "ref_max_abs": float(ref.float().abs().max()) if ref.numel() else 0.0, "dtype": str(q.dtype),
+            "paths": res.paths,
             "host_max_abs_diff": None if host_output is None or params is not None or not out.numel()
             else float((out.float() - host_output.float()).abs().max()),
         }

@@ -13,6 +13,16 @@ a *slot* (one per live request) so translations in ``prepare()`` are vectorized 
 Two lengths per request: *valid* (committed history, what kernels attend) and *addressable*
 (pages reserved for appends not yet accepted, e.g. speculative drafts); valid <= addressable.
 
+Blocks are shared by reference count (:mod:`.block_allocator`): :meth:`KVCacheManager.fork`
+gives a beam all its parent's blocks, :meth:`KVCacheManager.reorder` rearranges beams, and a
+request added with its ``tokens`` reuses the longest cached prefix of full blocks (each full block
+of a request added with tokens is named by a chained hash of its tokens once written,
+:meth:`KVCacheManager.cache_full_blocks`). A shared or named block is never written: the ledger
+copies it (every layer of the main and auxiliary pools) into a private block before a write
+reaches it (copy-on-write in :meth:`KVCacheManager.append_tokens` / ``reserve_tokens``, and
+:meth:`KVCacheManager.make_writable` before an eviction compacts the prompt), and ``write`` /
+``compact`` refuse a shared block.
+
 Every ledger method checks before it changes anything: a call that raises leaves the ledger and
 the allocator as they were. :meth:`KVCacheManager.check_appends` checks a whole step's appends
 at once, and :meth:`KVCacheManager.snapshot` / :meth:`KVCacheManager.restore` put the ledger,
@@ -20,24 +30,24 @@ the allocator and the pool rows of chosen blocks back after a step failed half-w
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 
+from .block_allocator import AllocatorState, BlockAllocator, KVCacheCapacityError, chain_hash
+
 __all__ = ["KVCacheSpec", "BlockAllocator", "KVCacheManager", "KVCacheCapacityError", "CacheSnapshot"]
-
-
-class KVCacheCapacityError(RuntimeError):
-    """The cache has no room: out of free blocks or out of request slots (``max_requests``)."""
 
 
 @dataclass(frozen=True)
 class CacheSnapshot:
     """What :meth:`KVCacheManager.restore` needs to undo a step: copies of the ledger arrays, the
-    slot maps and the allocator's free list, and the pool rows (main and auxiliary pools, every
-    layer) of ``blocks`` as they were."""
+    slot maps and the allocator (free list, LRU, reference counts, hashes), each slot's token
+    record (the list and its length), and the pool rows (main and auxiliary pools, every layer)
+    of ``blocks`` as they were."""
 
     block_table: np.ndarray
     num_blocks_of: np.ndarray
@@ -45,7 +55,9 @@ class CacheSnapshot:
     addressable_lens: np.ndarray
     slot_of: dict[int, int]
     free_slots: list[int]
-    free_blocks: list[int]
+    allocator: AllocatorState
+    tokens: list[tuple[list[int], int] | None]
+    hashes: list[tuple[list[bytes], int]]
     blocks: torch.Tensor
     pool_rows: list[torch.Tensor]
     aux_rows: dict[str, list[torch.Tensor]]
@@ -112,35 +124,6 @@ class KVCacheSpec:
         return (n, 2, p, self.num_kv_heads, self.head_dim)
 
 
-class BlockAllocator:
-    """A LIFO free list of block ids ``1..num_blocks-1``; block 0 is never handed out."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self._free = list(range(num_blocks - 1, 0, -1))
-        self.num_blocks = num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise KVCacheCapacityError(f"KV cache out of blocks: asked for {n}, {len(self._free)} free of {self.num_blocks - 1}")
-        taken = self.peek(n)
-        del self._free[len(self._free) - n:]
-        return taken
-
-    def peek(self, n: int) -> list[int]:
-        """The block ids the next ``allocate(n)`` would hand out (nothing is taken)."""
-        return self._free[len(self._free) - n:][::-1] if n else []
-
-    def release(self, blocks: list[int] | np.ndarray) -> None:
-        ids = [int(b) for b in blocks]
-        if any(b <= 0 or b >= self.num_blocks for b in ids):
-            raise ValueError(f"release: block ids must be in [1, {self.num_blocks}), got {ids}")
-        self._free.extend(reversed(ids))
-
-
 class KVCacheManager:
     """Owns the pools, the allocator and the request -> block ledger."""
 
@@ -156,6 +139,13 @@ class KVCacheManager:
         self.addressable_lens = np.zeros(r, dtype=np.int32)
         self._slot_of: dict[int, int] = {}
         self._free_slots = list(range(r - 1, -1, -1))
+        # per slot: the committed token ids of a request added with its tokens (None: not tracked),
+        # and the chained hashes of its first full blocks
+        self._tokens: list[list[int] | None] = [None] * r
+        self._hashes: list[list[bytes]] = [[] for _ in range(r)]
+        #: the block a block was copied from on write (0: written fresh); valid for the blocks of live
+        #: requests, so per-block state a reader built for the source holds for the copy
+        self.copied_from = np.zeros(spec.num_blocks, dtype=np.int32)
 
     # ---- ledger -------------------------------------------------------------------------
     @property
@@ -175,37 +165,57 @@ class KVCacheManager:
     def slots(self, request_ids: list[int] | np.ndarray) -> np.ndarray:
         return np.fromiter((self.slot(int(r)) for r in request_ids), dtype=np.int32, count=len(request_ids))
 
-    def add_request(self, request_id: int, num_tokens: int = 0) -> int:
-        """Register a request and allocate pages for ``num_tokens`` committed tokens."""
+    def add_request(self, request_id: int, num_tokens: int = 0, *, tokens: Sequence[int] | None = None) -> int:
+        """Register a request and allocate pages for ``num_tokens`` committed tokens; returns its slot.
+
+        With ``tokens`` (the prompt's token ids; ``num_tokens`` must then be 0) the request is
+        tracked for prefix caching: it starts holding the longest cached prefix of ``tokens`` in
+        whole blocks (at most ``len(tokens) - 1`` positions, so one token is left to compute), shared
+        by reference, and :meth:`valid_len` says how many positions that is; append the rest with
+        their token ids (``append_tokens(..., tokens=)``)."""
         if isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer)):
             raise TypeError(f"request_id must be an int, got {type(request_id).__name__} {request_id!r}")
         if request_id in self._slot_of:
             raise ValueError(f"request_id {request_id} is already in the cache")
+        if tokens is not None and num_tokens:
+            raise ValueError("add_request: give tokens (prefix caching) or num_tokens, not both")
         self.check_appends([(request_id, num_tokens)])
+        blocks, hashes = self._cached_prefix(tokens) if tokens is not None else ([], [])
         s = self._free_slots.pop()
         self._slot_of[request_id] = s
-        self.num_blocks_of[s] = 0
-        self.valid_lens[s] = 0
-        self.addressable_lens[s] = 0
+        self.allocator.incref(blocks)
+        n = len(blocks) * self.tokens_per_block
+        self.block_table[s, : len(blocks)] = blocks
+        self.num_blocks_of[s] = len(blocks)
+        self.valid_lens[s] = self.addressable_lens[s] = n
+        self._tokens[s] = None if tokens is None else [int(t) for t in tokens[:n]]
+        self._hashes[s] = hashes
         if num_tokens:
             self.append_tokens(request_id, num_tokens)
         return s
 
-    def append_tokens(self, request_id: int, n: int) -> None:
-        """Commit ``n`` new tokens (valid and addressable grow together)."""
+    def append_tokens(self, request_id: int, n: int, tokens: Sequence[int] | None = None) -> None:
+        """Commit ``n`` new tokens (valid and addressable grow together). A request added with its
+        tokens takes the ``n`` new token ids in ``tokens``; any other request takes none."""
         n = _count("append_tokens: n", n)
         s = self.slot(request_id)
         if self.addressable_lens[s] != self.valid_lens[s]:
             raise RuntimeError(
                 f"request {request_id} has uncommitted reserved tokens; commit_tokens or rewind first"
             )
+        self._check_tokens(request_id, s, n, tokens)
         self._grow(s, int(self.valid_lens[s]) + n)
         self.valid_lens[s] += n
+        if tokens is not None:
+            self._tokens[s].extend(int(t) for t in tokens)
 
     def reserve_tokens(self, request_id: int, n: int) -> None:
         """Make ``n`` more positions addressable (pages allocated) without committing them."""
         n = _count("reserve_tokens: n", n)
         s = self.slot(request_id)
+        if self._tokens[s] is not None:
+            raise ValueError(f"reserve_tokens: request {request_id} is tracked for prefix caching, which records "
+                             "committed token ids only; speculative reservations are not supported on it")
         self._grow(s, int(self.addressable_lens[s]) + n)
 
     def commit_tokens(self, request_id: int, n: int) -> None:
@@ -223,7 +233,8 @@ class KVCacheManager:
         self.truncate(request_id, int(self.valid_lens[self.slot(request_id)]))
 
     def truncate(self, request_id: int, new_len: int) -> None:
-        """Set valid = addressable = ``new_len`` and free pages past it (after compaction)."""
+        """Set valid = addressable = ``new_len`` and drop this request's references to pages past it
+        (after compaction)."""
         s = self.slot(request_id)
         if not 0 <= new_len <= self.valid_lens[s]:
             raise ValueError(f"truncate: new_len must be in [0, {self.valid_lens[s]}], got {new_len}")
@@ -235,8 +246,13 @@ class KVCacheManager:
         self.num_blocks_of[s] = keep
         self.valid_lens[s] = new_len
         self.addressable_lens[s] = new_len
+        if self._tokens[s] is not None:
+            self._tokens[s] = self._tokens[s][:new_len]
+        self._hashes[s] = self._hashes[s][: new_len // self.tokens_per_block]
 
     def free_request(self, request_id: int) -> None:
+        """Drop the request and its references; blocks nobody else holds are freed (named ones
+        stay cached, evictable, until the allocator needs them)."""
         s = self.slot(request_id)
         used = int(self.num_blocks_of[s])
         if used:
@@ -244,6 +260,7 @@ class KVCacheManager:
         self.block_table[s, :] = 0
         self.num_blocks_of[s] = 0
         self.valid_lens[s] = self.addressable_lens[s] = 0
+        self._tokens[s], self._hashes[s] = None, []
         del self._slot_of[request_id]
         self._free_slots.append(s)
 
@@ -257,9 +274,9 @@ class KVCacheManager:
     def check_appends(self, appends: list[tuple[int, int]]) -> int:
         """Raise, changing nothing, unless every ``(request_id, n)`` of one step can be appended
         together: ids unique, ``n`` ints >= 0, no request with uncommitted reserved tokens, each
-        request within ``max_blocks_per_seq``, slots for the new ids and blocks for all of them.
-        A request id not in the cache counts as new (it would be added with ``n`` tokens).
-        Returns the number of blocks the appends would allocate."""
+        request within ``max_blocks_per_seq``, slots for the new ids and blocks for all of them
+        (copies of shared last blocks included). A request id not in the cache counts as new (it
+        would be added with ``n`` tokens). Returns the number of blocks the appends would allocate."""
         ids = [rid for rid, _ in appends]
         if len(set(ids)) != len(ids):
             dup = sorted({r for r in ids if ids.count(r) > 1})
@@ -274,6 +291,8 @@ class KVCacheManager:
             have = 0 if s is None else int(self.num_blocks_of[s])
             new_slots += s is None
             new_blocks += max(self._blocks_for(valid + n) - have, 0)
+            if s is not None and n:
+                new_blocks += self._copies_to_write(s, valid)
         if new_slots > len(self._free_slots):
             raise KVCacheCapacityError(
                 f"KV cache out of request slots: {new_slots} new requests, {len(self._free_slots)} free of "
@@ -295,12 +314,162 @@ class KVCacheManager:
         return need
 
     def _grow(self, s: int, new_addressable: int) -> None:
+        old = int(self.addressable_lens[s])
         need = self._blocks_for(new_addressable)
         have = int(self.num_blocks_of[s])
+        if new_addressable > old:
+            self._check_room(max(need - have, 0) + self._copies_to_write(s, old))
+            self._make_private(s, old // self.tokens_per_block, have)
         if need > have:
             self.block_table[s, have:need] = self.allocator.allocate(need - have)
+            self.copied_from[self.block_table[s, have:need]] = 0
             self.num_blocks_of[s] = need
-        self.addressable_lens[s] = max(int(self.addressable_lens[s]), new_addressable)
+        self.addressable_lens[s] = max(old, new_addressable)
+
+    # ---- sharing: forks, beams, copy-on-write, prefix caching ----------------------------
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Start request ``child_id`` as a copy of ``parent_id`` (a beam): it holds every block of
+        the parent by reference, the same lengths and token record; the first write into a shared
+        block copies it. Raises, changing nothing, for an unknown parent, a taken child id, a
+        parent with uncommitted reserved tokens, or no free request slot."""
+        p = self.slot(parent_id)
+        if isinstance(child_id, bool) or not isinstance(child_id, (int, np.integer)):
+            raise TypeError(f"child_id must be an int, got {type(child_id).__name__} {child_id!r}")
+        if child_id in self._slot_of:
+            raise ValueError(f"fork: request_id {child_id} is already in the cache")
+        if self.addressable_lens[p] != self.valid_lens[p]:
+            raise RuntimeError(f"fork: request {parent_id} has uncommitted reserved tokens; commit_tokens or rewind first")
+        if not self._free_slots:
+            raise KVCacheCapacityError(f"KV cache out of request slots: max_requests={self.spec.max_requests}")
+        c = self._free_slots.pop()
+        self._slot_of[int(child_id)] = c
+        self._copy_slot(p, c)
+        self.allocator.incref(self.block_table[c, : self.num_blocks_of[c]])
+
+    def reorder(self, request_ids: Sequence[int], sources: Sequence[int]) -> None:
+        """Beam reordering: request ``request_ids[i]`` takes the state (blocks by reference, lengths,
+        token record) that ``request_ids[sources[i]]`` held before the call, like transformers'
+        ``Cache.reorder_cache(beam_idx)``. Raises, changing nothing, for unknown or repeated ids, a
+        source out of range or a request with uncommitted reserved tokens."""
+        slots = self.slots(list(request_ids))
+        src = np.asarray(sources, dtype=np.int64)
+        if len(set(slots.tolist())) != len(slots):
+            raise ValueError(f"reorder: request ids must be unique, got {list(request_ids)}")
+        if src.shape != (len(slots),) or (len(src) and (src.min() < 0 or src.max() >= len(slots))):
+            raise ValueError(f"reorder: sources must be {len(slots)} indices in [0, {len(slots)}), got {src.tolist()}")
+        if bool((self.addressable_lens[slots] != self.valid_lens[slots]).any()):
+            raise RuntimeError("reorder: a request has uncommitted reserved tokens; commit_tokens or rewind first")
+        old = [(self.block_table[s].copy(), int(self.num_blocks_of[s]), int(self.valid_lens[s]), self._tokens[s],
+                list(self._hashes[s])) for s in slots]
+        held = np.concatenate([self.block_table[s, : self.num_blocks_of[s]] for s in slots] + [np.zeros(0, np.int32)])
+        for s, i in zip(slots, src):
+            table, nb, n, toks, hashes = old[i]
+            self.block_table[s], self.num_blocks_of[s] = table, nb
+            self.valid_lens[s] = self.addressable_lens[s] = n
+            self._tokens[s], self._hashes[s] = None if toks is None else list(toks), list(hashes)
+        self.allocator.incref(np.concatenate([self.block_table[s, : self.num_blocks_of[s]] for s in slots]
+                                             + [np.zeros(0, np.int32)]))
+        self.allocator.release(held)
+
+    def make_writable(self, request_id: int, first_block: int = 0) -> None:
+        """Make blocks ``first_block..`` of the request private before something rewrites them in
+        place (an eviction compacting the prompt): a shared block is copied, a named one only held
+        here loses its name. Raises :class:`KVCacheCapacityError`, changing nothing, without room."""
+        s = self.slot(request_id)
+        have = int(self.num_blocks_of[s])
+        self._check_room(self.blocks_to_copy(request_id, first_block))
+        self._make_private(s, first_block, have)
+        if first_block * self.tokens_per_block < int(self.valid_lens[s]):  # positions will move: stop tracking
+            self._tokens[s] = None
+            self._hashes[s] = self._hashes[s][:first_block]
+
+    def blocks_to_copy(self, request_id: int, first_block: int = 0) -> int:
+        """How many blocks :meth:`make_writable` would allocate (the shared ones from ``first_block``)."""
+        s = self.slot(request_id)
+        held = self.block_table[s, first_block: self.num_blocks_of[s]]
+        return int((self.allocator.refcount[held] > 1).sum())
+
+    def cache_full_blocks(self, request_ids: Sequence[int]) -> None:
+        """Name (hash) the full, written blocks of the tracked requests among ``request_ids`` so that
+        later requests can reuse them. Call once the step that wrote them is complete."""
+        p = self.tokens_per_block
+        for rid in request_ids:
+            s = self.slot(int(rid))
+            toks, hashes = self._tokens[s], self._hashes[s]
+            if toks is None:
+                continue
+            for j in range(len(hashes), int(self.valid_lens[s]) // p):
+                hashes.append(chain_hash(hashes[-1] if hashes else b"", toks[j * p: (j + 1) * p]))
+                self.allocator.register(int(self.block_table[s, j]), hashes[-1])
+
+    def _cached_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """The cached blocks holding the longest prefix of ``tokens`` in whole blocks (leaving at
+        least one token uncached) and their hashes."""
+        p = self.tokens_per_block
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        for j in range((len(tokens) - 1) // p if len(tokens) else 0):
+            h = chain_hash(hashes[-1] if hashes else b"", tokens[j * p: (j + 1) * p])
+            b = self.allocator.lookup(h)
+            if b is None:
+                break
+            blocks.append(b)
+            hashes.append(h)
+        return blocks, hashes
+
+    def _check_room(self, n: int) -> None:
+        if n > self.allocator.num_free:
+            raise KVCacheCapacityError(f"KV cache out of blocks: asked for {n}, {self.allocator.num_free} free of "
+                                       f"{self.allocator.num_blocks - 1}")
+
+    def _check_private(self, caller: str, blocks: np.ndarray) -> None:
+        """Raise naming ``caller`` if any of ``blocks`` is shared (referenced twice) or named
+        (cached): such a block is never written."""
+        bad = (self.allocator.refcount[blocks] > 1) | self.allocator.named[blocks]
+        if bool(bad.any()):
+            b = int(np.asarray(blocks).reshape(-1)[np.argmax(bad.reshape(-1))])
+            raise RuntimeError(f"{caller}: block {b} is shared or cached ({int(self.allocator.refcount[b])} "
+                               "references) and is never written; the ledger copies it on write first")
+
+    def _copies_to_write(self, s: int, first_pos: int) -> int:
+        """1 if the block holding ``first_pos`` (a partly filled block the next write lands in) is
+        shared and must be copied first, else 0."""
+        j = first_pos // self.tokens_per_block
+        if first_pos % self.tokens_per_block == 0 or j >= self.num_blocks_of[s]:
+            return 0
+        return int(self.allocator.refcount[self.block_table[s, j]] > 1)
+
+    def _make_private(self, s: int, first: int, last: int) -> None:
+        """Copy-on-write for blocks ``[first, last)`` of slot ``s`` (room was checked)."""
+        for j in range(first, last):
+            b = int(self.block_table[s, j])
+            if self.allocator.refcount[b] > 1:
+                (dst,) = self.allocator.allocate(1)
+                for pool in [*self.pools, *(p for pools in self.aux_pools.values() for p in pools)]:
+                    pool[dst] = pool[b]
+                self.allocator.release([b])
+                self.block_table[s, j] = dst
+                self.copied_from[dst] = b
+            else:
+                self.allocator.unregister(b)
+
+    def _copy_slot(self, src: int, dst: int) -> None:
+        self.block_table[dst] = self.block_table[src]
+        self.num_blocks_of[dst] = self.num_blocks_of[src]
+        self.valid_lens[dst] = self.valid_lens[src]
+        self.addressable_lens[dst] = self.addressable_lens[src]
+        self._tokens[dst] = None if self._tokens[src] is None else list(self._tokens[src])
+        self._hashes[dst] = list(self._hashes[src])
+
+    def _check_tokens(self, request_id: int, s: int, n: int, tokens: Sequence[int] | None) -> None:
+        tracked = self._tokens[s] is not None
+        if tracked and (tokens is None or len(tokens) != n):
+            got = "none" if tokens is None else len(tokens)
+            raise ValueError(f"request {request_id} is tracked for prefix caching: append its {n} new token ids "
+                             f"(tokens=), got {got}")
+        if not tracked and tokens is not None:
+            raise ValueError(f"request {request_id} was added without tokens (not tracked for prefix caching); "
+                             "append_tokens takes no token ids for it")
 
     # ---- snapshot / restore -------------------------------------------------------------
     def snapshot(self, blocks: list[int] | np.ndarray = ()) -> CacheSnapshot:
@@ -310,7 +479,9 @@ class KVCacheManager:
         return CacheSnapshot(
             block_table=self.block_table.copy(), num_blocks_of=self.num_blocks_of.copy(),
             valid_lens=self.valid_lens.copy(), addressable_lens=self.addressable_lens.copy(),
-            slot_of=dict(self._slot_of), free_slots=list(self._free_slots), free_blocks=list(self.allocator._free),
+            slot_of=dict(self._slot_of), free_slots=list(self._free_slots), allocator=self.allocator.state(),
+            tokens=[None if t is None else (t, len(t)) for t in self._tokens],
+            hashes=[(h, len(h)) for h in self._hashes],
             blocks=ids, pool_rows=[p[ids].clone() for p in self.pools],
             aux_rows={name: [p[ids].clone() for p in pools] for name, pools in self.aux_pools.items()},
         )
@@ -324,7 +495,14 @@ class KVCacheManager:
         self.addressable_lens[:] = snap.addressable_lens
         self._slot_of = dict(snap.slot_of)
         self._free_slots = list(snap.free_slots)
-        self.allocator._free = list(snap.free_blocks)
+        self.allocator.set_state(snap.allocator)
+        for s, saved in enumerate(snap.tokens):  # token lists only grow in place; other changes replace them
+            self._tokens[s] = None if saved is None else saved[0]
+            if saved is not None:
+                del saved[0][saved[1]:]
+        for s, (hashes, n) in enumerate(snap.hashes):
+            self._hashes[s] = hashes
+            del hashes[n:]
         for pool, rows in zip(self.pools, snap.pool_rows):
             pool[snap.blocks] = rows
         for name, pools in self.aux_pools.items():
@@ -408,12 +586,15 @@ class KVCacheManager:
             self._check_addressable("write", slots, positions)
             s, p = int(slots[0]), int(positions[0])
             blk, off = int(self.block_table[s, p // self.tokens_per_block]), p % self.tokens_per_block
+            if self.allocator.refcount[blk] > 1 or self.allocator.named[blk]:
+                self._check_private("write", np.array([blk]))
             if self.spec.layout == "HND":
                 pool[blk, 0, :, off], pool[blk, 1, :, off] = k[0], v[0]
             else:
                 pool[blk, 0, off], pool[blk, 1, off] = k[0], v[0]
             return
         blk, off = self.physical(slots, positions)
+        self._check_private("write", blk.cpu().numpy())
         if self.spec.kind == "mla":
             if v is not None:
                 raise ValueError("write: MLA takes the latent as k and v=None")
@@ -456,6 +637,7 @@ class KVCacheManager:
         if n_keep > 1 and bool((kept[:, 1:] <= kept[:, :-1]).any()):
             raise ValueError("compact: kept positions must be strictly ascending per head")
         p = self.tokens_per_block
+        self._check_private("compact", self.block_table[s, : -(-n_keep // p)])
         table = torch.from_numpy(self.block_table[s].astype(np.int64)).to(kept.device)
         src = kept.to(torch.int64)
         dst = torch.arange(n_keep, device=kept.device).expand_as(src)

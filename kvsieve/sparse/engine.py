@@ -1,5 +1,12 @@
 """A small step driver (the engine role: ledger, metadata, layers, evictions) used by tests, the demo and eval.
 
+Requests may share blocks (see :mod:`kvsieve.metadata.kv_cache`): :meth:`Engine.add_request`
+with the prompt's token ids reuses the longest cached prefix (the step then prefills only the
+rest), :meth:`Engine.fork` starts a beam sharing every block of its parent, and ``end_step``
+names the full blocks the step wrote so later requests can reuse them. The ledger copies a
+shared block before a step writes it; before a step whose layers may evict, every block of its
+context requests is made private (:meth:`KVCacheManager.make_writable`).
+
 A step is all-or-nothing. ``begin_step`` checks the whole batch before it changes anything
 (:meth:`Engine.check_batch`), snapshots what the step may write (ledger, allocator, the pool
 rows of the batch's blocks), appends the step's tokens to the ledger, fills
@@ -38,7 +45,8 @@ class Engine:
                                           translations=translations if translations is not None else needed)
         self._snapshot: CacheSnapshot | None = None
 
-    def check_batch(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int) -> int:
+    def check_batch(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int,
+                    tokens: Sequence[Sequence[int] | None] | None = None) -> int:
         """Raise (changing nothing) unless the batch can run: ``request_ids`` unique ints,
         ``seq_lens`` ints >= 1 of the same length, ``0 <= num_contexts <= len(request_ids)``,
         every generation request (index >= ``num_contexts``) already prefilled, at most
@@ -67,21 +75,53 @@ class Engine:
             if rid not in self.cache.request_ids or self.cache.valid_len(rid) == 0:
                 raise ValueError(f"generation request {rid} was never prefilled: put new requests among the first "
                                  f"num_contexts={num_contexts} (context) entries")
-        return self.cache.check_appends([(int(r), int(n)) for r, n in zip(request_ids, seq_lens)])
+        if tokens is not None and len(tokens) != len(request_ids):
+            raise ValueError(f"tokens: one entry (token ids or None) per request, got {len(tokens)} for "
+                             f"{len(request_ids)} requests")
+        copies = sum(self.cache.blocks_to_copy(int(r)) for r in self._rewritten(request_ids, num_contexts))
+        return copies + self.cache.check_appends([(int(r), int(n)) for r, n in zip(request_ids, seq_lens)])
 
-    def begin_step(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int) -> AttentionMetadata:
-        """Context requests first. A request id not yet in the cache is added. Call
-        :meth:`end_step` after the layers ran, or :meth:`abort_step` if one failed."""
+    def add_request(self, request_id: int, tokens: Sequence[int]) -> int:
+        """Add a request tracked for prefix caching with its prompt ``tokens``; it starts holding
+        the longest cached prefix (whole blocks, shared). Returns how many of ``tokens`` that is:
+        prefill ``tokens[n:]`` next (``begin_step(..., tokens=[tokens[n:], ...])``)."""
+        self._check_idle("add_request")
+        self.cache.add_request(request_id, tokens=tokens)
+        return self.cache.valid_len(request_id)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Start request ``child_id`` as a beam of ``parent_id``: every block shared, copied on write."""
+        self._check_idle("fork")
+        self.cache.fork(parent_id, child_id)
+
+    def _check_idle(self, caller: str) -> None:
+        if self._snapshot is not None:
+            raise RuntimeError(f"{caller}: a step is in progress; end or abort it first")
+
+    def _rewritten(self, request_ids: Sequence[int], num_contexts: int) -> list[int]:
+        """Requests of the step whose every block a layer may rewrite: the context requests already
+        in the cache, when a layer's selector evicts (it compacts the whole prompt)."""
+        evicts = any(layer.plan is not None and layer.plan.selector.capabilities.evicts for layer in self.layers)
+        return [int(r) for r in request_ids[:num_contexts] if evicts and r in self.cache.request_ids]
+
+    def begin_step(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int,
+                   tokens: Sequence[Sequence[int] | None] | None = None) -> AttentionMetadata:
+        """Context requests first. A request id not yet in the cache is added. ``tokens``: per
+        request, the step's new token ids for a request tracked for prefix caching
+        (:meth:`add_request`), ``None`` for the others. Call :meth:`end_step` after the layers
+        ran, or :meth:`abort_step` if one failed."""
         if self._snapshot is not None:
             raise RuntimeError("begin_step: the previous step was neither ended nor aborted")
-        new_blocks = self.check_batch(request_ids, seq_lens, num_contexts)
+        new_blocks = self.check_batch(request_ids, seq_lens, num_contexts, tokens)
         written = self._blocks_written(request_ids, num_contexts) + self.cache.allocator.peek(new_blocks)
         self._snapshot = self.cache.snapshot(written)
         try:
-            for rid, n in zip(request_ids, seq_lens):
+            for rid in self._rewritten(request_ids, num_contexts):
+                self.cache.make_writable(rid)
+            for i, (rid, n) in enumerate(zip(request_ids, seq_lens)):
                 if rid not in self.cache.request_ids:
                     self.cache.add_request(int(rid))
-                self.cache.append_tokens(int(rid), int(n))
+                self.cache.append_tokens(int(rid), int(n), None if tokens is None else tokens[i])
             md = self.metadata
             md.request_ids = list(request_ids)
             md.seq_lens = list(seq_lens)
@@ -96,6 +136,7 @@ class Engine:
         """Commit evictions recorded by the layers; returns request id -> kept length."""
         try:
             done = commit_evictions(self.metadata)
+            self.cache.cache_full_blocks(self.metadata.request_ids)
         except BaseException:
             self.abort_step()
             raise
@@ -114,8 +155,10 @@ class Engine:
 
     def step(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int,
              layer_inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
-             model_inputs: Sequence[object] | None = None) -> list[LayerOutput]:
-        """One whole step; on any error the cache is left exactly as before the call.
+             model_inputs: Sequence[object] | None = None, tokens: Sequence[Sequence[int] | None] | None = None
+             ) -> list[LayerOutput]:
+        """One whole step; on any error the cache is left exactly as before the call. ``tokens``:
+        as for :meth:`begin_step`.
 
         ``model_inputs``: one entry per layer (``None`` where the layer's selector reads none),
         passed to :meth:`SparseAttention.forward` as this step's per-step model inputs."""
@@ -126,7 +169,7 @@ class Engine:
         elif len(model_inputs) != len(self.layers):
             raise ValueError(f"expected model_inputs for {len(self.layers)} layers (None where a layer's selector "
                              f"reads none), got {len(model_inputs)}")
-        self.check_batch(request_ids, seq_lens, num_contexts)
+        self.check_batch(request_ids, seq_lens, num_contexts, tokens)
         num_tokens = sum(int(n) for n in seq_lens)
         for i, inputs in enumerate(layer_inputs):
             for name, t in zip(("q", "k", "v"), inputs):
@@ -137,7 +180,7 @@ class Engine:
                 if t.dim() < 2 or t.shape[0] != num_tokens:
                     raise ValueError(f"layer {i}: {name} must have num_tokens={num_tokens} rows (sum of seq_lens), "
                                      f"got shape {tuple(t.shape)}")
-        md = self.begin_step(request_ids, seq_lens, num_contexts)
+        md = self.begin_step(request_ids, seq_lens, num_contexts, tokens)
         try:
             outs = [layer.forward(q, k, v, md, model_inputs=extra)
                     for layer, (q, k, v), extra in zip(self.layers, layer_inputs, model_inputs)]
@@ -148,6 +191,7 @@ class Engine:
         return outs
 
     def free(self, request_id: int) -> None:
+        self._check_idle("free")
         self.cache.free_request(request_id)
 
     def _blocks_written(self, request_ids: Sequence[int], num_contexts: int) -> list[int]:

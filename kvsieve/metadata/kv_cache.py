@@ -379,9 +379,6 @@ class KVCacheManager:
         have = int(self.num_blocks_of[s])
         self._check_room(self.blocks_to_copy(request_id, first_block))
         self._make_private(s, first_block, have)
-        if first_block * self.tokens_per_block < int(self.valid_lens[s]):  # positions will move: stop tracking
-            self._tokens[s] = None
-            self._hashes[s] = self._hashes[s][:first_block]
 
     def blocks_to_copy(self, request_id: int, first_block: int = 0) -> int:
         """How many blocks :meth:`make_writable` would allocate (the shared ones from ``first_block``)."""
@@ -625,7 +622,8 @@ class KVCacheManager:
         ``kept [num_kv_heads, n_keep]`` (MLA: ``[1, n_keep]``) request-local positions, sorted
         ascending, so each destination ``j <= kept[h, j]``: the gather reads every source before
         the scatter writes. The ledger length is not changed here (other layers still hold the
-        full prompt); call :meth:`truncate` once all layers are compacted.
+        full prompt); call :meth:`truncate` once all layers are compacted. The request stops being
+        tracked for prefix caching (its positions no longer hold its tokens in order).
         """
         s = self.slot(request_id)
         n_keep = kept.shape[1]
@@ -638,6 +636,7 @@ class KVCacheManager:
             raise ValueError("compact: kept positions must be strictly ascending per head")
         p = self.tokens_per_block
         self._check_private("compact", self.block_table[s, : -(-n_keep // p)])
+        self._tokens[s], self._hashes[s] = None, []  # positions move: the token record no longer names them
         table = torch.from_numpy(self.block_table[s].astype(np.int64)).to(kept.device)
         src = kept.to(torch.int64)
         dst = torch.arange(n_keep, device=kept.device).expand_as(src)

@@ -143,6 +143,10 @@ class KvsieveSession:
     step's batch and grows it when a later step starts more new requests;
     ``decode_threads``: torch intra-op threads during :meth:`decode` (on a CPU, one thread is
     faster for one-token steps: their ops are too small to repay thread hand-offs);
+    ``release_windows``: the sliding-window layers of a hybrid model have their own cache group
+    (their own length: the full-attention layers may evict without them); with this flag that group
+    drops blocks wholly out of the window after each step (held blocks stay bounded, and
+    :meth:`rewind` refuses a length whose window was dropped); ``False`` keeps them.
     ``check_steps``: compare that many random generation steps with the Vanilla golden
     (:class:`~kvsieve.integrations.golden_check.GoldenCheck`, kept as :attr:`golden_check`).
     """
@@ -151,7 +155,7 @@ class KvsieveSession:
                  backend: str | None = None, max_tokens: int = 8448, max_batch: int | None = None,
                  tokens_per_block: int = 16,
                  dense_fast_path: bool = True, decode_threads: int | None = None, debug: bool = False,
-                 check_steps: int = 0) -> None:
+                 check_steps: int = 0, release_windows: bool = True) -> None:
         if decode_threads is not None and decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1 or None, got {decode_threads}")
         if max_tokens < 1 or (max_batch is not None and max_batch < 1) or tokens_per_block < 1:
@@ -184,7 +188,7 @@ class KvsieveSession:
             if check_steps else None
         self.max_tokens = max_tokens
         self.max_batch = max_batch
-        self.cache: KVCacheManager
+        self.release_windows = release_windows
         self.engine: Engine
         self._size_cache(max_batch or 1)
         self.decode_threads = decode_threads
@@ -209,20 +213,30 @@ class KvsieveSession:
         self._link = GenerateLink(model, self)
 
     def _size_cache(self, rows: int) -> None:
-        """(Re)build the paged cache and the engine for ``rows`` requests (no live requests)."""
-        spec = KVCacheSpec(num_blocks=rows * self._cache_spec["max_blocks_per_seq"] + 1, max_requests=rows,
-                           **self._cache_spec)
-        self.cache = KVCacheManager(spec)
-        self.engine = Engine(self.cache, self.layers, max_num_requests=rows, max_num_tokens=rows * self.max_tokens,
-                             translations=self._translations)
+        """(Re)build the paged cache (a hybrid model: one group for the full-attention layers, one
+        per sliding window) and the engine for ``rows`` requests (no live requests)."""
+        windows = [f.window for f in self.features]
+        groups = sorted(set(windows), key=lambda w: -1 if w is None else w)
+        caches = [KVCacheManager(KVCacheSpec(
+            num_blocks=rows * self._cache_spec["max_blocks_per_seq"] + 1, max_requests=rows, **self._cache_spec,
+            layers=None if len(groups) == 1 else tuple(i for i, w in enumerate(windows) if w == g)))
+            for g in groups]
+        self.engine = Engine(caches, self.layers, max_num_requests=rows, max_num_tokens=rows * self.max_tokens,
+                             translations=self._translations, release_windows=self.release_windows)
         for layer in self.layers:
             layer.plan = layer.plan  # forget the old cache's requests and blocks
         self._rows_capacity = rows
 
+    @property
+    def cache(self) -> KVCacheManager:
+        """The paged cache of the full-attention layers (the first cache group; the only one of a
+        model without sliding windows); every group: ``engine.caches``."""
+        return self.engine.caches[0]
+
     def close(self) -> None:
         """Detach from the model: its attention implementation returns to what it was before the
         session, the modules lose their session reference and the paged cache is freed."""
-        for rid in list(self.cache.request_ids):
+        for rid in self.engine.request_ids:
             self.engine.free(rid)
         self._request_ids = []
         self._step_open = False
@@ -341,7 +355,7 @@ class KvsieveSession:
         """Row ``i`` of the live requests takes what row ``beam_idx[i]`` held (beam search)."""
         if self._step_open:
             raise RuntimeError("reorder_rows: a step is open")
-        self.cache.reorder(self._request_ids, beam_idx.tolist())
+        self.engine.reorder(self._request_ids, beam_idx.tolist())
 
     @property
     def num_cached_positions(self) -> int:
@@ -354,9 +368,16 @@ class KvsieveSession:
         if not 0 <= length <= self._next_pos:
             raise ValueError(f"length must be in [0, {self._next_pos}], got {length}")
         for rid in self._request_ids:
-            if self.cache.valid_len(rid) != self._next_pos:
-                raise ValueError(f"rewind: request {rid} was compacted by eviction; prefill again instead")
-            self.cache.truncate(rid, length)
+            for cache, window in zip(self.engine.caches, self.engine.windows):
+                if cache.valid_len(rid) != self._next_pos:
+                    raise ValueError(f"rewind: request {rid} was compacted by eviction; prefill again instead")
+                p, s = cache.tokens_per_block, cache.slot(rid)
+                if window is not None and not cache.block_table[s, max(length + 1 - window, 0) // p: -(-length // p)].all():
+                    raise ValueError(f"rewind: the sliding-window layers of request {rid} dropped positions the window "
+                                     f"at length {length} reads; prefill again, or build the session with "
+                                     "release_windows=False")
+        for rid in self._request_ids:
+            self.engine.truncate(rid, length)
         self._next_pos = length
 
     def _run(self, ids: torch.Tensor, *, new_requests: bool) -> torch.Tensor:
@@ -381,7 +402,7 @@ class KvsieveSession:
         if self.max_batch is not None and batch > self.max_batch:
             raise ValueError(f"batch of {batch} rows exceeds max_batch={self.max_batch}")
         if new_requests:
-            for rid in list(self.cache.request_ids):
+            for rid in self.engine.request_ids:
                 self.engine.free(rid)
             if batch > self._rows_capacity:
                 self._size_cache(batch)
@@ -426,7 +447,7 @@ class KvsieveSession:
         k = _pad(key[:, :, -s:], pad[0]).transpose(1, 2).reshape(b * s, key.shape[1], g.head_dim)
         v = _pad(value[:, :, -s:], pad[1]).transpose(1, 2).reshape(b * s, value.shape[1], g.head_dim)
         q = _pad(query, pad[0]).transpose(1, 2).reshape(b * s, hq, g.head_dim)
-        md = self.engine.metadata
+        md = self.engine.metadata_for(layer_idx)
         try:
             res = layer.forward(q, k, v, md, model_inputs=model_inputs)
         except BaseException:

@@ -37,7 +37,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .block_allocator import AllocatorState, BlockAllocator, KVCacheCapacityError, chain_hash
+from .block_allocator import AllocatorState, BlockAllocator, KVCacheCapacityError
+from .kv_pools import PagedPools
+from .kv_sharing import BlockSharing
 
 __all__ = ["KVCacheSpec", "BlockAllocator", "KVCacheManager", "KVCacheCapacityError", "CacheSnapshot"]
 
@@ -89,6 +91,9 @@ class KVCacheSpec:
     device: str | torch.device = "cpu"
     max_requests: int = 64
     max_blocks_per_seq: int = 256
+    #: the model layers this cache holds (a cache group, e.g. a hybrid model's sliding-window layers);
+    #: ``None`` = all ``num_layers``. Layer ids stay the model's; a layer outside has an empty pool.
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "num_blocks", "tokens_per_block", "max_requests", "max_blocks_per_seq")
@@ -108,8 +113,15 @@ class KVCacheSpec:
             raise ValueError("KVCacheSpec: GQA needs num_kv_heads >= 1 and head_dim >= 1")
         if self.kind == "mla" and self.kv_lora_rank < 1:
             raise ValueError("KVCacheSpec: MLA needs kv_lora_rank >= 1")
+        if self.layers is not None and (len(set(self.layers)) != len(self.layers) or not self.layers
+                                        or not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.layers)):
+            raise ValueError(f"KVCacheSpec.layers must be distinct layer ids in [0, {self.num_layers}), got {self.layers}")
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"KVCacheSpec.dtype must be float32, float16 or bfloat16, got {self.dtype}")
+
+    @property
+    def held_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.num_layers)) if self.layers is None else tuple(sorted(self.layers))
 
     @property
     def latent_dim(self) -> int:
@@ -124,13 +136,16 @@ class KVCacheSpec:
         return (n, 2, p, self.num_kv_heads, self.head_dim)
 
 
-class KVCacheManager:
-    """Owns the pools, the allocator and the request -> block ledger."""
+class KVCacheManager(BlockSharing, PagedPools):
+    """Owns the pools, the allocator and the request -> block ledger (sharing: :class:`.kv_sharing.BlockSharing`;
+    pool access: :class:`.kv_pools.PagedPools`)."""
 
     def __init__(self, spec: KVCacheSpec) -> None:
         self.spec = spec
         self.allocator = BlockAllocator(spec.num_blocks)
-        self.pools = [torch.zeros(spec.pool_shape(), dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+        held = set(spec.held_layers)
+        self.pools = [torch.zeros(spec.pool_shape() if i in held else (0, *spec.pool_shape()[1:]), dtype=spec.dtype,
+                                  device=spec.device) for i in range(spec.num_layers)]
         self.aux_pools: dict[str, list[torch.Tensor]] = {}
         r, m = spec.max_requests, spec.max_blocks_per_seq
         self.block_table = np.zeros((r, m), dtype=np.int32)  # padded with the sentinel 0
@@ -241,7 +256,7 @@ class KVCacheManager:
         keep = -(-new_len // self.tokens_per_block)
         used = int(self.num_blocks_of[s])
         if keep < used:
-            self.allocator.release(self.block_table[s, keep:used])
+            self.allocator.release(self._held(s, keep))
             self.block_table[s, keep:used] = 0
         self.num_blocks_of[s] = keep
         self.valid_lens[s] = new_len
@@ -254,9 +269,7 @@ class KVCacheManager:
         """Drop the request and its references; blocks nobody else holds are freed (named ones
         stay cached, evictable, until the allocator needs them)."""
         s = self.slot(request_id)
-        used = int(self.num_blocks_of[s])
-        if used:
-            self.allocator.release(self.block_table[s, :used])
+        self.allocator.release(self._held(s))
         self.block_table[s, :] = 0
         self.num_blocks_of[s] = 0
         self.valid_lens[s] = self.addressable_lens[s] = 0
@@ -326,148 +339,6 @@ class KVCacheManager:
             self.num_blocks_of[s] = need
         self.addressable_lens[s] = max(old, new_addressable)
 
-    # ---- sharing: forks, beams, copy-on-write, prefix caching ----------------------------
-    def fork(self, parent_id: int, child_id: int) -> None:
-        """Start request ``child_id`` as a copy of ``parent_id`` (a beam): it holds every block of
-        the parent by reference, the same lengths and token record; the first write into a shared
-        block copies it. Raises, changing nothing, for an unknown parent, a taken child id, a
-        parent with uncommitted reserved tokens, or no free request slot."""
-        p = self.slot(parent_id)
-        if isinstance(child_id, bool) or not isinstance(child_id, (int, np.integer)):
-            raise TypeError(f"child_id must be an int, got {type(child_id).__name__} {child_id!r}")
-        if child_id in self._slot_of:
-            raise ValueError(f"fork: request_id {child_id} is already in the cache")
-        if self.addressable_lens[p] != self.valid_lens[p]:
-            raise RuntimeError(f"fork: request {parent_id} has uncommitted reserved tokens; commit_tokens or rewind first")
-        if not self._free_slots:
-            raise KVCacheCapacityError(f"KV cache out of request slots: max_requests={self.spec.max_requests}")
-        c = self._free_slots.pop()
-        self._slot_of[int(child_id)] = c
-        self._copy_slot(p, c)
-        self.allocator.incref(self.block_table[c, : self.num_blocks_of[c]])
-
-    def reorder(self, request_ids: Sequence[int], sources: Sequence[int]) -> None:
-        """Beam reordering: request ``request_ids[i]`` takes the state (blocks by reference, lengths,
-        token record) that ``request_ids[sources[i]]`` held before the call, like transformers'
-        ``Cache.reorder_cache(beam_idx)``. Raises, changing nothing, for unknown or repeated ids, a
-        source out of range or a request with uncommitted reserved tokens."""
-        slots = self.slots(list(request_ids))
-        src = np.asarray(sources, dtype=np.int64)
-        if len(set(slots.tolist())) != len(slots):
-            raise ValueError(f"reorder: request ids must be unique, got {list(request_ids)}")
-        if src.shape != (len(slots),) or (len(src) and (src.min() < 0 or src.max() >= len(slots))):
-            raise ValueError(f"reorder: sources must be {len(slots)} indices in [0, {len(slots)}), got {src.tolist()}")
-        if bool((self.addressable_lens[slots] != self.valid_lens[slots]).any()):
-            raise RuntimeError("reorder: a request has uncommitted reserved tokens; commit_tokens or rewind first")
-        old = [(self.block_table[s].copy(), int(self.num_blocks_of[s]), int(self.valid_lens[s]), self._tokens[s],
-                list(self._hashes[s])) for s in slots]
-        held = np.concatenate([self.block_table[s, : self.num_blocks_of[s]] for s in slots] + [np.zeros(0, np.int32)])
-        for s, i in zip(slots, src):
-            table, nb, n, toks, hashes = old[i]
-            self.block_table[s], self.num_blocks_of[s] = table, nb
-            self.valid_lens[s] = self.addressable_lens[s] = n
-            self._tokens[s], self._hashes[s] = None if toks is None else list(toks), list(hashes)
-        self.allocator.incref(np.concatenate([self.block_table[s, : self.num_blocks_of[s]] for s in slots]
-                                             + [np.zeros(0, np.int32)]))
-        self.allocator.release(held)
-
-    def make_writable(self, request_id: int, first_block: int = 0) -> None:
-        """Make blocks ``first_block..`` of the request private before something rewrites them in
-        place (an eviction compacting the prompt): a shared block is copied, a named one only held
-        here loses its name. Raises :class:`KVCacheCapacityError`, changing nothing, without room."""
-        s = self.slot(request_id)
-        have = int(self.num_blocks_of[s])
-        self._check_room(self.blocks_to_copy(request_id, first_block))
-        self._make_private(s, first_block, have)
-
-    def blocks_to_copy(self, request_id: int, first_block: int = 0) -> int:
-        """How many blocks :meth:`make_writable` would allocate (the shared ones from ``first_block``)."""
-        s = self.slot(request_id)
-        held = self.block_table[s, first_block: self.num_blocks_of[s]]
-        return int((self.allocator.refcount[held] > 1).sum())
-
-    def cache_full_blocks(self, request_ids: Sequence[int]) -> None:
-        """Name (hash) the full, written blocks of the tracked requests among ``request_ids`` so that
-        later requests can reuse them. Call once the step that wrote them is complete."""
-        p = self.tokens_per_block
-        for rid in request_ids:
-            s = self.slot(int(rid))
-            toks, hashes = self._tokens[s], self._hashes[s]
-            if toks is None:
-                continue
-            for j in range(len(hashes), int(self.valid_lens[s]) // p):
-                hashes.append(chain_hash(hashes[-1] if hashes else b"", toks[j * p: (j + 1) * p]))
-                self.allocator.register(int(self.block_table[s, j]), hashes[-1])
-
-    def _cached_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
-        """The cached blocks holding the longest prefix of ``tokens`` in whole blocks (leaving at
-        least one token uncached) and their hashes."""
-        p = self.tokens_per_block
-        blocks: list[int] = []
-        hashes: list[bytes] = []
-        for j in range((len(tokens) - 1) // p if len(tokens) else 0):
-            h = chain_hash(hashes[-1] if hashes else b"", tokens[j * p: (j + 1) * p])
-            b = self.allocator.lookup(h)
-            if b is None:
-                break
-            blocks.append(b)
-            hashes.append(h)
-        return blocks, hashes
-
-    def _check_room(self, n: int) -> None:
-        if n > self.allocator.num_free:
-            raise KVCacheCapacityError(f"KV cache out of blocks: asked for {n}, {self.allocator.num_free} free of "
-                                       f"{self.allocator.num_blocks - 1}")
-
-    def _check_private(self, caller: str, blocks: np.ndarray) -> None:
-        """Raise naming ``caller`` if any of ``blocks`` is shared (referenced twice) or named
-        (cached): such a block is never written."""
-        bad = (self.allocator.refcount[blocks] > 1) | self.allocator.named[blocks]
-        if bool(bad.any()):
-            b = int(np.asarray(blocks).reshape(-1)[np.argmax(bad.reshape(-1))])
-            raise RuntimeError(f"{caller}: block {b} is shared or cached ({int(self.allocator.refcount[b])} "
-                               "references) and is never written; the ledger copies it on write first")
-
-    def _copies_to_write(self, s: int, first_pos: int) -> int:
-        """1 if the block holding ``first_pos`` (a partly filled block the next write lands in) is
-        shared and must be copied first, else 0."""
-        j = first_pos // self.tokens_per_block
-        if first_pos % self.tokens_per_block == 0 or j >= self.num_blocks_of[s]:
-            return 0
-        return int(self.allocator.refcount[self.block_table[s, j]] > 1)
-
-    def _make_private(self, s: int, first: int, last: int) -> None:
-        """Copy-on-write for blocks ``[first, last)`` of slot ``s`` (room was checked)."""
-        for j in range(first, last):
-            b = int(self.block_table[s, j])
-            if self.allocator.refcount[b] > 1:
-                (dst,) = self.allocator.allocate(1)
-                for pool in [*self.pools, *(p for pools in self.aux_pools.values() for p in pools)]:
-                    pool[dst] = pool[b]
-                self.allocator.release([b])
-                self.block_table[s, j] = dst
-                self.copied_from[dst] = b
-            else:
-                self.allocator.unregister(b)
-
-    def _copy_slot(self, src: int, dst: int) -> None:
-        self.block_table[dst] = self.block_table[src]
-        self.num_blocks_of[dst] = self.num_blocks_of[src]
-        self.valid_lens[dst] = self.valid_lens[src]
-        self.addressable_lens[dst] = self.addressable_lens[src]
-        self._tokens[dst] = None if self._tokens[src] is None else list(self._tokens[src])
-        self._hashes[dst] = list(self._hashes[src])
-
-    def _check_tokens(self, request_id: int, s: int, n: int, tokens: Sequence[int] | None) -> None:
-        tracked = self._tokens[s] is not None
-        if tracked and (tokens is None or len(tokens) != n):
-            got = "none" if tokens is None else len(tokens)
-            raise ValueError(f"request {request_id} is tracked for prefix caching: append its {n} new token ids "
-                             f"(tokens=), got {got}")
-        if not tracked and tokens is not None:
-            raise ValueError(f"request {request_id} was added without tokens (not tracked for prefix caching); "
-                             "append_tokens takes no token ids for it")
-
     # ---- snapshot / restore -------------------------------------------------------------
     def snapshot(self, blocks: list[int] | np.ndarray = ()) -> CacheSnapshot:
         """Copy the ledger, the allocator and, for every layer of the main and auxiliary pools,
@@ -479,8 +350,8 @@ class KVCacheManager:
             slot_of=dict(self._slot_of), free_slots=list(self._free_slots), allocator=self.allocator.state(),
             tokens=[None if t is None else (t, len(t)) for t in self._tokens],
             hashes=[(h, len(h)) for h in self._hashes],
-            blocks=ids, pool_rows=[p[ids].clone() for p in self.pools],
-            aux_rows={name: [p[ids].clone() for p in pools] for name, pools in self.aux_pools.items()},
+            blocks=ids, pool_rows=[p[ids].clone() if len(p) else p for p in self.pools],
+            aux_rows={name: [p[ids].clone() if len(p) else p for p in pools] for name, pools in self.aux_pools.items()},
         )
 
     def restore(self, snap: CacheSnapshot) -> None:
@@ -501,151 +372,12 @@ class KVCacheManager:
             self._hashes[s] = hashes
             del hashes[n:]
         for pool, rows in zip(self.pools, snap.pool_rows):
-            pool[snap.blocks] = rows
+            if len(pool):
+                pool[snap.blocks] = rows
         for name, pools in self.aux_pools.items():
             saved = snap.aux_rows.get(name)
             for i, pool in enumerate(pools):
                 if saved is None:
                     pool.zero_()
-                else:
+                elif len(pool):
                     pool[snap.blocks] = saved[i]
-
-    # ---- pools --------------------------------------------------------------------------
-    def k_cache(self, layer_idx: int) -> torch.Tensor:
-        """K of one GQA layer as a ``[num_blocks, num_kv_heads, tokens_per_block, head_dim]`` view."""
-        return self._kv_view(layer_idx, 0)
-
-    def v_cache(self, layer_idx: int) -> torch.Tensor:
-        """V of one GQA layer, same view as :meth:`k_cache`."""
-        return self._kv_view(layer_idx, 1)
-
-    def latent_cache(self, layer_idx: int) -> torch.Tensor:
-        """The MLA latent pool ``[num_blocks, tokens_per_block, kv_lora_rank + rope_dim]``."""
-        if self.spec.kind != "mla":
-            raise ValueError("latent_cache: this cache was built with kind='gqa'")
-        return self.pools[layer_idx]
-
-    def _kv_view(self, layer_idx: int, which: int) -> torch.Tensor:
-        if self.spec.kind != "gqa":
-            raise ValueError("k_cache/v_cache: this cache was built with kind='mla'; use latent_cache")
-        pool = self.pools[layer_idx][:, which]
-        return pool if self.spec.layout == "HND" else pool.transpose(1, 2)
-
-    def add_aux_pool(self, name: str, entry_shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Register a per-layer auxiliary pool ``[num_blocks, *entry_shape]`` sharing block ids.
-
-        Row ``b`` of an aux pool describes main-cache block ``b`` (e.g. RocketKV's K min/max
-        page summaries, the DSA indexer-K cache). Re-registering the same name and geometry
-        returns the existing pools.
-        """
-        shape = (self.spec.num_blocks, *entry_shape)
-        if name in self.aux_pools:
-            have = self.aux_pools[name][0]
-            if tuple(have.shape) != shape or have.dtype != dtype:
-                raise ValueError(
-                    f"aux pool {name!r} exists with shape {tuple(have.shape)} {have.dtype}; asked {shape} {dtype}"
-                )
-            return self.aux_pools[name]
-        pools = [torch.zeros(shape, dtype=dtype, device=self.spec.device) for _ in range(self.spec.num_layers)]
-        self.aux_pools[name] = pools
-        return pools
-
-    def physical(self, slots: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block id, offset in block) for request-local ``positions`` of the requests in ``slots``."""
-        p = self.tokens_per_block
-        pos = positions.astype(np.int64)
-        self._check_addressable("physical", slots, pos)
-        blocks = self.block_table[slots, pos // p]
-        dev = self.spec.device
-        return torch.from_numpy(blocks.astype(np.int64)).to(dev), torch.from_numpy(pos % p).to(dev)
-
-    def _check_addressable(self, caller: str, slots: np.ndarray, positions: np.ndarray) -> None:
-        """Raise ``ValueError`` naming ``caller`` and the first position outside its request's
-        addressable range ``[0, addressable_len)``."""
-        limit = self.addressable_lens[slots]
-        bad = (positions < 0) | (positions >= limit)
-        if bool(bad.any()):
-            i = int(np.argmax(bad))
-            raise ValueError(f"{caller}: position {int(positions[i])} is outside its request's addressable range "
-                             f"[0, {int(limit[i])})")
-
-    def write(self, layer_idx: int, slots: np.ndarray, positions: np.ndarray, k: torch.Tensor,
-              v: torch.Tensor | None = None) -> None:
-        """Scatter one step's new tokens into the pool.
-
-        ``slots``/``positions``: int arrays ``[n]``; GQA: ``k``/``v`` ``[n, num_kv_heads, head_dim]``;
-        MLA: ``k`` is the latent ``[n, kv_lora_rank + rope_dim]`` and ``v`` is ``None``.
-        """
-        pool = self.pools[layer_idx]
-        if self.spec.kind == "gqa" and v is None:
-            raise ValueError("write: a GQA cache takes k and v; v is None")
-        if len(slots) == 1 and self.spec.kind == "gqa":  # one token (a decode step of one request): basic indexing
-            self._check_addressable("write", slots, positions)
-            s, p = int(slots[0]), int(positions[0])
-            blk, off = int(self.block_table[s, p // self.tokens_per_block]), p % self.tokens_per_block
-            if self.allocator.refcount[blk] > 1 or self.allocator.named[blk]:
-                self._check_private("write", np.array([blk]))
-            if self.spec.layout == "HND":
-                pool[blk, 0, :, off], pool[blk, 1, :, off] = k[0], v[0]
-            else:
-                pool[blk, 0, off], pool[blk, 1, off] = k[0], v[0]
-            return
-        blk, off = self.physical(slots, positions)
-        self._check_private("write", blk.cpu().numpy())
-        if self.spec.kind == "mla":
-            if v is not None:
-                raise ValueError("write: MLA takes the latent as k and v=None")
-            pool[blk, off] = k.to(pool.dtype)
-        elif self.spec.layout == "HND":
-            pool[blk, 0, :, off] = k.to(pool.dtype)
-            pool[blk, 1, :, off] = v.to(pool.dtype)
-        else:
-            pool[blk, 0, off] = k.to(pool.dtype)
-            pool[blk, 1, off] = v.to(pool.dtype)
-
-    def gather(self, layer_idx: int, request_id: int, positions: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous NHD copy of one request's K and V (GQA: ``[n, Hkv, D]`` each; MLA: the
-        latent ``[n, R+P]`` twice). ``positions`` defaults to all valid positions."""
-        s = self.slot(request_id)
-        if positions is None:
-            positions = torch.arange(int(self.valid_lens[s]))
-        blk, off = self.physical(np.full(positions.numel(), s, dtype=np.int32), positions.cpu().numpy())
-        if self.spec.kind == "mla":
-            lat = self.pools[layer_idx][blk, off]
-            return lat, lat
-        return self.k_cache(layer_idx)[blk, :, off], self.v_cache(layer_idx)[blk, :, off]
-
-    def compact(self, layer_idx: int, request_id: int, kept: torch.Tensor) -> None:
-        """Move kept tokens to the front of the request's pages, per KV head, in place.
-
-        ``kept [num_kv_heads, n_keep]`` (MLA: ``[1, n_keep]``) request-local positions, sorted
-        ascending, so each destination ``j <= kept[h, j]``: the gather reads every source before
-        the scatter writes. The ledger length is not changed here (other layers still hold the
-        full prompt); call :meth:`truncate` once all layers are compacted. The request stops being
-        tracked for prefix caching (its positions no longer hold its tokens in order).
-        """
-        s = self.slot(request_id)
-        n_keep = kept.shape[1]
-        heads = 1 if self.spec.kind == "mla" else self.spec.num_kv_heads
-        if kept.dim() != 2 or kept.shape[0] != heads:
-            raise ValueError(f"compact: kept must be [{heads}, n_keep], got {tuple(kept.shape)}")
-        if n_keep and (int(kept.min()) < 0 or int(kept.max()) >= self.valid_lens[s]):
-            raise ValueError(f"compact: kept positions must be in [0, {self.valid_lens[s]})")
-        if n_keep > 1 and bool((kept[:, 1:] <= kept[:, :-1]).any()):
-            raise ValueError("compact: kept positions must be strictly ascending per head")
-        p = self.tokens_per_block
-        self._check_private("compact", self.block_table[s, : -(-n_keep // p)])
-        self._tokens[s], self._hashes[s] = None, []  # positions move: the token record no longer names them
-        table = torch.from_numpy(self.block_table[s].astype(np.int64)).to(kept.device)
-        src = kept.to(torch.int64)
-        dst = torch.arange(n_keep, device=kept.device).expand_as(src)
-        sb, so, db, do = table[src // p], src % p, table[dst // p], dst % p
-        pool = self.pools[layer_idx]
-        if self.spec.kind == "mla":
-            pool[db[0], do[0]] = pool[sb[0], so[0]]
-            return
-        for which in (0, 1):
-            view = self._kv_view(layer_idx, which)  # [blocks, H, P, D]
-            h = torch.arange(heads, device=kept.device).unsqueeze(1).expand_as(src)
-            view[db, h, do] = view[sb, h, so]

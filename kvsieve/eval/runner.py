@@ -208,7 +208,7 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
         if total:
             max_len = max(r.length for r in runs)
             cpu = next(lm.model.parameters()).device.type == "cpu"
-            session = KvsieveSession(lm.model, None, backend=cfg.backend, max_tokens=max_len + 256,
+            session = KvsieveSession(lm.model, None, backend=cfg.backend, max_tokens=max_len + 256, release_windows=False,
                                      decode_threads=1 if cpu else None, check_steps=cfg.check)
             bar = _progress(total, progress)
             sweep = _Sweep(cfg, lm, out, session, bar, fail_fast, log)

@@ -40,9 +40,14 @@ Two ways to drive it:
 * **transformers-driven** (``model.generate`` after the session is built): transformers still
   keeps its own cache and hands over the whole history; the function keeps only the last ``S``
   positions (the step's new tokens) for kvsieve. A forward whose key length equals its query
-  length starts new requests (the previous ones are freed).
+  length starts new requests (the previous ones are freed). Beam search works: transformers'
+  ``_reorder_cache`` hook reorders the paged cache's rows with its own (blocks shared, copied on
+  write); a ``past_key_values`` the session did not build, and ``generate(use_cache=False)`` under
+  a decode-phase selector, are refused (:mod:`.transformers_cache`).
 
-Batches are ``B`` equal-length rows without padding (request ids ``0..B-1``).
+Batches are ``B`` equal-length rows without padding (request ids ``0..B-1``). Without
+``max_batch`` the session sizes its paged cache for the batch of the first step (and grows it at
+a later step that starts new requests with more rows); ``max_batch`` fixes it.
 """
 from __future__ import annotations
 
@@ -58,6 +63,7 @@ from ..sparse.backends import default_backend
 from .attention_features import LayerFeatures, check_call, read_layer_features
 from .feature_backend import FeatureBackend, gather_request_kv
 from .golden_check import GOLDEN_TRANSLATIONS, GoldenCheck
+from .transformers_cache import GenerateLink
 
 __all__ = ["apply", "KvsieveSession", "ATTN_IMPLEMENTATION", "MODEL_INPUTS_KWARG", "register_attention", "LayerObserver",
            "gather_request_kv"]
@@ -133,19 +139,26 @@ class KvsieveSession:
     ``config``: the selector (``None`` = dense everywhere); ``backend``: a kvsieve backend name;
     ``dense_fast_path``: run steps without a selection through torch SDPA over the paged KV
     (see :class:`~kvsieve.integrations.feature_backend.FeatureBackend`); ``max_tokens``: per-request capacity of the paged cache;
+    ``max_batch``: rows (requests, beams) the paged cache holds; ``None`` sizes it for the first
+    step's batch and grows it when a later step starts more new requests;
     ``decode_threads``: torch intra-op threads during :meth:`decode` (on a CPU, one thread is
     faster for one-token steps: their ops are too small to repay thread hand-offs);
+    ``release_windows``: the sliding-window layers of a hybrid model have their own cache group
+    (their own length: the full-attention layers may evict without them); with this flag that group
+    drops blocks wholly out of the window after each step (held blocks stay bounded, and
+    :meth:`rewind` refuses a length whose window was dropped); ``False`` keeps them.
     ``check_steps``: compare that many random generation steps with the Vanilla golden
     (:class:`~kvsieve.integrations.golden_check.GoldenCheck`, kept as :attr:`golden_check`).
     """
 
     def __init__(self, model: torch.nn.Module, config: SparseAttentionConfig | None = None, *,
-                 backend: str | None = None, max_tokens: int = 8448, max_batch: int = 1, tokens_per_block: int = 16,
+                 backend: str | None = None, max_tokens: int = 8448, max_batch: int | None = None,
+                 tokens_per_block: int = 16,
                  dense_fast_path: bool = True, decode_threads: int | None = None, debug: bool = False,
-                 check_steps: int = 0) -> None:
+                 check_steps: int = 0, release_windows: bool = True) -> None:
         if decode_threads is not None and decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1 or None, got {decode_threads}")
-        if max_tokens < 1 or max_batch < 1 or tokens_per_block < 1:
+        if max_tokens < 1 or (max_batch is not None and max_batch < 1) or tokens_per_block < 1:
             raise ValueError(f"max_tokens, max_batch and tokens_per_block must be >= 1, got "
                              f"{max_tokens}, {max_batch}, {tokens_per_block}")
         cfg = model.config
@@ -161,11 +174,9 @@ class KvsieveSession:
         head_dim = max(self.key_dim, self.value_dim)  # the narrower of K/V is zero-padded (exact)
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device
-        blocks_per_seq = -(-max_tokens // tokens_per_block)
-        self.cache = KVCacheManager(KVCacheSpec(
-            num_layers=self.num_layers, num_blocks=max_batch * blocks_per_seq + 1, tokens_per_block=tokens_per_block,
-            num_kv_heads=num_kv, head_dim=head_dim, dtype=dtype, device=device, max_requests=max_batch,
-            max_blocks_per_seq=blocks_per_seq))
+        self._cache_spec = dict(num_layers=self.num_layers, tokens_per_block=tokens_per_block, num_kv_heads=num_kv,
+                                head_dim=head_dim, dtype=dtype, device=device,
+                                max_blocks_per_seq=-(-max_tokens // tokens_per_block))
         self.backend = FeatureBackend(get_backend(backend or default_backend(device)), self.features,
                                       dense_fast_path=dense_fast_path)
         self.layers = [
@@ -173,10 +184,13 @@ class KvsieveSession:
                             backend=self.backend, sm_scale=f.scaling, debug=debug, window=f.window)
             for i, f in enumerate(self.features)
         ]
-        needed = set(self.backend.required_translations)
-        self.engine = Engine(self.cache, self.layers, max_num_requests=max_batch, max_num_tokens=max_batch * max_tokens,
-                             translations=sorted(needed | set(GOLDEN_TRANSLATIONS)) if check_steps else None)
+        self._translations = sorted(set(self.backend.required_translations) | set(GOLDEN_TRANSLATIONS)) \
+            if check_steps else None
+        self.max_tokens = max_tokens
         self.max_batch = max_batch
+        self.release_windows = release_windows
+        self.engine: Engine
+        self._size_cache(max_batch or 1)
         self.decode_threads = decode_threads
         self.device = device
         self.observers: list[LayerObserver] = []
@@ -196,14 +210,37 @@ class KvsieveSession:
         for m in self.modules:
             setattr(m, _SESSION_ATTR, self)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self._link = GenerateLink(model, self)
+
+    def _size_cache(self, rows: int) -> None:
+        """(Re)build the paged cache (a hybrid model: one group for the full-attention layers, one
+        per sliding window) and the engine for ``rows`` requests (no live requests)."""
+        windows = [f.window for f in self.features]
+        groups = sorted(set(windows), key=lambda w: -1 if w is None else w)
+        caches = [KVCacheManager(KVCacheSpec(
+            num_blocks=rows * self._cache_spec["max_blocks_per_seq"] + 1, max_requests=rows, **self._cache_spec,
+            layers=None if len(groups) == 1 else tuple(i for i, w in enumerate(windows) if w == g)))
+            for g in groups]
+        self.engine = Engine(caches, self.layers, max_num_requests=rows, max_num_tokens=rows * self.max_tokens,
+                             translations=self._translations, release_windows=self.release_windows)
+        for layer in self.layers:
+            layer.plan = layer.plan  # forget the old cache's requests and blocks
+        self._rows_capacity = rows
+
+    @property
+    def cache(self) -> KVCacheManager:
+        """The paged cache of the full-attention layers (the first cache group; the only one of a
+        model without sliding windows); every group: ``engine.caches``."""
+        return self.engine.caches[0]
 
     def close(self) -> None:
         """Detach from the model: its attention implementation returns to what it was before the
         session, the modules lose their session reference and the paged cache is freed."""
-        for rid in list(self.cache.request_ids):
+        for rid in self.engine.request_ids:
             self.engine.free(rid)
         self._request_ids = []
         self._step_open = False
+        self._link.close()
         for m in self.modules:
             if getattr(m, _SESSION_ATTR, None) is self:
                 delattr(m, _SESSION_ATTR)
@@ -291,6 +328,35 @@ class KvsieveSession:
                 logits = self.decode(tok)
         return torch.stack(out, dim=1)
 
+    # ---- what transformers' generate loop asks (GenerateLink) ------------------------------
+    @property
+    def active(self) -> bool:
+        """Whether the model's attention runs through this session now (not closed, not replaced by
+        a later session or another attention implementation)."""
+        return (self.model.config._attn_implementation == ATTN_IMPLEMENTATION
+                and getattr(self.modules[0], _SESSION_ATTR, None) is self)
+
+    @property
+    def driven(self) -> bool:
+        """Whether a session-driven forward (:meth:`prefill`, :meth:`decode`) is running."""
+        return self._driven
+
+    @property
+    def live_rows(self) -> int:
+        """Rows (requests) the paged cache holds for the current generation."""
+        return len(self._request_ids)
+
+    def decode_phase_selectors(self) -> list[str]:
+        """Names of the selectors planned for the generation phase on some layer."""
+        return sorted({layer.plan.selector.name for layer in self.layers
+                       if layer.plan is not None and "generation" in layer.plan.phases})
+
+    def reorder_rows(self, beam_idx: torch.Tensor) -> None:
+        """Row ``i`` of the live requests takes what row ``beam_idx[i]`` held (beam search)."""
+        if self._step_open:
+            raise RuntimeError("reorder_rows: a step is open")
+        self.engine.reorder(self._request_ids, beam_idx.tolist())
+
     @property
     def num_cached_positions(self) -> int:
         """Positions the live requests have seen (the next RoPE position), eviction notwithstanding."""
@@ -302,9 +368,16 @@ class KvsieveSession:
         if not 0 <= length <= self._next_pos:
             raise ValueError(f"length must be in [0, {self._next_pos}], got {length}")
         for rid in self._request_ids:
-            if self.cache.valid_len(rid) != self._next_pos:
-                raise ValueError(f"rewind: request {rid} was compacted by eviction; prefill again instead")
-            self.cache.truncate(rid, length)
+            for cache, window in zip(self.engine.caches, self.engine.windows):
+                if cache.valid_len(rid) != self._next_pos:
+                    raise ValueError(f"rewind: request {rid} was compacted by eviction; prefill again instead")
+                p, s = cache.tokens_per_block, cache.slot(rid)
+                if window is not None and not cache.block_table[s, max(length + 1 - window, 0) // p: -(-length // p)].all():
+                    raise ValueError(f"rewind: the sliding-window layers of request {rid} dropped positions the window "
+                                     f"at length {length} reads; prefill again, or build the session with "
+                                     "release_windows=False")
+        for rid in self._request_ids:
+            self.engine.truncate(rid, length)
         self._next_pos = length
 
     def _run(self, ids: torch.Tensor, *, new_requests: bool) -> torch.Tensor:
@@ -326,11 +399,13 @@ class KvsieveSession:
 
     # ---- the step around the layers -----------------------------------------------------
     def _open_step(self, batch: int, num_new: int, new_requests: bool) -> None:
-        if batch > self.max_batch:
+        if self.max_batch is not None and batch > self.max_batch:
             raise ValueError(f"batch of {batch} rows exceeds max_batch={self.max_batch}")
         if new_requests:
-            for rid in list(self.cache.request_ids):
+            for rid in self.engine.request_ids:
                 self.engine.free(rid)
+            if batch > self._rows_capacity:
+                self._size_cache(batch)
             self._request_ids = list(range(batch))
             self._next_pos = 0
         elif batch != len(self._request_ids):
@@ -372,7 +447,7 @@ class KvsieveSession:
         k = _pad(key[:, :, -s:], pad[0]).transpose(1, 2).reshape(b * s, key.shape[1], g.head_dim)
         v = _pad(value[:, :, -s:], pad[1]).transpose(1, 2).reshape(b * s, value.shape[1], g.head_dim)
         q = _pad(query, pad[0]).transpose(1, 2).reshape(b * s, hq, g.head_dim)
-        md = self.engine.metadata
+        md = self.engine.metadata_for(layer_idx)
         try:
             res = layer.forward(q, k, v, md, model_inputs=model_inputs)
         except BaseException:

@@ -5,11 +5,12 @@
 GQA pool stores a block as ``[2, ...]`` (K then V), so viewed as ``num_blocks * 2`` half-blocks the
 K offset of block ``b`` is ``2*b`` and the V offset ``2*b + 1``; the Triton and CuTe GQA paths
 address the pool this way (:func:`half_block_views`). One row per request of the batch, context
-requests first (no beams: kvsieve has no beam search). On the non-speculative path the copied width is
-capped at the batch's longest row; on the speculative path the whole addressable row is copied
-(drafts may land in reserved pages). The asynchronous host->device copy reads from a private
-per-call snapshot so that the next ``fill`` cannot race it; the persistent host buffer stays for
-synchronous readers.
+requests first. Beams are forked requests (:meth:`KVCacheManager.fork`, ``reorder``) sharing
+blocks by reference, so each beam is a row of its own and the table needs no beam axis. On the
+non-speculative path the copied width is capped at the batch's longest row; on the speculative
+path the whole addressable row is copied (drafts may land in reserved pages). The asynchronous
+host->device copy reads from a private per-call snapshot so that the next ``fill`` cannot race it;
+the persistent host buffer stays for synchronous readers.
 """
 from __future__ import annotations
 

@@ -71,6 +71,7 @@ class ForeignPagedKV:
         self.num_blocks_of = np.zeros(r, dtype=np.int32)
         self.valid_lens = np.zeros(r, dtype=np.int32)
         self.addressable_lens = self.valid_lens  # the owner commits before attention: nothing reserved
+        self.copied_from = np.zeros(spec.num_blocks, dtype=np.int32)  # kvsieve never copies the owner's blocks
         self._num_rows = 0
 
     @property

@@ -13,6 +13,16 @@ a *slot* (one per live request) so translations in ``prepare()`` are vectorized 
 Two lengths per request: *valid* (committed history, what kernels attend) and *addressable*
 (pages reserved for appends not yet accepted, e.g. speculative drafts); valid <= addressable.
 
+Blocks are shared by reference count (:mod:`.block_allocator`): :meth:`KVCacheManager.fork`
+gives a beam all its parent's blocks, :meth:`KVCacheManager.reorder` rearranges beams, and a
+request added with its ``tokens`` reuses the longest cached prefix of full blocks (each full block
+of a request added with tokens is named by a chained hash of its tokens once written,
+:meth:`KVCacheManager.cache_full_blocks`). A shared or named block is never written: the ledger
+copies it (every layer of the main and auxiliary pools) into a private block before a write
+reaches it (copy-on-write in :meth:`KVCacheManager.append_tokens` / ``reserve_tokens``, and
+:meth:`KVCacheManager.make_writable` before an eviction compacts the prompt), and ``write`` /
+``compact`` refuse a shared block.
+
 Every ledger method checks before it changes anything: a call that raises leaves the ledger and
 the allocator as they were. :meth:`KVCacheManager.check_appends` checks a whole step's appends
 at once, and :meth:`KVCacheManager.snapshot` / :meth:`KVCacheManager.restore` put the ledger,
@@ -20,24 +30,26 @@ the allocator and the pool rows of chosen blocks back after a step failed half-w
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 
+from .block_allocator import AllocatorState, BlockAllocator, KVCacheCapacityError
+from .kv_pools import PagedPools
+from .kv_sharing import BlockSharing
+
 __all__ = ["KVCacheSpec", "BlockAllocator", "KVCacheManager", "KVCacheCapacityError", "CacheSnapshot"]
-
-
-class KVCacheCapacityError(RuntimeError):
-    """The cache has no room: out of free blocks or out of request slots (``max_requests``)."""
 
 
 @dataclass(frozen=True)
 class CacheSnapshot:
     """What :meth:`KVCacheManager.restore` needs to undo a step: copies of the ledger arrays, the
-    slot maps and the allocator's free list, and the pool rows (main and auxiliary pools, every
-    layer) of ``blocks`` as they were."""
+    slot maps and the allocator (free list, LRU, reference counts, hashes), each slot's token
+    record (the list and its length), and the pool rows (main and auxiliary pools, every layer)
+    of ``blocks`` as they were."""
 
     block_table: np.ndarray
     num_blocks_of: np.ndarray
@@ -45,7 +57,9 @@ class CacheSnapshot:
     addressable_lens: np.ndarray
     slot_of: dict[int, int]
     free_slots: list[int]
-    free_blocks: list[int]
+    allocator: AllocatorState
+    tokens: list[tuple[list[int], int] | None]
+    hashes: list[tuple[list[bytes], int]]
     blocks: torch.Tensor
     pool_rows: list[torch.Tensor]
     aux_rows: dict[str, list[torch.Tensor]]
@@ -77,6 +91,9 @@ class KVCacheSpec:
     device: str | torch.device = "cpu"
     max_requests: int = 64
     max_blocks_per_seq: int = 256
+    #: the model layers this cache holds (a cache group, e.g. a hybrid model's sliding-window layers);
+    #: ``None`` = all ``num_layers``. Layer ids stay the model's; a layer outside has an empty pool.
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "num_blocks", "tokens_per_block", "max_requests", "max_blocks_per_seq")
@@ -96,8 +113,15 @@ class KVCacheSpec:
             raise ValueError("KVCacheSpec: GQA needs num_kv_heads >= 1 and head_dim >= 1")
         if self.kind == "mla" and self.kv_lora_rank < 1:
             raise ValueError("KVCacheSpec: MLA needs kv_lora_rank >= 1")
+        if self.layers is not None and (len(set(self.layers)) != len(self.layers) or not self.layers
+                                        or not all(isinstance(i, int) and 0 <= i < self.num_layers for i in self.layers)):
+            raise ValueError(f"KVCacheSpec.layers must be distinct layer ids in [0, {self.num_layers}), got {self.layers}")
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"KVCacheSpec.dtype must be float32, float16 or bfloat16, got {self.dtype}")
+
+    @property
+    def held_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.num_layers)) if self.layers is None else tuple(sorted(self.layers))
 
     @property
     def latent_dim(self) -> int:
@@ -112,42 +136,16 @@ class KVCacheSpec:
         return (n, 2, p, self.num_kv_heads, self.head_dim)
 
 
-class BlockAllocator:
-    """A LIFO free list of block ids ``1..num_blocks-1``; block 0 is never handed out."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self._free = list(range(num_blocks - 1, 0, -1))
-        self.num_blocks = num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise KVCacheCapacityError(f"KV cache out of blocks: asked for {n}, {len(self._free)} free of {self.num_blocks - 1}")
-        taken = self.peek(n)
-        del self._free[len(self._free) - n:]
-        return taken
-
-    def peek(self, n: int) -> list[int]:
-        """The block ids the next ``allocate(n)`` would hand out (nothing is taken)."""
-        return self._free[len(self._free) - n:][::-1] if n else []
-
-    def release(self, blocks: list[int] | np.ndarray) -> None:
-        ids = [int(b) for b in blocks]
-        if any(b <= 0 or b >= self.num_blocks for b in ids):
-            raise ValueError(f"release: block ids must be in [1, {self.num_blocks}), got {ids}")
-        self._free.extend(reversed(ids))
-
-
-class KVCacheManager:
-    """Owns the pools, the allocator and the request -> block ledger."""
+class KVCacheManager(BlockSharing, PagedPools):
+    """Owns the pools, the allocator and the request -> block ledger (sharing: :class:`.kv_sharing.BlockSharing`;
+    pool access: :class:`.kv_pools.PagedPools`)."""
 
     def __init__(self, spec: KVCacheSpec) -> None:
         self.spec = spec
         self.allocator = BlockAllocator(spec.num_blocks)
-        self.pools = [torch.zeros(spec.pool_shape(), dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+        held = set(spec.held_layers)
+        self.pools = [torch.zeros(spec.pool_shape() if i in held else (0, *spec.pool_shape()[1:]), dtype=spec.dtype,
+                                  device=spec.device) for i in range(spec.num_layers)]
         self.aux_pools: dict[str, list[torch.Tensor]] = {}
         r, m = spec.max_requests, spec.max_blocks_per_seq
         self.block_table = np.zeros((r, m), dtype=np.int32)  # padded with the sentinel 0
@@ -156,6 +154,13 @@ class KVCacheManager:
         self.addressable_lens = np.zeros(r, dtype=np.int32)
         self._slot_of: dict[int, int] = {}
         self._free_slots = list(range(r - 1, -1, -1))
+        # per slot: the committed token ids of a request added with its tokens (None: not tracked),
+        # and the chained hashes of its first full blocks
+        self._tokens: list[list[int] | None] = [None] * r
+        self._hashes: list[list[bytes]] = [[] for _ in range(r)]
+        #: the block a block was copied from on write (0: written fresh); valid for the blocks of live
+        #: requests, so per-block state a reader built for the source holds for the copy
+        self.copied_from = np.zeros(spec.num_blocks, dtype=np.int32)
 
     # ---- ledger -------------------------------------------------------------------------
     @property
@@ -175,37 +180,57 @@ class KVCacheManager:
     def slots(self, request_ids: list[int] | np.ndarray) -> np.ndarray:
         return np.fromiter((self.slot(int(r)) for r in request_ids), dtype=np.int32, count=len(request_ids))
 
-    def add_request(self, request_id: int, num_tokens: int = 0) -> int:
-        """Register a request and allocate pages for ``num_tokens`` committed tokens."""
+    def add_request(self, request_id: int, num_tokens: int = 0, *, tokens: Sequence[int] | None = None) -> int:
+        """Register a request and allocate pages for ``num_tokens`` committed tokens; returns its slot.
+
+        With ``tokens`` (the prompt's token ids; ``num_tokens`` must then be 0) the request is
+        tracked for prefix caching: it starts holding the longest cached prefix of ``tokens`` in
+        whole blocks (at most ``len(tokens) - 1`` positions, so one token is left to compute), shared
+        by reference, and :meth:`valid_len` says how many positions that is; append the rest with
+        their token ids (``append_tokens(..., tokens=)``)."""
         if isinstance(request_id, bool) or not isinstance(request_id, (int, np.integer)):
             raise TypeError(f"request_id must be an int, got {type(request_id).__name__} {request_id!r}")
         if request_id in self._slot_of:
             raise ValueError(f"request_id {request_id} is already in the cache")
+        if tokens is not None and num_tokens:
+            raise ValueError("add_request: give tokens (prefix caching) or num_tokens, not both")
         self.check_appends([(request_id, num_tokens)])
+        blocks, hashes = self._cached_prefix(tokens) if tokens is not None else ([], [])
         s = self._free_slots.pop()
         self._slot_of[request_id] = s
-        self.num_blocks_of[s] = 0
-        self.valid_lens[s] = 0
-        self.addressable_lens[s] = 0
+        self.allocator.incref(blocks)
+        n = len(blocks) * self.tokens_per_block
+        self.block_table[s, : len(blocks)] = blocks
+        self.num_blocks_of[s] = len(blocks)
+        self.valid_lens[s] = self.addressable_lens[s] = n
+        self._tokens[s] = None if tokens is None else [int(t) for t in tokens[:n]]
+        self._hashes[s] = hashes
         if num_tokens:
             self.append_tokens(request_id, num_tokens)
         return s
 
-    def append_tokens(self, request_id: int, n: int) -> None:
-        """Commit ``n`` new tokens (valid and addressable grow together)."""
+    def append_tokens(self, request_id: int, n: int, tokens: Sequence[int] | None = None) -> None:
+        """Commit ``n`` new tokens (valid and addressable grow together). A request added with its
+        tokens takes the ``n`` new token ids in ``tokens``; any other request takes none."""
         n = _count("append_tokens: n", n)
         s = self.slot(request_id)
         if self.addressable_lens[s] != self.valid_lens[s]:
             raise RuntimeError(
                 f"request {request_id} has uncommitted reserved tokens; commit_tokens or rewind first"
             )
+        self._check_tokens(request_id, s, n, tokens)
         self._grow(s, int(self.valid_lens[s]) + n)
         self.valid_lens[s] += n
+        if tokens is not None:
+            self._tokens[s].extend(int(t) for t in tokens)
 
     def reserve_tokens(self, request_id: int, n: int) -> None:
         """Make ``n`` more positions addressable (pages allocated) without committing them."""
         n = _count("reserve_tokens: n", n)
         s = self.slot(request_id)
+        if self._tokens[s] is not None:
+            raise ValueError(f"reserve_tokens: request {request_id} is tracked for prefix caching, which records "
+                             "committed token ids only; speculative reservations are not supported on it")
         self._grow(s, int(self.addressable_lens[s]) + n)
 
     def commit_tokens(self, request_id: int, n: int) -> None:
@@ -223,27 +248,32 @@ class KVCacheManager:
         self.truncate(request_id, int(self.valid_lens[self.slot(request_id)]))
 
     def truncate(self, request_id: int, new_len: int) -> None:
-        """Set valid = addressable = ``new_len`` and free pages past it (after compaction)."""
+        """Set valid = addressable = ``new_len`` and drop this request's references to pages past it
+        (after compaction)."""
         s = self.slot(request_id)
         if not 0 <= new_len <= self.valid_lens[s]:
             raise ValueError(f"truncate: new_len must be in [0, {self.valid_lens[s]}], got {new_len}")
         keep = -(-new_len // self.tokens_per_block)
         used = int(self.num_blocks_of[s])
         if keep < used:
-            self.allocator.release(self.block_table[s, keep:used])
+            self.allocator.release(self._held(s, keep))
             self.block_table[s, keep:used] = 0
         self.num_blocks_of[s] = keep
         self.valid_lens[s] = new_len
         self.addressable_lens[s] = new_len
+        if self._tokens[s] is not None:
+            self._tokens[s] = self._tokens[s][:new_len]
+        self._hashes[s] = self._hashes[s][: new_len // self.tokens_per_block]
 
     def free_request(self, request_id: int) -> None:
+        """Drop the request and its references; blocks nobody else holds are freed (named ones
+        stay cached, evictable, until the allocator needs them)."""
         s = self.slot(request_id)
-        used = int(self.num_blocks_of[s])
-        if used:
-            self.allocator.release(self.block_table[s, :used])
+        self.allocator.release(self._held(s))
         self.block_table[s, :] = 0
         self.num_blocks_of[s] = 0
         self.valid_lens[s] = self.addressable_lens[s] = 0
+        self._tokens[s], self._hashes[s] = None, []
         del self._slot_of[request_id]
         self._free_slots.append(s)
 
@@ -257,9 +287,9 @@ class KVCacheManager:
     def check_appends(self, appends: list[tuple[int, int]]) -> int:
         """Raise, changing nothing, unless every ``(request_id, n)`` of one step can be appended
         together: ids unique, ``n`` ints >= 0, no request with uncommitted reserved tokens, each
-        request within ``max_blocks_per_seq``, slots for the new ids and blocks for all of them.
-        A request id not in the cache counts as new (it would be added with ``n`` tokens).
-        Returns the number of blocks the appends would allocate."""
+        request within ``max_blocks_per_seq``, slots for the new ids and blocks for all of them
+        (copies of shared last blocks included). A request id not in the cache counts as new (it
+        would be added with ``n`` tokens). Returns the number of blocks the appends would allocate."""
         ids = [rid for rid, _ in appends]
         if len(set(ids)) != len(ids):
             dup = sorted({r for r in ids if ids.count(r) > 1})
@@ -274,6 +304,8 @@ class KVCacheManager:
             have = 0 if s is None else int(self.num_blocks_of[s])
             new_slots += s is None
             new_blocks += max(self._blocks_for(valid + n) - have, 0)
+            if s is not None and n:
+                new_blocks += self._copies_to_write(s, valid)
         if new_slots > len(self._free_slots):
             raise KVCacheCapacityError(
                 f"KV cache out of request slots: {new_slots} new requests, {len(self._free_slots)} free of "
@@ -295,12 +327,17 @@ class KVCacheManager:
         return need
 
     def _grow(self, s: int, new_addressable: int) -> None:
+        old = int(self.addressable_lens[s])
         need = self._blocks_for(new_addressable)
         have = int(self.num_blocks_of[s])
+        if new_addressable > old:
+            self._check_room(max(need - have, 0) + self._copies_to_write(s, old))
+            self._make_private(s, old // self.tokens_per_block, have)
         if need > have:
             self.block_table[s, have:need] = self.allocator.allocate(need - have)
+            self.copied_from[self.block_table[s, have:need]] = 0
             self.num_blocks_of[s] = need
-        self.addressable_lens[s] = max(int(self.addressable_lens[s]), new_addressable)
+        self.addressable_lens[s] = max(old, new_addressable)
 
     # ---- snapshot / restore -------------------------------------------------------------
     def snapshot(self, blocks: list[int] | np.ndarray = ()) -> CacheSnapshot:
@@ -310,9 +347,11 @@ class KVCacheManager:
         return CacheSnapshot(
             block_table=self.block_table.copy(), num_blocks_of=self.num_blocks_of.copy(),
             valid_lens=self.valid_lens.copy(), addressable_lens=self.addressable_lens.copy(),
-            slot_of=dict(self._slot_of), free_slots=list(self._free_slots), free_blocks=list(self.allocator._free),
-            blocks=ids, pool_rows=[p[ids].clone() for p in self.pools],
-            aux_rows={name: [p[ids].clone() for p in pools] for name, pools in self.aux_pools.items()},
+            slot_of=dict(self._slot_of), free_slots=list(self._free_slots), allocator=self.allocator.state(),
+            tokens=[None if t is None else (t, len(t)) for t in self._tokens],
+            hashes=[(h, len(h)) for h in self._hashes],
+            blocks=ids, pool_rows=[p[ids].clone() if len(p) else p for p in self.pools],
+            aux_rows={name: [p[ids].clone() if len(p) else p for p in pools] for name, pools in self.aux_pools.items()},
         )
 
     def restore(self, snap: CacheSnapshot) -> None:
@@ -324,147 +363,21 @@ class KVCacheManager:
         self.addressable_lens[:] = snap.addressable_lens
         self._slot_of = dict(snap.slot_of)
         self._free_slots = list(snap.free_slots)
-        self.allocator._free = list(snap.free_blocks)
+        self.allocator.set_state(snap.allocator)
+        for s, saved in enumerate(snap.tokens):  # token lists only grow in place; other changes replace them
+            self._tokens[s] = None if saved is None else saved[0]
+            if saved is not None:
+                del saved[0][saved[1]:]
+        for s, (hashes, n) in enumerate(snap.hashes):
+            self._hashes[s] = hashes
+            del hashes[n:]
         for pool, rows in zip(self.pools, snap.pool_rows):
-            pool[snap.blocks] = rows
+            if len(pool):
+                pool[snap.blocks] = rows
         for name, pools in self.aux_pools.items():
             saved = snap.aux_rows.get(name)
             for i, pool in enumerate(pools):
                 if saved is None:
                     pool.zero_()
-                else:
+                elif len(pool):
                     pool[snap.blocks] = saved[i]
-
-    # ---- pools --------------------------------------------------------------------------
-    def k_cache(self, layer_idx: int) -> torch.Tensor:
-        """K of one GQA layer as a ``[num_blocks, num_kv_heads, tokens_per_block, head_dim]`` view."""
-        return self._kv_view(layer_idx, 0)
-
-    def v_cache(self, layer_idx: int) -> torch.Tensor:
-        """V of one GQA layer, same view as :meth:`k_cache`."""
-        return self._kv_view(layer_idx, 1)
-
-    def latent_cache(self, layer_idx: int) -> torch.Tensor:
-        """The MLA latent pool ``[num_blocks, tokens_per_block, kv_lora_rank + rope_dim]``."""
-        if self.spec.kind != "mla":
-            raise ValueError("latent_cache: this cache was built with kind='gqa'")
-        return self.pools[layer_idx]
-
-    def _kv_view(self, layer_idx: int, which: int) -> torch.Tensor:
-        if self.spec.kind != "gqa":
-            raise ValueError("k_cache/v_cache: this cache was built with kind='mla'; use latent_cache")
-        pool = self.pools[layer_idx][:, which]
-        return pool if self.spec.layout == "HND" else pool.transpose(1, 2)
-
-    def add_aux_pool(self, name: str, entry_shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Register a per-layer auxiliary pool ``[num_blocks, *entry_shape]`` sharing block ids.
-
-        Row ``b`` of an aux pool describes main-cache block ``b`` (e.g. RocketKV's K min/max
-        page summaries, the DSA indexer-K cache). Re-registering the same name and geometry
-        returns the existing pools.
-        """
-        shape = (self.spec.num_blocks, *entry_shape)
-        if name in self.aux_pools:
-            have = self.aux_pools[name][0]
-            if tuple(have.shape) != shape or have.dtype != dtype:
-                raise ValueError(
-                    f"aux pool {name!r} exists with shape {tuple(have.shape)} {have.dtype}; asked {shape} {dtype}"
-                )
-            return self.aux_pools[name]
-        pools = [torch.zeros(shape, dtype=dtype, device=self.spec.device) for _ in range(self.spec.num_layers)]
-        self.aux_pools[name] = pools
-        return pools
-
-    def physical(self, slots: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block id, offset in block) for request-local ``positions`` of the requests in ``slots``."""
-        p = self.tokens_per_block
-        pos = positions.astype(np.int64)
-        self._check_addressable("physical", slots, pos)
-        blocks = self.block_table[slots, pos // p]
-        dev = self.spec.device
-        return torch.from_numpy(blocks.astype(np.int64)).to(dev), torch.from_numpy(pos % p).to(dev)
-
-    def _check_addressable(self, caller: str, slots: np.ndarray, positions: np.ndarray) -> None:
-        """Raise ``ValueError`` naming ``caller`` and the first position outside its request's
-        addressable range ``[0, addressable_len)``."""
-        limit = self.addressable_lens[slots]
-        bad = (positions < 0) | (positions >= limit)
-        if bool(bad.any()):
-            i = int(np.argmax(bad))
-            raise ValueError(f"{caller}: position {int(positions[i])} is outside its request's addressable range "
-                             f"[0, {int(limit[i])})")
-
-    def write(self, layer_idx: int, slots: np.ndarray, positions: np.ndarray, k: torch.Tensor,
-              v: torch.Tensor | None = None) -> None:
-        """Scatter one step's new tokens into the pool.
-
-        ``slots``/``positions``: int arrays ``[n]``; GQA: ``k``/``v`` ``[n, num_kv_heads, head_dim]``;
-        MLA: ``k`` is the latent ``[n, kv_lora_rank + rope_dim]`` and ``v`` is ``None``.
-        """
-        pool = self.pools[layer_idx]
-        if self.spec.kind == "gqa" and v is None:
-            raise ValueError("write: a GQA cache takes k and v; v is None")
-        if len(slots) == 1 and self.spec.kind == "gqa":  # one token (a decode step of one request): basic indexing
-            self._check_addressable("write", slots, positions)
-            s, p = int(slots[0]), int(positions[0])
-            blk, off = int(self.block_table[s, p // self.tokens_per_block]), p % self.tokens_per_block
-            if self.spec.layout == "HND":
-                pool[blk, 0, :, off], pool[blk, 1, :, off] = k[0], v[0]
-            else:
-                pool[blk, 0, off], pool[blk, 1, off] = k[0], v[0]
-            return
-        blk, off = self.physical(slots, positions)
-        if self.spec.kind == "mla":
-            if v is not None:
-                raise ValueError("write: MLA takes the latent as k and v=None")
-            pool[blk, off] = k.to(pool.dtype)
-        elif self.spec.layout == "HND":
-            pool[blk, 0, :, off] = k.to(pool.dtype)
-            pool[blk, 1, :, off] = v.to(pool.dtype)
-        else:
-            pool[blk, 0, off] = k.to(pool.dtype)
-            pool[blk, 1, off] = v.to(pool.dtype)
-
-    def gather(self, layer_idx: int, request_id: int, positions: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Contiguous NHD copy of one request's K and V (GQA: ``[n, Hkv, D]`` each; MLA: the
-        latent ``[n, R+P]`` twice). ``positions`` defaults to all valid positions."""
-        s = self.slot(request_id)
-        if positions is None:
-            positions = torch.arange(int(self.valid_lens[s]))
-        blk, off = self.physical(np.full(positions.numel(), s, dtype=np.int32), positions.cpu().numpy())
-        if self.spec.kind == "mla":
-            lat = self.pools[layer_idx][blk, off]
-            return lat, lat
-        return self.k_cache(layer_idx)[blk, :, off], self.v_cache(layer_idx)[blk, :, off]
-
-    def compact(self, layer_idx: int, request_id: int, kept: torch.Tensor) -> None:
-        """Move kept tokens to the front of the request's pages, per KV head, in place.
-
-        ``kept [num_kv_heads, n_keep]`` (MLA: ``[1, n_keep]``) request-local positions, sorted
-        ascending, so each destination ``j <= kept[h, j]``: the gather reads every source before
-        the scatter writes. The ledger length is not changed here (other layers still hold the
-        full prompt); call :meth:`truncate` once all layers are compacted.
-        """
-        s = self.slot(request_id)
-        n_keep = kept.shape[1]
-        heads = 1 if self.spec.kind == "mla" else self.spec.num_kv_heads
-        if kept.dim() != 2 or kept.shape[0] != heads:
-            raise ValueError(f"compact: kept must be [{heads}, n_keep], got {tuple(kept.shape)}")
-        if n_keep and (int(kept.min()) < 0 or int(kept.max()) >= self.valid_lens[s]):
-            raise ValueError(f"compact: kept positions must be in [0, {self.valid_lens[s]})")
-        if n_keep > 1 and bool((kept[:, 1:] <= kept[:, :-1]).any()):
-            raise ValueError("compact: kept positions must be strictly ascending per head")
-        p = self.tokens_per_block
-        table = torch.from_numpy(self.block_table[s].astype(np.int64)).to(kept.device)
-        src = kept.to(torch.int64)
-        dst = torch.arange(n_keep, device=kept.device).expand_as(src)
-        sb, so, db, do = table[src // p], src % p, table[dst // p], dst % p
-        pool = self.pools[layer_idx]
-        if self.spec.kind == "mla":
-            pool[db[0], do[0]] = pool[sb[0], so[0]]
-            return
-        for which in (0, 1):
-            view = self._kv_view(layer_idx, which)  # [blocks, H, P, D]
-            h = torch.arange(heads, device=kept.device).unsqueeze(1).expand_as(src)
-            view[db, h, do] = view[sb, h, so]

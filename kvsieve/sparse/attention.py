@@ -127,6 +127,7 @@ class SparseAttention:
         self.check_backend(plan)
         self._plan = plan
         self._attached: set[int] = set()  # live requests whose positions the plan's selector has seen
+        self._seen_blocks: np.ndarray | None = None  # blocks whose per-block state the plan's selector built
 
     def check_backend(self, plan: LayerPlan | None, *, device: str | torch.device | None = None,
                       dtype: torch.dtype | None = None) -> None:
@@ -209,12 +210,24 @@ class SparseAttention:
         that cannot rebuild its state."""
         md = inputs.metadata
         rids = md.request_ids  # the step's requests
-        if self._attached.issuperset(rids):  # every step after the first: nothing to do
-            return
+        if not self._attached.issuperset(rids):
+            self._attach_new(inputs)
+        self._mark_seen(md)
+
+    def _attach_new(self, inputs: SelectorInputs) -> None:
+        md = inputs.metadata
+        rids, mgr = md.request_ids, md.kv_cache_manager
         starts = md.cached_lens_host
-        self._attached &= set(md.kv_cache_manager.request_ids)
-        unseen = np.array([i for i, rid in enumerate(rids) if starts[i] > 0 and rid not in self._attached],
-                          dtype=np.int64)
+        self._attached &= set(mgr.request_ids)
+        p = mgr.tokens_per_block
+        seen = self._seen_blocks if self._seen_blocks is not None else np.zeros(mgr.spec.num_blocks, dtype=bool)
+
+        def shared_seen(i: int) -> bool:  # a beam or a reused prefix: blocks the selector already saw
+            held = mgr.block_table[md.slots[i], : -(-int(starts[i]) // p)]
+            return bool((seen[held] | seen[mgr.copied_from[held]]).all())
+
+        unseen = np.array([i for i, rid in enumerate(rids) if starts[i] > 0 and rid not in self._attached
+                           and not shared_seen(i)], dtype=np.int64)
         if len(unseen):
             why = attach_refusal(self.plan.selector)
             if why is not None:
@@ -223,6 +236,19 @@ class SparseAttention:
                                  f"from before the plan was installed; {why}")
             self.plan.selector.on_attach(inputs, unseen)
         self._attached.update(rids)
+
+    def _mark_seen(self, md: AttentionMetadata) -> None:
+        """Record the blocks this step's requests hold from their first new position on (every
+        block of a context request, which an eviction may rewrite): the plan's selector has built
+        their per-block state."""
+        mgr = md.kv_cache_manager
+        if self._seen_blocks is None:
+            self._seen_blocks = np.zeros(mgr.spec.num_blocks, dtype=bool)
+        p = mgr.tokens_per_block
+        first = md.cached_lens_host // p
+        first[: md.num_contexts] = 0
+        for s, a, b in zip(md.slots, first, -(-md.kv_lens_host // p)):
+            self._seen_blocks[mgr.block_table[s, a:b]] = True
 
     def _check_model_inputs(self, model_inputs: object) -> None:
         """Refuse model inputs the plan's selector does not declare, and a missing or mistyped one it needs."""

@@ -83,11 +83,13 @@ def lower_config(config: SparseAttentionConfig | None, *, num_layers: int, atten
         selector.check_support(phase=phase)
     chosen = sparse_layers(num_layers=num_layers, model_layer_types=layer_types, layers=config.layers,
                            layer_types=config.layer_types, dense_layers=config.dense_layers)
-    dense = set(range(num_layers)) - chosen
+    # sliding-window layers may stay dense beside evicting full-attention layers: they keep their
+    # own cache group and length (kvsieve.sparse.Engine checks the groups)
+    dense = {i for i in set(range(num_layers)) - chosen if layer_windows is None or layer_windows[i] is None}
     if dense and selector.capabilities.evicts:
         raise ValueError(
-            f"selector {config.selector!r} evicts prompt tokens, which every layer must do alike "
-            f"(the ledger length is shared); it must run on every layer, but layers {sorted(dense)} are dense "
+            f"selector {config.selector!r} evicts prompt tokens, which every layer of a cache group must do alike "
+            f"(the group's length is shared); it must run on every full-attention layer, but layers {sorted(dense)} are dense "
             f"(dense_layers / layers / layer_types; the model's layer types: {sorted(set(layer_types or ['full_attention']))})"
         )
     for i in sorted(chosen):

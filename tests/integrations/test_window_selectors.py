@@ -38,7 +38,10 @@ def _run(family: str, name: str, *, told: bool = True) -> tuple[KvsieveSession, 
     model, _ = build(family, window=W)
     params = SELECTORS[name][0]
     types = BOTH if family == "gemma3" else None  # Mistral: every layer is windowed, all run it by default
-    session = KvsieveSession(model, SparseAttentionConfig(name, params, layer_types=types), max_tokens=128)
+    # not told: the windowed layers keep every block, as before the window release (a released block
+    # reads as zeros, which an untold selector would score too)
+    session = KvsieveSession(model, SparseAttentionConfig(name, params, layer_types=types), max_tokens=128,
+                             release_windows=told)
     if name == "dsa":
         torch.manual_seed(0)
         session.layers[0].plan.selector.set_projections({i: IndexerProjections(64, 2, 16, 8) for i in range(4)})

@@ -39,21 +39,24 @@ def make_rig(selector: str | None = None, params: dict | None = None, *, num_lay
 
 
 def state(cache: KVCacheManager) -> dict:
-    """Everything a step may change: ledger arrays, slot maps, the allocator's free list, every pool."""
+    """Everything a step may change: ledger arrays, slot maps, the allocator (free list, LRU,
+    reference counts, names), the token records, every pool."""
     return {
         "block_table": cache.block_table.copy(), "num_blocks_of": cache.num_blocks_of.copy(),
         "valid_lens": cache.valid_lens.copy(), "addressable_lens": cache.addressable_lens.copy(),
         "slot_of": dict(cache._slot_of), "free_slots": list(cache._free_slots),
-        "free_blocks": list(cache.allocator._free),
+        "free_blocks": list(cache.allocator._free), "evictable": list(cache.allocator._evictable),
+        "refcount": cache.allocator.refcount.copy(), "hash_of": dict(cache.allocator._hash_of),
+        "tokens": [None if t is None else list(t) for t in cache._tokens], "hashes": [list(h) for h in cache._hashes],
         "pools": [p.clone() for p in cache.pools],
         "aux": {k: [p.clone() for p in v] for k, v in cache.aux_pools.items()},
     }
 
 
 def assert_same_state(before: dict, after: dict) -> None:
-    for key in ("block_table", "num_blocks_of", "valid_lens", "addressable_lens"):
+    for key in ("block_table", "num_blocks_of", "valid_lens", "addressable_lens", "refcount"):
         np.testing.assert_array_equal(before[key], after[key], err_msg=key)
-    for key in ("slot_of", "free_slots", "free_blocks"):
+    for key in ("slot_of", "free_slots", "free_blocks", "evictable", "hash_of", "tokens", "hashes"):
         assert before[key] == after[key], key
     for i, (a, b) in enumerate(zip(before["pools"], after["pools"])):
         assert torch.equal(a, b), f"pool of layer {i} changed"

@@ -238,9 +238,10 @@ def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> 
     emit("|---|" + "---|" * (len(args.densities) + 1))
     for n, by_d in table.items():
         ceiling = "oracle_page" if n in PAGE_SELECTORS else "oracle_topk" if n == "dsa" else None
-        cells = [mean_interval(v) for v in by_d.values()]
+        cells = [f"{m:.3f} ± {h:.3f}" for m, h in map(mean_interval, by_d.values())] if args.texts > 1 else \
+            [f"{v[0]:.3f} (n = 1)" for v in by_d.values()]
         ratio = " / ".join(f"{sum(by_d[d]) / sum(table[ceiling][d]):.2f}" for d in args.densities) if ceiling else ""
-        emit(f"| {n} | " + " | ".join(f"{m:.3f} ± {h:.3f}" for m, h in cells) + f" | {ratio} |")
+        emit(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
     emit("Quest's bound = center + spread (bound_terms), per layer, means over windows, rows and query heads:")
     emit("| layer | std center | std spread | rho(bound, mass) | rho(center, mass) | rho(spread, mass) | top 1/16 overlap |")
     emit("|---|---|---|---|---|---|---|")

@@ -340,9 +340,8 @@ def fit(corpus: Corpus, cfg: DistillConfig, *, progress: bool = True) -> Distill
         for j in torch.randperm(len(corpus.train), generator=gen).tolist():
             w = corpus.train[j]
             opt.zero_grad()
-            loss = sum(row_kl(w.p[i], indexer_row_logits(projs[i], w.hidden[i], w.rows))
-                       for i in corpus.layers) / len(corpus.layers)
-            loss.backward()
+            for i in corpus.layers:  # the layers' indexers are independent: one graph in memory at a time
+                (row_kl(w.p[i], indexer_row_logits(projs[i], w.hidden[i], w.rows)) / len(corpus.layers)).backward()
             opt.step()
             sched.step()
         curve.append(checkpoint(epoch))

@@ -6,6 +6,10 @@ not read it."""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+# the report scripts under tools/ (recall_table, snapkv_variants) are imported by tests of several folders
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

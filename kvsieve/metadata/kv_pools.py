@@ -4,13 +4,10 @@ that go through the ledger's block table (``physical``, ``write``, ``gather``, `
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from .kv_cache import KVCacheSpec
+from .kv_spec import KVCacheSpec
 
 __all__ = ["PagedPools"]
 

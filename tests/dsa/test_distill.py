@@ -3,6 +3,7 @@ into the ``dsa`` selector, and a KvsieveSession runs with the distilled indexer 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -16,13 +17,23 @@ from kvsieve.selectors.dsa.projections import load_projections
 def test_distill_command_and_selector(tmp_path):
     out, js = tmp_path / "idx.pt", tmp_path / "r.json"
     assert main(["--model", "tiny-random", "--out", str(out), "--json", str(js), "--seq-len", "96",
-                 "--num-seqs", "2", "--epochs", "8", "--n-heads", "2", "--head-dim", "16", "--rope-dim", "8",
-                 "--eval-len", "160", "--topks", "16,32", "--lr", "1e-2"]) == 0
+                 "--num-seqs", "2", "--heldout-seqs", "1", "--rows", "48", "--epochs", "8", "--n-heads", "2",
+                 "--head-dim", "16", "--rope-dim", "8", "--lr", "1e-2", "--grid", "1x8"]) == 0
     meta = json.loads(js.read_text())
-    assert meta["kl_history"][-1] < meta["kl_history"][0]
-    assert set(meta["recall"]["indexer"]) == {"16", "32"}
+    curve = meta["curve"]
+    assert [c["epoch"] for c in curve] == list(range(9))
+    assert curve[-1]["train_kl"] < curve[0]["train_kl"] and curve[-1]["heldout_kl"] < curve[0]["heldout_kl"]
+    assert set(curve[-1]["recall"]) == {"4", "16", "64"} and all(0 < r <= 1 for r in curve[-1]["recall"].values())
+    assert all(a["seconds"] <= b["seconds"] for a, b in zip(curve, curve[1:]))
+    assert not set(meta["split"]["train"]) & set(meta["split"]["held_out"])
+    (small,) = meta["grid"]  # trained on the same captured windows: the untrained KL differs, the targets not
+    assert (small["n_heads"], small["head_dim"], small["rope_dim"]) == (1, 8, 8)
+    assert small["parameters"] < meta["parameters"] and len(small["curve"]) == 9
+    assert small["curve"][0]["seconds"] > 0 and small["curve"][-1]["train_kl"] < small["curve"][0]["train_kl"]
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny-random", "--out", str(out), "--grid", "4by16"])
     layers, saved = load_projections(str(out))
-    assert sorted(layers) == [0, 1] and saved["n_heads"] == 2
+    assert sorted(layers) == [0, 1] and saved["n_heads"] == 2 and saved["layers"] == [0, 1]
 
     from kvsieve.integrations.transformers import KvsieveSession
 
@@ -82,3 +93,121 @@ def test_transformers_driven_refusal_leaves_no_step_open():
     attach_dsa_indexer(session)
     out = model.generate(ids, max_new_tokens=2, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 2) and session.layers[0].plan.selector.stats.indexed_steps > 0
+
+
+def test_row_kl_and_recall_equal_plain_formulas_on_a_hand_case():
+    """row_kl against a hand-written KL(p || softmax) and row_recall against counting by hand."""
+    from kvsieve.eval.distill_indexer import row_kl, row_recall
+
+    p = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.5, 0.25, 0.25, 0.0], [0.1, 0.2, 0.3, 0.4]])
+    logits = torch.tensor([[0.0, float("-inf"), float("-inf"), float("-inf")], [1.0, 2.0, 0.0, float("-inf")],
+                           [0.5, -1.0, 2.0, 1.0]])
+    want = []
+    for pr, lr in zip(p.tolist(), logits.tolist()):
+        z = sum(math.exp(x) for x in lr if x != float("-inf"))
+        want.append(sum(a * math.log(a / (math.exp(x) / z)) for a, x in zip(pr, lr) if a > 0))
+    assert float(row_kl(p, logits)) == pytest.approx(sum(want) / 3, rel=1e-6)
+    rows = torch.tensor([0, 2, 3])
+    # density 2: row 0 keeps 1 position (mass 1), row 2 keeps 2 (positions 1, 0: 0.75), row 3 keeps 2 (2, 3: 0.7)
+    assert row_recall(p, logits, rows, 2) == pytest.approx((1.0 + 0.75 + 0.7) / 3)
+
+
+def test_row_logits_equal_the_full_indexer_matrix():
+    """The sampled-row logits are the rows of the full causal indexer matrix (q, k, w from forward)."""
+    from kvsieve.eval.distill_indexer import indexer_row_logits
+    from kvsieve.selectors.dsa.projections import IndexerProjections
+
+    torch.manual_seed(0)
+    proj = IndexerProjections(24, 3, 8, 4)
+    hidden, rows = torch.randn(40, 24), torch.tensor([0, 7, 20, 39])
+    q, k, w = proj(hidden, torch.arange(40))
+    full = torch.einsum("th,ths->ts", w, torch.einsum("thd,sd->ths", q, k).relu())
+    full = full.masked_fill(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(indexer_row_logits(proj, hidden, rows), full[rows], rtol=1e-5, atol=1e-6)
+
+
+def test_captured_targets_equal_the_models_eager_attention():
+    """capture_targets' p rows equal transformers' eager attention weights, averaged over heads,
+    and its hidden states the attention module's input."""
+    from kvsieve.eval.distill_indexer import capture_targets
+
+    model = tiny_random_llama()
+    ids = torch.tensor([ByteTokenizer().encode("the quick brown fox jumps over the lazy dog, twice over")])
+    rows = torch.tensor([3, 17, ids.shape[1] - 1])
+    got = capture_targets(model, ids, [0, 1], rows)
+    seen = {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, kw, out, i=i: seen.__setitem__(i, (kw, out)),
+                                                   with_kwargs=True)
+             for i, layer in enumerate(model.get_decoder().layers)]
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    for i in (0, 1):
+        kw, out = seen[i]
+        want = out[1][0].float().mean(0)[rows]  # [R, S]
+        torch.testing.assert_close(got.p[i].float(), want, atol=2e-3, rtol=2e-3)  # fp16 storage
+        torch.testing.assert_close(got.hidden[i].float(), kw["hidden_states"][0], atol=2e-2, rtol=1e-2)  # bf16
+
+
+def test_sliding_layers_and_short_corpora_are_refused():
+    from types import SimpleNamespace
+
+    from kvsieve.eval.distill_corpus import Document, split_documents, token_windows
+    from kvsieve.eval.distill_indexer import DistillConfig, trainable_layers
+
+    cfg = SimpleNamespace(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
+    assert trainable_layers(cfg, None) == [1, 3]
+    with pytest.raises(ValueError, match=r"layers \[0\] are \['sliding_attention'\] layers"):
+        trainable_layers(cfg, [0, 1])
+    with pytest.raises(ValueError, match="DistillConfig.rows: 80 rows cannot be sampled from 64 positions"):
+        DistillConfig(seq_len=64, rows=80)
+    docs = [Document("essays", f"e{i}", "word " * 50) for i in range(4)] + [Document("pydoc", "t", "x y")]
+    train, held = split_documents(docs)
+    assert [d.name for d in held] == ["e0", "e2"] and [d.name for d in train] == ["e1", "e3", "t"]
+    with pytest.raises(ValueError, match="token_windows: 1 documents give 3 tokens; 2 windows of 4 need 8"):
+        token_windows(ByteTokenizer(), [Document("pydoc", "t", "x y")], 4, 2)
+
+
+def test_windowed_attention_equals_masked_sdpa():
+    from kvsieve.eval.distill_indexer import windowed_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 37, 8), torch.randn(1, 2, 37, 8), torch.randn(1, 2, 37, 8)
+    pos = torch.arange(37)
+    mask = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - 6)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                            attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(windowed_attention(q, k, v, 6, 0.3), want.transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
+def test_capture_on_a_sliding_window_model_keeps_its_logits_and_targets():
+    """A tiny random Gemma 3 (sliding and full layers): the capture's forward gives the model's own
+    logits (sliding layers through windowed_attention), and the full layer's targets equal eager."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from kvsieve.eval.distill_indexer import capture_targets, trainable_layers
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    model = Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 300, (1, 40))
+    rows = torch.tensor([5, 20, 39])
+    assert trainable_layers(model.config, None) == [1]
+    seen = {}
+    hook = model.model.layers[1].self_attn.register_forward_hook(lambda m, a, out: seen.__setitem__("w", out[1]))
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        want_logits = model(input_ids=ids, use_cache=False).logits[0, -1]
+    hook.remove()
+    got = capture_targets(model, ids, [1], rows)
+    torch.testing.assert_close(got.p[1].float(), seen["w"][0].mean(0)[rows], atol=2e-3, rtol=2e-3)
+    model.set_attn_implementation("kvsieve_distill_capture")  # registered by the capture, still in place
+    with torch.no_grad():
+        got_logits = model(input_ids=ids, use_cache=False).logits[0, -1]
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)

@@ -18,7 +18,7 @@ from kvsieve.integrations.transformers import KvsieveSession
 from kvsieve.selectors.dsa.projections import load_projections
 from kvsieve.selectors.skip_softmax.selector import interpolate_factor
 
-TINY = ["model=tiny-random", "selectors.dsa.prepare_params={seq_len: 64, num_seqs: 2, epochs: 1}",
+TINY = ["model=tiny-random", "selectors.dsa.prepare_params={seq_len: 64, num_seqs: 2, heldout_seqs: 1, rows: 16, epochs: 1}",
         # the tiny random model's attention is nearly flat: tiles start to be skipped near factor = kv_len,
         # and at 512 tokens (8 tiles of 64) at most 7 of 8 are skipped
         "selectors.skip_softmax.prepare_params={length: 512, num_texts: 1, factors: [490, 500, 520, 560, 1000]}",
@@ -115,7 +115,7 @@ def test_a_sweep_runs_prepared_dsa_and_skip_softmax(cache, tiny, tmp_path):
     entries = {k: recipes["selectors"][k] for k in ("dsa", "skip_softmax")}
     for e in entries.values():
         e["sparsities"] = [0.75]
-    entries["dsa"]["prepare_params"] |= {"seq_len": 64, "num_seqs": 2, "epochs": 1}
+    entries["dsa"]["prepare_params"] |= {"seq_len": 64, "num_seqs": 2, "heldout_seqs": 1, "rows": 16, "epochs": 1}
     entries["skip_softmax"]["prepare_params"] = {"length": 512, "num_texts": 1, "factors": [490, 500, 520, 560]}
     raw = {"model": "tiny-random", "output_dir": str(tmp_path / "out"),
            "tasks": {"passkey": {"lengths": [300], "depths": [50], "samples": 1}}, "selectors": entries}
@@ -160,13 +160,14 @@ def test_calibration_samples_start_like_the_eval_prompts_and_the_prefix_keys_the
     prompts, so the samples carry the tokenizer's special prefix and it is part of the cache key."""
     import dataclasses
 
-    from kvsieve.eval.distill_indexer import _sequences, special_prefix
+    from kvsieve.eval.distill_corpus import corpus_documents, special_prefix, token_windows
 
     bos = dataclasses.replace(tiny, tokenizer=_WithBos(tiny.tokenizer))
     assert special_prefix(tiny.tokenizer) == [] and special_prefix(bos.tokenizer) == [7]
-    seqs = _sequences(bos.tokenizer, 2, 16)
+    essays = [d for d in corpus_documents() if d.source == "essays"]
+    seqs = token_windows(bos.tokenizer, essays, 16, 2)
     assert [s.shape[1] for s in seqs] == [16, 16] and all(int(s[0, 0]) == 7 for s in seqs)
-    assert int(_sequences(tiny.tokenizer, 1, 16)[0][0, 0]) != 7
+    assert int(token_windows(tiny.tokenizer, essays, 16, 1)[0][0, 0]) != 7
     only = [o for o in TINY if "dsa" not in o] + ["selectors.dsa=null"]
     logs: list[str] = []
     for lm in (tiny, bos):

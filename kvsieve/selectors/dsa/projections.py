@@ -106,23 +106,37 @@ class IndexerProjections(nn.Module):
                     rope_dim=self.rope_dim, q_input_size=self.q_input_size, rope_theta=self.rope_theta,
                     rope_interleave=self.rope_interleave, k_norm=isinstance(self.k_norm, nn.LayerNorm))
 
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None,
+              sin: torch.Tensor | None) -> torch.Tensor:
+        if not self.rope_dim:
+            return x
+        if cos is None:
+            cos, sin = rope_cos_sin(positions, self.rope_dim, self.rope_theta)
+        r = self.rope_dim
+        return torch.cat([apply_rope(x[..., :r], cos.float(), sin.float(), self.rope_interleave), x[..., r:]], -1)
+
+    def queries(self, hidden: torch.Tensor, positions: torch.Tensor, q_input: torch.Tensor | None = None,
+                cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q_I [T, H, D], w [T, H])`` fp32 of the query tokens (RoPE applied, ``w`` scaled)."""
+        dt = self.wk.weight.dtype
+        q_in = hidden if q_input is None else q_input
+        q = self.wq(q_in.to(dt)).float().view(-1, self.n_heads, self.head_dim)
+        w = self.weights_proj(hidden.to(dt)).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return self._rope(q, positions, cos, sin), w
+
+    def keys(self, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None = None,
+             sin: torch.Tensor | None = None) -> torch.Tensor:
+        """``k_I [T, D]`` fp32 of the cached tokens (key norm and RoPE applied)."""
+        return self._rope(self.k_norm(self.wk(hidden.to(self.wk.weight.dtype))).float(), positions, cos, sin)
+
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, q_input: torch.Tensor | None = None,
                 cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``hidden [T, hidden_size]``, ``positions [T]`` -> ``(q_I [T, H, D], k_I [T, D], w [T, H])``,
         all fp32, RoPE applied, ``w`` scaled by ``D**-0.5 * H**-0.5``."""
-        dt = self.wk.weight.dtype
-        q_in = hidden if q_input is None else q_input
-        q = self.wq(q_in.to(dt)).float().view(-1, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(hidden.to(dt))).float()
-        w = self.weights_proj(hidden.to(dt)).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
-        if self.rope_dim:
-            if cos is None:
-                cos, sin = rope_cos_sin(positions, self.rope_dim, self.rope_theta)
-            r = self.rope_dim
-            q = torch.cat([apply_rope(q[..., :r], cos.float(), sin.float(), self.rope_interleave), q[..., r:]], -1)
-            k = torch.cat([apply_rope(k[..., :r], cos.float(), sin.float(), self.rope_interleave), k[..., r:]], -1)
-        return q, k, w
+        q, w = self.queries(hidden, positions, q_input, cos, sin)
+        return q, self.keys(hidden, positions, cos, sin), w
 
 
 def save_projections(path: str, layers: dict[int, IndexerProjections], meta: dict | None = None) -> None:

@@ -47,10 +47,11 @@ class Engine:
                  release_windows: bool = True) -> None:
         check_value("Engine.max_num_requests", max_num_requests, int, ge=1)
         check_value("Engine.max_num_tokens", max_num_tokens, int, ge=1)
-        for layer in layers:  # an impossible backend for the cache's device or dtype: refused before any step
-            layer.check_backend(layer.plan, device=cache.spec.device, dtype=cache.spec.dtype)
         needed = sorted({t for layer in layers for t in layer.backend.required_translations})
         self.caches = [cache] if isinstance(cache, KVCacheManager) else list(cache)
+        for layer in layers:  # an impossible backend for the caches' device or dtype: refused before any step
+            for c in self.caches:
+                layer.check_backend(layer.plan, device=c.spec.device, dtype=c.spec.dtype)
         self.layers = list(layers)
         group_of: dict[int, int] = {}
         for g, c in enumerate(self.caches):

@@ -68,20 +68,19 @@ def selected_positions(params: SparseRuntimeParams | None, token_kv_lens: torch.
 def _selection(params: SparseRuntimeParams, num_kv_heads: int, rows: slice, n: int) -> tuple[torch.Tensor, int]:
     """int64 ``[Hkv, n, k]`` selected units of query tokens ``rows`` (ascending, each unit once,
     ``-1`` for padding and repeats; ``k`` the longest row) and the unit (block) size."""
-    off = params.sparse_attn_offsets[rows.start: rows.stop + 1].to(torch.int64)
+    part = params.row_slice(rows)
+    off = part.sparse_attn_offsets.to(torch.int64)
     lens = off.diff()
     k = int(lens.max()) if n else 0
     j = torch.arange(k, device=off.device)
-    at = (off[:-1].unsqueeze(1) + j).clamp(max=max(params.sparse_attn_indices.shape[1] - 1, 0))  # [n, k]
+    at = (off[:-1].unsqueeze(1) + j).clamp(max=max(part.sparse_attn_indices.shape[1] - 1, 0))  # [n, k]
     # the rows' entries first, then int64: converting the whole carrier per chunk made a long
     # token-sparse prefill quadratic (16K rows x 4K entries, copied once per chunk of ~10 rows)
-    sel = params.sparse_attn_indices[:, at].to(torch.int64) if k else off.new_zeros(num_kv_heads, n, 0)
-    sel = torch.where(j < lens.unsqueeze(1), sel, -1)
-    big = torch.iinfo(torch.int64).max
-    sel = torch.where(sel < 0, big, sel).sort(dim=-1).values
+    sel = part.sparse_attn_indices[:, at].to(torch.int64) if k else off.new_zeros(num_kv_heads, n, 0)
+    sel = SparseRuntimeParams.sort_padding_last(torch.where(j < lens.unsqueeze(1), sel, -1))
     repeat = torch.zeros_like(sel, dtype=torch.bool)
-    repeat[..., 1:] = sel[..., 1:] == sel[..., :-1]
-    sel = torch.where((sel == big) | repeat, -1, sel)
+    repeat[..., 1:] = (sel[..., 1:] == sel[..., :-1]) & (sel[..., 1:] >= 0)
+    sel = torch.where(repeat, -1, sel)
     return sel, params.sparse_attn_indices_block_size
 
 
@@ -428,5 +427,5 @@ class TorchBackend(AttentionBackend):
             return 0
         if params is None:
             return int(lens[rows].max())
-        longest = int(params.sparse_attn_offsets[rows.start: rows.stop + 1].diff().max())
+        longest = int(params.row_slice(rows).sparse_attn_offsets.diff().max())
         return longest * params.sparse_attn_indices_block_size

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ...sparse.knobs import check_knobs, knob
+from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.paged import drop_empty_columns, top_p_cut, top_p_knob
 from .projections import IndexerInputs, IndexerProjections, load_projections, rope_cos_sin
 
@@ -78,12 +78,12 @@ class DSAConfig:
     def __post_init__(self) -> None:
         check_knobs(self, "dsa")
         if self.rope_dim > self.head_dim or self.rope_dim % 2:
-            raise ValueError(f"dsa: rope_dim must be even and in [0, head_dim={self.head_dim}], got {self.rope_dim}")
+            raise KnobError(f"dsa.rope_dim must be even and <= head_dim={self.head_dim}, got {self.rope_dim}")
         if self.compress_ratio != 1:
-            raise ValueError(f"dsa: compress_ratio must be 1 (compressed index keys, DeepSeek-V4 style, are not "
+            raise KnobError(f"dsa.compress_ratio must be 1 (compressed index keys, DeepSeek-V4 style, are not "
                              f"implemented), got {self.compress_ratio}")
         if torch.device(self.device).type not in ("cpu", "cuda"):
-            raise ValueError(f"dsa: device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
+            raise KnobError(f"dsa.device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
 
 
 @dataclass

@@ -24,7 +24,7 @@ Backends ask two questions per phase, :meth:`SparseRuntimeParams.selects_positio
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -56,14 +56,29 @@ class SparseRuntimeParams:
         if topk.dim() != 3:
             raise ValueError(f"topk must be [num_tokens, num_kv_heads, k], got shape {tuple(topk.shape)}")
         t, h, k = topk.shape
-        big = torch.iinfo(torch.int32).max
-        sel = topk.to(torch.int64)
-        sel = torch.where(sel < 0, big, sel).sort(dim=-1).values
-        sel = torch.where(sel == big, -1, sel).to(torch.int32)
+        sel = SparseRuntimeParams.sort_padding_last(topk).to(torch.int32)
         indices = sel.permute(1, 0, 2).reshape(h, t * k).contiguous()
         offsets = torch.arange(0, (t + 1) * k, k, dtype=torch.int32, device=topk.device)
         return SparseRuntimeParams(sparse_attn_indices=indices, sparse_attn_offsets=offsets,
                                    sparse_attn_indices_block_size=block_size, **fields)
+
+    @staticmethod
+    def sort_padding_last(units: torch.Tensor) -> torch.Tensor:
+        """``units [..., k]`` (integer, ``-1`` = padding) sorted ascending along the last dim with
+        the padding moved to the tail of each segment; same shape and dtype."""
+        big = torch.iinfo(torch.int64).max
+        sel = units.to(torch.int64)
+        sel = torch.where(sel < 0, big, sel).sort(dim=-1).values
+        return torch.where(sel == big, -1, sel).to(units.dtype)
+
+    def row_slice(self, rows: slice) -> SparseRuntimeParams:
+        """The carrier cut to query rows ``[rows.start, rows.stop)``: their attention segments,
+        offsets from 0; every other field unchanged. Requires attention indices."""
+        if self.sparse_attn_indices is None or self.sparse_attn_offsets is None:
+            raise ValueError("row_slice needs sparse_attn_indices and sparse_attn_offsets; this carrier has none")
+        off = self.sparse_attn_offsets[rows.start: rows.stop + 1]
+        a, b = int(off[0]), int(off[-1])
+        return replace(self, sparse_attn_indices=self.sparse_attn_indices[:, a:b], sparse_attn_offsets=off - a)
 
     def selects_positions(self, phase: str) -> bool:
         """Whether rows of ``phase`` attend only their listed indices (else: dense causal)."""

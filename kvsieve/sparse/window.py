@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..metadata import PHASES, AttentionMetadata
-from .backends.torch_backend import selected_positions
+from .backends._torch_selection import selected_positions
 from .params import SparseRuntimeParams
 
 __all__ = ["window_params"]
@@ -37,9 +37,7 @@ def window_params(params: SparseRuntimeParams | None, metadata: AttentionMetadat
         rows = metadata.phase_rows(phase)
         sel = selected_positions(params, token_kv_lens, num_kv_heads, rows).transpose(0, 1)  # [n, Hkv, K]
         sel = torch.where(sel >= lo[rows].view(-1, 1, 1), sel, -1)
-        big = torch.iinfo(torch.int64).max
-        sel = torch.where(sel < 0, big, sel).sort(dim=-1).values[..., :window]
-        sel = torch.where(sel == big, -1, sel)
+        sel = SparseRuntimeParams.sort_padding_last(sel)[..., :window]
         pos[rows] = torch.nn.functional.pad(sel, (0, window - sel.shape[-1]), value=-1)
     fields = {} if params is None else {k: getattr(params, k) for k in (
         "sparse_kv_indices", "sparse_kv_offsets", "threshold_scale_factor_context",

@@ -77,3 +77,34 @@ def test_phase_questions_of_the_carrier():
                                         sparse_kv_offsets=torch.zeros(2, dtype=I32)), "context")
     with pytest.raises(ValueError, match="phase must be one of"):
         p.selects_positions("prefill")
+
+
+def test_sort_padding_last_matches_a_plain_loop():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.int32, torch.int64):
+        units = torch.randint(-1, 50, (3, 4, 7), generator=g).to(dtype)
+        got = SparseRuntimeParams.sort_padding_last(units)
+        assert got.dtype == dtype and got.shape == units.shape
+        for seg_in, seg_out in zip(units.reshape(-1, 7).tolist(), got.reshape(-1, 7).tolist()):
+            valid = sorted(v for v in seg_in if v >= 0)
+            assert seg_out == valid + [-1] * (7 - len(valid))
+
+
+def test_row_slice_matches_a_plain_loop_and_refuses_a_carrier_without_indices():
+    g = torch.Generator().manual_seed(1)
+    lens = [3, 0, 2, 5, 1]
+    off = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=I32)
+    idx = torch.randint(-1, 9, (2, int(off[-1])), generator=g).to(I32)
+    p = SparseRuntimeParams(sparse_attn_indices=idx, sparse_attn_offsets=off, threshold_scale_factor_context=0.5)
+    for a in range(len(lens) + 1):
+        for b in range(a, len(lens) + 1):
+            part = p.row_slice(slice(a, b))
+            assert part.sparse_attn_offsets.tolist() == [int(off[t]) - int(off[a]) for t in range(a, b + 1)]
+            for t in range(a, b):
+                o0, o1 = part.sparse_attn_offsets[t - a: t - a + 2].tolist()
+                assert torch.equal(part.sparse_attn_indices[:, o0:o1], idx[:, off[t]:off[t + 1]])
+            assert part.threshold_scale_factor_context == 0.5
+    dense = SparseRuntimeParams(threshold_scale_factor_context=0.5)
+    with pytest.raises(ValueError, match="row_slice needs sparse_attn_indices"):
+        dense.row_slice(slice(0, 1))
+    assert dense.sparse_attn_indices is None

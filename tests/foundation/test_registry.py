@@ -57,7 +57,7 @@ def test_entry_point_selector_is_found_and_runs(installed_example):
 
 
 def test_bad_config_and_unsupported_combinations_raise_at_configuration_time(installed_example):
-    with pytest.raises(ValueError, match="num_sink must be in"):
+    with pytest.raises(ValueError, match=r"streaming.num_sink must be < budget=8, got 8"):
         kvsieve.create_selector("streaming", budget=8, num_sink=8)
     with pytest.raises(ValueError, match="accepted fields"):
         kvsieve.create_selector("streaming", window=3)

@@ -59,7 +59,7 @@ def test_exact_mode_keeps_no_summary_pool(data):
 
 
 @pytest.mark.parametrize("params, match", [
-    ({"scoring": "summary", "score_type": "mean"}, "score_type='mean' needs scoring='exact'"),
+    ({"scoring": "summary", "score_type": "mean"}, "block_select.scoring must be 'exact' for score_type='mean'"),
     ({"scoring": "minmax"}, r"scoring \(where block scores come from\) must be one of \['exact', 'summary'\]"),
 ])
 def test_summary_config_errors(params, match):

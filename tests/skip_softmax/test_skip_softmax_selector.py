@@ -87,17 +87,17 @@ def test_interpolate_factor_is_log_linear_between_the_bracketing_points_and_refu
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({}, "give threshold_scale_factor"),
+    ({}, "skip_softmax.threshold_scale_factor_context/_generation or target_sparsity must be given"),
     ({"target_sparsity": 0.9, "threshold_scale_factor_context": 0.0,
-      "calibration_points": {"generation": ((1.0, 0.0), (10.0, 0.5))}}, r"generation: target sparsity 0.9 is outside"),
+      "calibration_points": {"generation": ((1.0, 0.0), (10.0, 0.5))}}, r"skip_softmax.target_sparsity for generation: target sparsity 0.9 is outside"),
     ({"target_sparsity": 0.5, "calibration": {"generation": (1.0, 1.0)}, "threshold_scale_factor_context": 0.0,
-      "calibration_points": {"generation": ((1.0, 0.0), (10.0, 0.5))}}, "both calibration and calibration_points"),
+      "calibration_points": {"generation": ((1.0, 0.0), (10.0, 0.5))}}, r"skip_softmax.calibration_points must not repeat phase\(s\) \['generation'\]"),
     ({"threshold_scale_factor_generation": 1.0, "threshold_scale_factor_context": 0.0,
-      "calibration_points": {"generation": ((-1.0, 0.0), (10.0, 0.5))}}, r"generation: calibration points must be"),
+      "calibration_points": {"generation": ((-1.0, 0.0), (10.0, 0.5))}}, r"skip_softmax.calibration_points\['generation'\]: calibration points must be"),
     ({"threshold_scale_factor_generation": -1.0}, "threshold_scale_factor_generation must be >= 0"),
     ({"target_sparsity": 1.5, "calibration": {"generation": (1.0, 1.0), "context": (1.0, 1.0)}}, r"in \[0, 1\)"),
-    ({"target_sparsity": 0.5}, "needs calibration coefficients"),
-    ({"target_sparsity": 0.5, "calibration": {"generation": (1, 1), "context": (1, 1), "x": (1, 1)}}, "calibration keys"),
+    ({"target_sparsity": 0.5}, "skip_softmax.target_sparsity needs calibration coefficients"),
+    ({"target_sparsity": 0.5, "calibration": {"generation": (1, 1), "context": (1, 1), "x": (1, 1)}}, "skip_softmax.calibration keys must be in"),
 ])
 def test_bad_config_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -59,8 +59,8 @@ def per_head_block_tables(params: SparseRuntimeParams, md: AttentionMetadata, vi
         return None
     rows, reqs = md.generation_rows, md.phase_requests("generation")
     hkv = params.sparse_attn_indices.shape[0]
-    off = params.sparse_attn_offsets[rows.start: rows.stop + 1].numpy()
-    idx = params.sparse_attn_indices[:, int(off[0]): int(off[-1])].numpy()
+    part = params.row_slice(rows)
+    off, idx = part.sparse_attn_offsets.numpy(), part.sparse_attn_indices.numpy()
     counts = np.diff(off)
     n, width = counts.size, int(counts.max())
     if bool((counts == width).all()):

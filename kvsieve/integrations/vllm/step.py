@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -287,9 +287,7 @@ def _rows_params(params: SparseRuntimeParams | None, rows: slice) -> SparseRunti
     prompt-eviction fields (the plug-in refuses them)."""
     if params is None or params.sparse_attn_indices is None:
         return params
-    off = params.sparse_attn_offsets[rows.start: rows.stop + 1]
-    a, b = int(off[0]), int(off[-1])
-    return replace(params, sparse_attn_indices=params.sparse_attn_indices[:, a:b], sparse_attn_offsets=off - a)
+    return params.row_slice(rows)
 
 
 def dense_context_rows(q: torch.Tensor, md: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, register_selector
-from ...sparse.knobs import check_knobs, knob
+from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.page_selector import PageSelectorBase
 from ..common.page_summary import PageSummaries
 from ..common.paged import drop_empty_columns, gather_padded_keys, top_p_count, top_p_cut, top_p_knob, top_units
@@ -73,10 +73,10 @@ class BlockSelectConfig:
     def __post_init__(self) -> None:
         check_knobs(self, "block_select")
         if self.scoring == "summary" and self.score_type != "max":
-            raise ValueError(f"block_select: scoring='summary' bounds each block's max logit from its min/max keys; "
-                             f"score_type={self.score_type!r} needs scoring='exact'")
+            raise KnobError(f"block_select.scoring must be 'exact' for score_type={self.score_type!r}, got 'summary' "
+                            "(it bounds each block's max logit from its min/max keys)")
         if self.init_blocks + self.local_blocks > self.topk_blocks:
-            raise ValueError(f"block_select: init_blocks + local_blocks must be <= topk_blocks={self.topk_blocks}, "
+            raise KnobError(f"block_select.init_blocks + local_blocks must be <= topk_blocks={self.topk_blocks}, "
                              f"got {self.init_blocks} + {self.local_blocks}")
 
 

@@ -9,9 +9,8 @@ import torch
 
 from ...sparse import SelectorInputs, SparseRuntimeParams, SparseSelector
 from .page_summary import SUMMARY_DTYPES, PageSummaries, select_pages, select_pages_naive
-from .paged import check_power_of_two
 
-__all__ = ["PageKnobs", "PageSelectorBase", "check_page_knobs"]
+__all__ = ["PageKnobs", "PageSelectorBase"]
 
 
 @dataclass(frozen=True)
@@ -25,15 +24,6 @@ class PageKnobs:
     topr: int
     summary_dtype: str
     top_p: float | None
-
-
-def check_page_knobs(owner: str, page_size: int, topk: int, summary_dtype: str) -> None:
-    """Validation shared by the page selectors' configs."""
-    check_power_of_two(owner, "page_size", page_size)
-    if topk < 1:
-        raise ValueError(f"{owner}: topk (pages per query) must be >= 1, got {topk}")
-    if summary_dtype not in SUMMARY_DTYPES:
-        raise ValueError(f"{owner}: summary_dtype must be one of {sorted(SUMMARY_DTYPES)}, got {summary_dtype!r}")
 
 
 class PageSelectorBase(SparseSelector):

@@ -10,16 +10,16 @@ import torch
 
 from ...metadata import KVCacheManager
 from ...sparse import SelectorInputs, SparseRuntimeParams
-from ...sparse.knobs import knob
+from ...sparse.knobs import KnobError, knob
 
 __all__ = ["gather_padded_keys", "top_units", "top_units_topk", "top_p_knob", "top_p_cut", "top_p_count", "drop_empty_columns",
            "pack_generation_rows", "check_power_of_two"]
 
 
 def check_power_of_two(owner: str, field: str, value: int) -> None:
-    """Raise ``ValueError`` naming ``owner.field`` unless ``value`` is a power of two >= 1."""
+    """Raise :class:`KnobError` naming ``owner.field`` unless ``value`` is a power of two >= 1."""
     if value < 1 or value & (value - 1):
-        raise ValueError(f"{owner}: {field} must be a power of two >= 1 (1, 2, 4, 8, ...), got {value}")
+        raise KnobError(f"{owner}.{field} must be a power of two >= 1 (1, 2, 4, 8, ...), got {value}")
 
 
 def gather_padded_keys(cache: KVCacheManager, layer_idx: int, slots: np.ndarray, lens: np.ndarray

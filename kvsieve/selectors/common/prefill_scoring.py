@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ...sparse import SelectorInputs
+from ...sparse.knobs import KnobError
 from .paged import gather_padded_keys, top_units
 
 __all__ = ["PromptBudget", "POOLINGS", "SOFTMAX_OVER", "GROUP_SUMS", "check_prompt_budget", "snap_keep_naive",
@@ -48,13 +49,12 @@ class PromptBudget(NamedTuple):
 
 
 def check_prompt_budget(owner: str, window_size: int, kernel_size: int, prompt_budget: int) -> None:
-    """Raise ``ValueError`` naming the field and its accepted range."""
-    if prompt_budget < 1:
-        raise ValueError(f"{owner}: prompt_budget must be >= 1, got {prompt_budget}")
-    if not 1 <= window_size <= prompt_budget:
-        raise ValueError(f"{owner}: window_size must be in [1, prompt_budget={prompt_budget}], got {window_size}")
-    if kernel_size < 1 or kernel_size % 2 == 0:
-        raise ValueError(f"{owner}: kernel_size must be an odd integer >= 1 (1, 3, 5, ...), got {kernel_size}")
+    """The checks :func:`~kvsieve.sparse.knobs.check_knobs` cannot state (its ranges come first);
+    raise :class:`KnobError` naming ``owner.knob``."""
+    if window_size > prompt_budget:
+        raise KnobError(f"{owner}.window_size must be <= prompt_budget={prompt_budget}, got {window_size}")
+    if kernel_size % 2 == 0:
+        raise KnobError(f"{owner}.kernel_size must be odd (1, 3, 5, ...), got {kernel_size}")
 
 
 def _context_lengths(inputs: SelectorInputs) -> np.ndarray:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ...sparse.knobs import check_knobs, knob
+from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.paged import drop_empty_columns, top_p_cut, top_p_knob
 from .projections import IndexerInputs, IndexerProjections, load_projections, rope_cos_sin
 
@@ -78,12 +78,12 @@ class DSAConfig:
     def __post_init__(self) -> None:
         check_knobs(self, "dsa")
         if self.rope_dim > self.head_dim or self.rope_dim % 2:
-            raise ValueError(f"dsa: rope_dim must be even and in [0, head_dim={self.head_dim}], got {self.rope_dim}")
+            raise KnobError(f"dsa.rope_dim must be even and <= head_dim={self.head_dim}, got {self.rope_dim}")
         if self.compress_ratio != 1:
-            raise ValueError(f"dsa: compress_ratio must be 1 (compressed index keys, DeepSeek-V4 style, are not "
+            raise KnobError(f"dsa.compress_ratio must be 1 (compressed index keys, DeepSeek-V4 style, are not "
                              f"implemented), got {self.compress_ratio}")
         if torch.device(self.device).type not in ("cpu", "cuda"):
-            raise ValueError(f"dsa: device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
+            raise KnobError(f"dsa.device must be 'cpu' or 'cuda[:n]', got {self.device!r}")
 
 
 @dataclass
@@ -310,9 +310,10 @@ def _top_p_tokens(picked: torch.Tensor, logits: torch.Tensor, lens: torch.Tensor
     position), cut where ``softmax`` mass over the visible tokens reaches ``p``, ``-1`` after."""
     valid = torch.arange(logits.shape[1], device=logits.device) < lens.unsqueeze(1)
     logp = torch.log_softmax(logits.float().masked_fill(~valid, float("-inf")), dim=-1)
-    ids = torch.where(picked >= 0, picked.to(torch.int64), torch.iinfo(torch.int32).max).sort(dim=-1).values
-    val = torch.gather(logp, 1, ids.clamp(max=logits.shape[1] - 1)).masked_fill(ids >= logits.shape[1], float("-inf"))
+    ids = SparseRuntimeParams.sort_padding_last(picked.to(torch.int64))
+    unused = (ids < 0) | (ids >= logits.shape[1])
+    val = torch.gather(logp, 1, ids.clamp(0, logits.shape[1] - 1)).masked_fill(unused, float("-inf"))
     order = torch.sort(val, dim=-1, descending=True, stable=True).indices
-    ranked = torch.gather(torch.where(ids < logits.shape[1], ids, -1), 1, order)
+    ranked = torch.gather(torch.where(unused, -1, ids), 1, order)
     mass = torch.gather(val, 1, order).exp()
     return top_p_cut(ranked, mass, torch.ones_like(mass[:, 0]), p).to(torch.int32)

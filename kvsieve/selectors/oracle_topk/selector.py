@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ...sparse.knobs import check_knobs, knob
+from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.paged import drop_empty_columns, top_p_cut, top_p_knob
 
 __all__ = ["OracleTopKConfig", "OracleTopKSelector", "attention_mass"]
@@ -36,7 +36,7 @@ class OracleTopKConfig:
     def __post_init__(self) -> None:
         check_knobs(self, "oracle_topk")
         if self.budget < self.block_size:
-            raise ValueError(f"oracle_topk: budget must be >= block_size={self.block_size}, got {self.budget}")
+            raise KnobError(f"oracle_topk.budget must be >= block_size={self.block_size}, got {self.budget}")
 
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float,

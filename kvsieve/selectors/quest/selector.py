@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...sparse import Capabilities, register_selector
-from ...sparse.knobs import check_knobs, knob
-from ..common.page_selector import PageKnobs, PageSelectorBase, check_page_knobs
+from ...sparse.knobs import KnobError, check_knobs, knob
+from ..common.page_selector import PageKnobs, PageSelectorBase
 from ..common.page_summary import SUMMARY_DTYPES
-from ..common.paged import top_p_knob
+from ..common.paged import check_power_of_two, top_p_knob
 
 __all__ = ["QuestConfig", "QuestSelector"]
 
@@ -41,9 +41,9 @@ class QuestConfig:
     def __post_init__(self) -> None:
         check_knobs(self, "quest")
         if self.budget < self.page_size:
-            raise ValueError(f"quest: budget must be >= page_size={self.page_size} (at least one page), "
+            raise KnobError(f"quest.budget must be >= page_size={self.page_size} (at least one page), "
                              f"got {self.budget}")
-        check_page_knobs("quest", self.page_size, self.budget // max(self.page_size, 1), self.summary_dtype)
+        check_power_of_two("quest", "page_size", self.page_size)
 
     @property
     def topk(self) -> int:

@@ -17,8 +17,9 @@ import torch
 
 from ...sparse import Capabilities, SelectorInputs, register_selector
 from ...sparse.knobs import check_knobs, knob
-from ..common.page_selector import PageKnobs, PageSelectorBase, check_page_knobs
+from ..common.page_selector import PageKnobs, PageSelectorBase
 from ..common.page_summary import SUMMARY_DTYPES
+from ..common.paged import check_power_of_two
 from ..common.prefill_scoring import PromptBudget, check_prompt_budget, pack_kept, snap_keep, snap_keep_naive
 
 __all__ = ["RocketKVConfig", "RocketKVSelector"]
@@ -46,7 +47,7 @@ class RocketKVConfig:
     def __post_init__(self) -> None:
         check_knobs(self, "rocketkv")
         check_prompt_budget("rocketkv", self.window_size, self.kernel_size, self.prompt_budget)
-        check_page_knobs("rocketkv", self.page_size, self.topk, self.summary_dtype)
+        check_power_of_two("rocketkv", "page_size", self.page_size)
 
 
 @register_selector

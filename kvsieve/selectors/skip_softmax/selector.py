@@ -25,7 +25,7 @@ import torch
 
 from ...metadata import PHASES
 from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ...sparse.knobs import check_knobs, knob
+from ...sparse.knobs import KnobError, check_knobs, knob
 
 __all__ = ["SkipSoftmaxConfig", "SkipSoftmaxSelector", "measure_skip_fraction", "calibrate_threshold",
            "interpolate_factor"]
@@ -54,27 +54,27 @@ class SkipSoftmaxConfig:
         check_knobs(self, "skip_softmax")
         both = set(self.calibration) & set(self.calibration_points)
         if both:
-            raise ValueError(f"skip_softmax: phase(s) {sorted(both)} have both calibration and calibration_points; "
-                             "give one")
+            raise KnobError(f"skip_softmax.calibration_points must not repeat phase(s) {sorted(both)} of "
+                            "calibration (give each phase one of the two)")
         if self.target_sparsity is not None:
             missing = [p for p in PHASE_KEYS if p not in self.calibration and p not in self.calibration_points
                        and getattr(self, f"threshold_scale_factor_{p}") is None]
             if missing:
-                raise ValueError(f"skip_softmax: target_sparsity needs calibration coefficients (a, b) or "
-                                 f"calibration_points for {missing} (see calibrate_threshold) "
-                                 "or an explicit factor")
+                raise KnobError(f"skip_softmax.target_sparsity needs calibration coefficients (a, b) or "
+                                f"calibration_points for {missing} (see calibrate_threshold) "
+                                "or an explicit factor")
         unknown = (set(self.calibration) | set(self.calibration_points)) - set(PHASE_KEYS)
         if unknown:
-            raise ValueError(f"skip_softmax: calibration keys must be in {list(PHASE_KEYS)}, got {sorted(unknown)}")
+            raise KnobError(f"skip_softmax.calibration keys must be in {list(PHASE_KEYS)}, got {sorted(unknown)}")
         for phase, points in self.calibration_points.items():
             try:
                 _bracket_points(points)  # malformed points are refused even without a target
             except ValueError as err:
-                raise ValueError(f"skip_softmax: {phase}: {err}") from None
+                raise KnobError(f"skip_softmax.calibration_points[{phase!r}]: {err}") from None
             self.factor(phase)  # a target outside the measured points is refused here
         if (self.threshold_scale_factor_context is None and self.threshold_scale_factor_generation is None
                 and self.target_sparsity is None):
-            raise ValueError("skip_softmax: give threshold_scale_factor_context/_generation or target_sparsity")
+            raise KnobError("skip_softmax.threshold_scale_factor_context/_generation or target_sparsity must be given")
 
     def factor(self, phase: str) -> float:
         """The resolved factor of ``phase`` (``"context"`` or ``"generation"``)."""
@@ -87,7 +87,7 @@ class SkipSoftmaxConfig:
             try:
                 return interpolate_factor(self.calibration_points[phase], self.target_sparsity)
             except ValueError as err:
-                raise ValueError(f"skip_softmax: {phase}: {err}") from None
+                raise KnobError(f"skip_softmax.target_sparsity for {phase}: {err}") from None
         if phase not in self.calibration:
             return 0.0
         a, b = self.calibration[phase]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
-from ...sparse.knobs import check_knobs, knob
+from ...sparse.knobs import KnobError, check_knobs, knob
 
 __all__ = ["StreamingConfig", "StreamingSelector", "streaming_topk"]
 
@@ -23,8 +23,8 @@ class StreamingConfig:
 
     def __post_init__(self) -> None:
         check_knobs(self, "streaming")
-        if not 0 <= self.num_sink < self.budget:
-            raise ValueError(f"streaming: num_sink must be in [0, budget={self.budget}), got {self.num_sink}")
+        if self.num_sink >= self.budget:
+            raise KnobError(f"streaming.num_sink must be < budget={self.budget}, got {self.num_sink}")
 
 
 def streaming_topk(kv_lens: torch.Tensor, budget: int, num_sink: int) -> torch.Tensor:

@@ -252,7 +252,7 @@ def skip_softmax_phase(backend: str, q: torch.Tensor, metadata: AttentionMetadat
     chunk = rows.stop - rows.start
     if max_gather_bytes is not None and chunk:
         if selected:
-            width = int(params.sparse_attn_offsets[rows.start: rows.stop + 1].diff().max())
+            width = int(params.row_slice(rows).sparse_attn_offsets.diff().max())
             width *= params.sparse_attn_indices_block_size
         else:
             width = int(lens[rows].max())

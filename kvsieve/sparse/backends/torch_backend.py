@@ -33,80 +33,15 @@ from ...kernels.cpu.sparse_decode import sparse_decode_native, supports_native
 from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams
 from ._torch_prefill import Groups, flash_cpu, group_tokens, split_prefill
+from ._torch_selection import selected_positions, unit_starts
 from .base import AttentionBackend, AttentionGeometry, AttentionResult, BackendCapabilities, register_backend
 from .skip_tiling import RequestRows, WalkedRows, skip_softmax_phase
 
-__all__ = ["TorchBackend", "selected_positions"]
+__all__ = ["TorchBackend"]
 
 # A chunk's rows are padded to its longest row: in a causal prefill chunks of 512 rows read at
 # most 511 padded positions per row (whole-prompt chunks computed the full square, 2x the work).
 MAX_CHUNK_ROWS = 512
-
-
-def selected_positions(params: SparseRuntimeParams | None, token_kv_lens: torch.Tensor, num_kv_heads: int,
-                       rows: slice) -> torch.Tensor:
-    """int64 ``[Hkv, n, K]`` request-local positions read by query tokens ``rows`` (``-1`` = none).
-
-    Dense: ``K = max kv_len`` of the rows. Token selection: ``K`` = the rows' slice length. Block
-    selection of size ``B``: every block expanded to its ``B`` positions. Entries past each
-    token's ``kv_len`` become ``-1`` (never read).
-    """
-    lens = token_kv_lens[rows].to(torch.int64)
-    n = lens.numel()
-    if params is None or params.sparse_attn_indices is None:
-        width = int(lens.max()) if n else 0
-        pos = torch.arange(width, device=lens.device).expand(num_kv_heads, n, width)
-    else:
-        sel, bs = _selection(params, num_kv_heads, rows, n)
-        if bs > 1:
-            sel = (sel.unsqueeze(-1) * bs + torch.arange(bs, device=sel.device)).masked_fill(sel.unsqueeze(-1) < 0, -1)
-            sel = sel.flatten(2)
-        pos = sel
-    return torch.where((pos >= 0) & (pos < lens.view(1, n, 1)), pos, -1)
-
-
-def _selection(params: SparseRuntimeParams, num_kv_heads: int, rows: slice, n: int) -> tuple[torch.Tensor, int]:
-    """int64 ``[Hkv, n, k]`` selected units of query tokens ``rows`` (ascending, each unit once,
-    ``-1`` for padding and repeats; ``k`` the longest row) and the unit (block) size."""
-    off = params.sparse_attn_offsets[rows.start: rows.stop + 1].to(torch.int64)
-    lens = off.diff()
-    k = int(lens.max()) if n else 0
-    j = torch.arange(k, device=off.device)
-    at = (off[:-1].unsqueeze(1) + j).clamp(max=max(params.sparse_attn_indices.shape[1] - 1, 0))  # [n, k]
-    # the rows' entries first, then int64: converting the whole carrier per chunk made a long
-    # token-sparse prefill quadratic (16K rows x 4K entries, copied once per chunk of ~10 rows)
-    sel = params.sparse_attn_indices[:, at].to(torch.int64) if k else off.new_zeros(num_kv_heads, n, 0)
-    sel = torch.where(j < lens.unsqueeze(1), sel, -1)
-    big = torch.iinfo(torch.int64).max
-    sel = torch.where(sel < 0, big, sel).sort(dim=-1).values
-    repeat = torch.zeros_like(sel, dtype=torch.bool)
-    repeat[..., 1:] = sel[..., 1:] == sel[..., :-1]
-    sel = torch.where((sel == big) | repeat, -1, sel)
-    return sel, params.sparse_attn_indices_block_size
-
-
-def _unit_starts(params: SparseRuntimeParams | None, lens: torch.Tensor, num_kv_heads: int, rows: slice,
-                 unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Runs of ``unit`` consecutive positions read by query tokens ``rows``: their first positions
-    ``[Hkv, n, U]`` int64 (0 where unused), whether each is used at all (``[Hkv, n, U]`` bool), and
-    the first positions before masking (what the selection names, equal for tokens sharing it).
-
-    ``unit`` divides the selection's block size (dense: any unit); the runs, expanded in order,
-    are exactly the positions of :func:`selected_positions`, padded to whole units.
-    """
-    lens = lens[rows].to(torch.int64)
-    n = lens.numel()
-    if params is None or params.sparse_attn_indices is None:
-        count = -(-int(lens.max()) // unit) if n else 0
-        starts = (torch.arange(count, device=lens.device) * unit).expand(num_kv_heads, n, count)
-        ok = starts < lens.view(1, n, 1)
-    else:
-        sel, bs = _selection(params, num_kv_heads, rows, n)
-        per = bs // unit
-        starts = sel.unsqueeze(-1) * bs + torch.arange(per, device=sel.device) * unit
-        ok = ((sel >= 0).unsqueeze(-1) & (starts < lens.view(1, n, 1, 1))).flatten(2)
-        starts = starts.flatten(2)
-    return torch.where(ok, starts, 0), ok, starts
 
 
 @register_backend
@@ -259,7 +194,7 @@ class TorchBackend(AttentionBackend):
                 # the gathers that fit beside the chunk's per-token tensors; the chunk ends early
                 # when its tokens share less than the previous chunk's did
                 max_groups = max(1, int((self.max_gather_bytes - chunk * token_bytes) // gather_bytes))
-                starts, ok, raw = _unit_starts(params, lens, hkv, rows, unit)  # [Hkv, n, U]
+                starts, ok, raw = unit_starts(params, lens, hkv, rows, unit)  # [Hkv, n, U]
                 groups, n = group_tokens(tok_req[rows], raw, max_groups, rows.stop < phase_rows.stop)
                 rows = slice(rows.start, rows.start + n)
                 t0 = rows.stop
@@ -392,7 +327,7 @@ class TorchBackend(AttentionBackend):
         or MLA latent ``[blocks, P, R+rope]``, contiguous.
 
         ``req`` int64 ``[n]`` and ``lens`` int64 ``[n]`` are the tokens' requests and kv lengths,
-        ``starts``/``ok`` (``[Hkv, n, U]``, as :func:`_unit_starts`) their runs. A group of tokens
+        ``starts``/``ok`` (``[Hkv, n, U]``, as :func:`~._torch_selection.unit_starts`) their runs. A group of tokens
         shares one gather, made for the group's last token (the longest causal range, so a superset
         of the others' valid runs). Returns K ``[Hkv, G, K, D]``, V ``[Hkv, G, K, Dv]`` (fp32;
         ``G`` = groups, or tokens when ``groups`` is ``None``) and the per-token valid mask
@@ -428,5 +363,5 @@ class TorchBackend(AttentionBackend):
             return 0
         if params is None:
             return int(lens[rows].max())
-        longest = int(params.sparse_attn_offsets[rows.start: rows.stop + 1].diff().max())
+        longest = int(params.row_slice(rows).sparse_attn_offsets.diff().max())
         return longest * params.sparse_attn_indices_block_size

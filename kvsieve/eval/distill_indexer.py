@@ -35,6 +35,7 @@ from tqdm import tqdm
 from ..cli import plain
 from ..integrations.transformers import MODEL_INPUTS_KWARG
 from ..selectors.dsa.projections import IndexerInputs, IndexerProjections, save_projections
+from .distill_config import DistillConfig
 from .distill_corpus import corpus_documents, special_prefix, split_documents, token_windows
 
 __all__ = ["DistillConfig", "WindowTargets", "Checkpoint", "DistillResult", "Corpus", "DENSITIES", "collect", "fit", "distill",
@@ -44,33 +45,6 @@ __all__ = ["DistillConfig", "WindowTargets", "Checkpoint", "DistillResult", "Cor
 #: the densities of the held-out recall (budget = ceil(context / density) per query row)
 DENSITIES = (4, 16, 64)
 _CAPTURE = "kvsieve_distill_capture"
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    """Indexer geometry (``n_heads x head_dim``, RoPE on ``rope_dim`` channels) and training:
-    ``num_seqs`` training windows and ``heldout_seqs`` held-out windows of ``seq_len`` tokens,
-    ``rows`` query rows sampled per window, ``epochs`` passes with Adam (``lr``, cosine decay),
-    ``seed``; ``holdout_every``: every so many essays are held out."""
-
-    n_heads: int = 8
-    head_dim: int = 32
-    rope_dim: int = 16
-    seq_len: int = 2048
-    num_seqs: int = 16
-    heldout_seqs: int = 2
-    rows: int = 256
-    epochs: int = 8
-    lr: float = 3e-3
-    seed: int = 0
-    holdout_every: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("n_heads", "head_dim", "seq_len", "num_seqs", "heldout_seqs", "rows", "epochs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DistillConfig.{name}: expected >= 1, got {getattr(self, name)}")
-        if self.rows > self.seq_len:
-            raise ValueError(f"DistillConfig.rows: {self.rows} rows cannot be sampled from {self.seq_len} positions")
 
 
 @dataclass(frozen=True)

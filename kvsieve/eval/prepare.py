@@ -4,7 +4,7 @@ A selectors entry may name ``prepare`` (with options in ``prepare_params``); the
 that step for the eval model and merges its result into the entry's ``params``:
 
 * ``distill_indexer`` (``dsa``): the DSA indexer distilled for the model
-  (:func:`kvsieve.eval.distill_indexer.distill`, options :class:`~.distill_indexer.DistillConfig`)
+  (:func:`kvsieve.eval.distill_indexer.distill`, options :class:`~.distill_config.DistillConfig`)
   on the layers the entry runs on; ``seq_len: 0`` trains at the sweep's longest task length.
   Gives ``projections`` (the file) and the indexer geometry ``n_heads``/``head_dim``/
   ``rope_dim``/``rope_theta``.
@@ -37,7 +37,7 @@ import torch
 
 from .config import PREPARE_OPTIONS, ConfigError, EvalConfig, SelectorSpec
 from .distill_corpus import special_prefix
-from .distill_indexer import DistillConfig
+from .distill_config import DistillConfig
 from ..cache_dir import default_cache_dir
 from .model import LoadedModel
 

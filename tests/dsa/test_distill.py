@@ -165,6 +165,10 @@ def test_sliding_layers_and_short_corpora_are_refused():
         trainable_layers(cfg, [0, 1])
     with pytest.raises(ValueError, match="DistillConfig.rows: 80 rows cannot be sampled from 64 positions"):
         DistillConfig(seq_len=64, rows=80)
+    for bad, field in (({"holdout_every": 0}, "holdout_every"), ({"rope_dim": 48}, "rope_dim"),
+                       ({"rope_dim": 3}, "rope_dim"), ({"lr": float("nan")}, "lr"), ({"lr": 0.0}, "lr")):
+        with pytest.raises(ValueError, match=f"DistillConfig.{field}:"):
+            DistillConfig(**bad)
     docs = [Document("essays", f"e{i}", "word " * 50) for i in range(4)] + [Document("pydoc", "t", "x y")]
     train, held = split_documents(docs)
     assert [d.name for d in held] == ["e0", "e2"] and [d.name for d in train] == ["e1", "e3", "t"]

@@ -30,6 +30,36 @@ def _dot(a, b, F32DOT: tl.constexpr):
 
 
 @triton.jit
+def _keep_tile(tile_max, m_i, lam, row_valid):
+    """The skip-softmax (BLASST) rule of one KV tile: computed unless, for every real row,
+    ``exp(tile_max - running_max) < lam`` (log2 domain; a row with no running max yet keeps it)."""
+    keep_row = (tl.exp2(tile_max - tl.maximum(m_i, -3.0e38)) >= lam) & row_valid
+    return tl.sum(keep_row.to(tl.int32), 0) > 0
+
+
+@triton.jit
+def _softmax_tile(s, tile_max, m_i, l_i, acc, v, F32DOT: tl.constexpr):
+    """One online-softmax step (log2 domain): fold the tile's scores ``s [rows, n]`` and values
+    ``v [n, dv]`` into the running max ``m_i``, sum ``l_i`` and unnormalised output ``acc``."""
+    m_new = tl.maximum(m_i, tile_max)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32DOT)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _finish_rows(acc, l_i, m_i):
+    """Normalised output and natural-log LSE of the walked rows (a row that read nothing: 0, +inf)."""
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("inf"))
+    return out, lse
+
+
+@triton.jit
 def _gather_attn_fwd(
     Q, K, V, BT, TOK2REQ, KVLEN, IDX, OFF, O, LSE, STATS,
     qk_scale, threshold_scale_factor, num_splits,
@@ -104,27 +134,17 @@ def _gather_attn_fwd(
         tile_max = tl.max(s, 1)
         compute = True
         if SKIP:
-            # BLASST: skip when exp(tile_max - running_max) < lambda for every real row.
-            keep_row = (tl.exp2(tile_max - tl.maximum(m_i, -3.0e38)) >= lam) & row_valid
-            compute = tl.sum(keep_row.to(tl.int32), 0) > 0
+            compute = _keep_tile(tile_max, m_i, lam, row_valid)
             n_skip += tl.where(compute, 0, 1)
         if compute:
-            m_new = tl.maximum(m_i, tile_max)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             if V_IS_K:
                 v = ka
             else:
                 v_base = V + page * stride_vb + kvh * stride_vh + (pos % PAGE_SIZE) * stride_vp
                 v = tl.load(v_base[:, None] + dv[None, :] * stride_vd,
                             mask=valid[:, None] & (dv[None, :] < DV), other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32DOT)
-            m_i = m_new
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("inf"))
+            m_i, l_i, acc = _softmax_tile(s, tile_max, m_i, l_i, acc, v, F32DOT)
+    out, lse = _finish_rows(acc, l_i, m_i)
     o_ptr = (O + t.to(tl.int64) * stride_ot + qh[:, None] * stride_oh + split * stride_os
              + dv[None, :] * stride_od)
     tl.store(o_ptr, out, mask=row_valid[:, None] & (dv[None, :] < DV))

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from .._checks import next_pow2
-from ..common.gather import LN2, LOG2E, _dot, launch_gather_attention
+from ..common.gather import LOG2E, _dot, _finish_rows, _keep_tile, _softmax_tile, launch_gather_attention
 from ..sparse_gqa_decode.plan import plan_gqa_decode
 from .plan import plan_dense_prefill, query_tiles, select_prefill_path
 
@@ -70,23 +70,14 @@ def _prefill_fwd(
         tile_max = tl.max(s, 1)
         compute = True
         if SKIP:
-            keep_row = (tl.exp2(tile_max - tl.maximum(m_i, -3.0e38)) >= lam) & row_valid
-            compute = tl.sum(keep_row.to(tl.int32), 0) > 0
+            compute = _keep_tile(tile_max, m_i, lam, row_valid)
             n_skip += tl.where(compute, 0, 1)
         if compute:
-            m_new = tl.maximum(m_i, tile_max)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v_base = V + page * stride_vb + kvh * stride_vh + (pos % PAGE_SIZE) * stride_vp
             v = tl.load(v_base[:, None] + dv[None, :] * stride_vd,
                         mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32DOT)
-            m_i = m_new
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("inf"))
+            m_i, l_i, acc = _softmax_tile(s, tile_max, m_i, l_i, acc, v, F32DOT)
+    out, lse = _finish_rows(acc, l_i, m_i)
     tl.store(O + tok[:, None] * stride_ot + qh[:, None] * stride_oh + dv[None, :] * stride_od,
              out, mask=row_valid[:, None] & (dv[None, :] < DV))
     tl.store(LSE + tok * stride_lt + qh * stride_lh, lse, mask=row_valid)

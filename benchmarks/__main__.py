@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_attention, e2e, prepare, selector_overhead
+from . import cpu_attention, e2e, e2e_report, prepare, selector_overhead
 from ._timing import fmt_ms, load_average, load_averages
 
 __all__ = ["main", "run", "render_markdown", "GPU_MODULES", "SECTIONS"]
@@ -103,7 +103,7 @@ def run(quick: bool = False, threads: int = 1, sections: tuple[str, ...] = SECTI
     if e2e_baseline is not None:
         if "e2e" not in sections:
             raise ValueError("--e2e-baseline needs the e2e section in this run (--only ... e2e)")
-        baseline = e2e.baseline_from(json.loads(_read_spec(e2e_baseline)), e2e_baseline)
+        baseline = e2e_report.baseline_from(json.loads(_read_spec(e2e_baseline)), e2e_baseline)
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     meta = {
@@ -344,7 +344,7 @@ def render_markdown(res: dict) -> str:
             for name, why in s["skipped"].items():
                 lines.append(f"| {name} | skipped: {why} | | | | | |")
     if "e2e" in res:
-        lines += _provenance(res, "e2e") + e2e.render_markdown(res["e2e"])
+        lines += _provenance(res, "e2e") + e2e_report.render_markdown(res["e2e"])
     if "gpu" in res:
         lines += ["", "## GPU kernel scripts", ""]
         g = res["gpu"]

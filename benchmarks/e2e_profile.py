@@ -101,7 +101,7 @@ def profile_kvsieve(session, tok: torch.Tensor, steps: int) -> dict[str, float]:
         t.wrap(session.engine, "end_step", "metadata")
         t.wrap(session.cache, "write", "write")
         t.wrap(session.backend, "forward", "backend")
-        t.wrap(session.backend.inner, "_rows", "gather")
+        t.wrap(session.backend.inner._scratch, "rows", "gather")  # the torch backend's K/V gathers
         t.wrap(fb, "gather_blocks", "gather")
         t.wrap(sa, "place_rows", "place")
         t.wrap(SparseRuntimeParams, "validate", "place")

@@ -220,7 +220,7 @@ def test_e2e_baseline_shows_before_and_after(quick_run, tmp_path):
     run without the e2e section, is refused before anything runs."""
     import copy
 
-    from benchmarks import e2e
+    from benchmarks import e2e_report
     from benchmarks.__main__ import render_markdown, run
 
     res, _ = quick_run
@@ -229,7 +229,7 @@ def test_e2e_baseline_shows_before_and_after(quick_run, tmp_path):
     for r in before["e2e"]["rows"]:
         r["tokens_per_s"] = {n: 2 * v for n, v in r["tokens_per_s"].items()}
     after = copy.deepcopy(res)
-    after["e2e"]["baseline"] = e2e.baseline_from(before, "before.json")
+    after["e2e"]["baseline"] = e2e_report.baseline_from(before, "before.json")
     md = render_markdown(after)
     longest = max(r["length"] for r in res["e2e"]["rows"])
     assert "against the run of before-date (`python -m benchmarks --before`, from before.json)" in md
@@ -238,7 +238,7 @@ def test_e2e_baseline_shows_before_and_after(quick_run, tmp_path):
     assert f"| {longest} | {2 * q:.2f} -> {q:.2f} |" in md
     assert f"Per-layer profile at {longest} tokens, ms per decode step before -> after" in md
     with pytest.raises(ValueError, match="no e2e section"):
-        e2e.baseline_from({"meta": res["meta"]}, "empty.json")
+        e2e_report.baseline_from({"meta": res["meta"]}, "empty.json")
     (tmp_path / "empty.json").write_text(json.dumps({"meta": res["meta"]}))
     with pytest.raises(ValueError, match="no e2e section"):
         run(True, sections=("e2e",), gpu=False, e2e_baseline=str(tmp_path / "empty.json"))
@@ -255,7 +255,7 @@ def test_e2e_baseline_shows_before_and_after(quick_run, tmp_path):
     partial["e2e"]["rows"] = [r for r in partial["e2e"]["rows"] if r["length"] == longest]
     for r in partial["e2e"]["rows"]:
         del r["tokens_per_s"]["kvsieve_dense"]
-    after["e2e"]["baseline"] = e2e.baseline_from(partial, "partial.json")
+    after["e2e"]["baseline"] = e2e_report.baseline_from(partial, "partial.json")
     md = render_markdown(after)
     assert "Not in the baseline, so shown after only (above): kvsieve_dense." in md
     shorter = sorted(r["length"] for r in res["e2e"]["rows"] if r["length"] != longest)

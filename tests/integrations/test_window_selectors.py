@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from default_selectors import DEFAULT_SELECTORS
 from families import build
 
 from kvsieve import SparseAttention, SparseAttentionConfig, SparseSelector, lower_config
@@ -17,17 +18,41 @@ from kvsieve.eval.distill_indexer import attach_dsa_indexer
 from kvsieve.integrations.transformers import KvsieveSession
 from kvsieve.selectors.dsa.projections import IndexerProjections
 from kvsieve.sparse import Capabilities, LayerPlan
+from kvsieve.sparse.registry import get_selector_class
 
 W, PROMPT, DECODE = 32, 80, 3
 BOTH = ("full_attention", "sliding_attention")
-#: selector -> (params, unit in tokens, budget in units)
-SELECTORS = {
-    "streaming": ({"budget": 16, "num_sink": 4}, 1, 16),
-    "oracle_topk": ({"budget": 16}, 1, 16),
-    "quest": ({"budget": 16, "page_size": 4}, 4, 4),
-    "block_select": ({"block_size": 4, "topk_blocks": 4, "local_blocks": 1}, 4, 4),
-    "dsa": ({"index_topk": 16, "n_heads": 2, "head_dim": 16, "rope_dim": 8}, 1, 16),
+#: the window-sized part of each selector's default configuration (tests/default_selectors.py): a
+#: budget below the window of 32, in units that tile it (pages / blocks of 4)
+WINDOW_SIZED = {
+    "streaming": {"budget": 16},
+    "oracle_topk": {"budget": 16, "block_size": 1},
+    "quest": {"budget": 16, "page_size": 4},
+    "block_select": {"block_size": 4, "topk_blocks": 4, "local_blocks": 1},
+    "dsa": {"index_topk": 16},
 }
+
+
+def _unit_and_budget(params: dict) -> tuple[int, int]:
+    """A configuration's selection unit in tokens and its budget in units."""
+    if "topk_blocks" in params:
+        return params["block_size"], params["topk_blocks"]
+    if "index_topk" in params:
+        return 1, params["index_topk"]
+    unit = params.get("page_size", params.get("block_size", 1))
+    return unit, params["budget"] // unit
+
+
+#: every built-in that declares the flag -> (params, unit in tokens, budget in units)
+SELECTORS = {name: (params, *_unit_and_budget(params)) for name, params in (
+    (name, {**DEFAULT_SELECTORS[name], **WINDOW_SIZED.get(name, {})}) for name in DEFAULT_SELECTORS
+    if get_selector_class(name).capabilities.sliding_window)}
+
+
+def test_every_window_selector_is_covered() -> None:
+    """The list above is the registry's: a built-in that declares the flag without a window-sized
+    entry fails here, not silently skipped."""
+    assert set(SELECTORS) == set(WINDOW_SIZED)
 
 
 def _run(family: str, name: str, *, told: bool = True) -> tuple[KvsieveSession, list[tuple]]:

@@ -27,9 +27,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 
+from ..kernels.cpu.segment_check import check_segments
 from ..metadata import PHASES
 
 __all__ = ["SparseRuntimeParams", "is_dense"]
@@ -127,19 +127,15 @@ class SparseRuntimeParams:
             _check_pair(
                 "sparse_kv", self.sparse_kv_indices, self.sparse_kv_offsets, num_kv_heads, num_contexts
             )
-            _check_segments(
-                "sparse_kv_indices", self.sparse_kv_indices, self.sparse_kv_offsets, prompt_lens,
-                block_size=1, allow_padding=False,
-            )
+            check_segments("sparse_kv", self.sparse_kv_indices, self.sparse_kv_offsets, prompt_lens,
+                           block_size=1, allow_padding=False)
         if self.sparse_attn_indices is not None:
             _check_pair(
                 "sparse_attn", self.sparse_attn_indices, self.sparse_attn_offsets, num_kv_heads,
                 num_query_tokens,
             )
-            _check_segments(
-                "sparse_attn_indices", self.sparse_attn_indices, self.sparse_attn_offsets, kv_lens,
-                block_size=self.sparse_attn_indices_block_size, allow_padding=True,
-            )
+            check_segments("sparse_attn", self.sparse_attn_indices, self.sparse_attn_offsets, kv_lens,
+                           block_size=self.sparse_attn_indices_block_size, allow_padding=True)
 
 
 def is_dense(params: SparseRuntimeParams | None, phase: str) -> bool:
@@ -171,65 +167,3 @@ def _check_pair(
         raise ValueError(f"{oname} must have {num_rows + 1} entries (rows + 1), got {offsets.numel()}")
     if offsets.device != indices.device:
         raise ValueError(f"{oname} is on {offsets.device} but {iname} is on {indices.device}")
-    off = offsets.to("cpu", torch.int64)
-    if int(off[0]) != 0:
-        raise ValueError(f"{oname}[0] must be 0, got {int(off[0])}")
-    if bool((off[1:] < off[:-1]).any()):
-        bad = int(torch.nonzero(off[1:] < off[:-1])[0])
-        raise ValueError(f"{oname} must be non-decreasing; {oname}[{bad + 1}] < {oname}[{bad}]")
-    if int(off[-1]) != indices.shape[1]:
-        raise ValueError(f"{oname}[-1]={int(off[-1])} must equal {iname}.shape[1]={indices.shape[1]}")
-
-
-def _check_segments(
-    name: str,
-    indices: torch.Tensor,
-    offsets: torch.Tensor,
-    valid_lens: torch.Tensor | None,
-    *,
-    block_size: int,
-    allow_padding: bool,
-) -> None:
-    """Range, padding and strict ascending order of each (head, row) segment, vectorized (numpy on
-    the host: a decode step's few hundred entries cost microseconds, not a torch op each)."""
-    idx = indices.to("cpu", torch.int64).numpy()
-    off = offsets.to("cpu", torch.int64).numpy()
-    if idx.size == 0:
-        return
-    lowest = -1 if allow_padding else 0
-    if bool((idx < lowest).any()):
-        what = "-1 (padding) or a position >= 0" if allow_padding else "a position >= 0"
-        raise ValueError(f"{name} entries must be {what}; found {int(idx.min())}")
-    total = idx.shape[1]
-    row_of = np.repeat(np.arange(off.size - 1), np.diff(off))
-    valid = idx >= 0
-    if valid_lens is not None:
-        lens = valid_lens.to("cpu", torch.int64).numpy()
-        if lens.size != off.size - 1:
-            raise ValueError(f"{name}: expected {off.size - 1} valid lengths, got {lens.size}")
-        limit = (lens[row_of] + block_size - 1) // block_size
-        over = valid & (idx >= limit[None, :])
-        if bool(over.any()):
-            h, j = (int(v) for v in np.argwhere(over)[0])
-            unit = "token" if block_size == 1 else f"block (size {block_size})"
-            raise ValueError(
-                f"{name}[{h}, {j}]={int(idx[h, j])} is out of range: row {int(row_of[j])} has "
-                f"{int(limit[j])} valid {unit} positions"
-            )
-    if total < 2:
-        return
-    same_row = (row_of[1:] == row_of[:-1])[None, :]
-    both_valid = valid[:, 1:] & valid[:, :-1]
-    unsorted = same_row & both_valid & (idx[:, 1:] <= idx[:, :-1])
-    if bool(unsorted.any()):
-        h, j = (int(v) for v in np.argwhere(unsorted)[0])
-        raise ValueError(
-            f"{name} must be strictly ascending (sorted, unique) within each (head, row) segment; "
-            f"[{h}, {j}]={int(idx[h, j])} then [{h}, {j + 1}]={int(idx[h, j + 1])}"
-        )
-    if allow_padding:
-        # padding only at the tail of a segment: a valid entry may not follow a -1
-        after_pad = same_row & valid[:, 1:] & ~valid[:, :-1]
-        if bool(after_pad.any()):
-            h, j = (int(v) for v in np.argwhere(after_pad)[0])
-            raise ValueError(f"{name}: -1 padding must trail each segment; valid entry after -1 at [{h}, {j + 1}]")

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
+from ...kernels.cpu.head_tables import head_tables
 from ...metadata import AttentionMetadata
 from ...metadata.foreign_paged import ForeignPagedKV
 from ...sparse import SparseRuntimeParams
@@ -50,35 +50,18 @@ class PerHeadTables:
 def per_head_block_tables(params: SparseRuntimeParams, md: AttentionMetadata, view: ForeignPagedKV
                           ) -> PerHeadTables | None:
     """The generation rows' block selection of ``params`` as per-(row, KV head) tables of pseudo-block
-    ids (module docstring), or ``None`` when the selection is not whole cache blocks
-    (``sparse_attn_indices_block_size`` other than the cache's block size) or some (row, KV head)
-    selects nothing (the caller then takes kvsieve's backend). ``md`` is the step's metadata over
-    ``view``; every generation row is one request's one token."""
+    ids (module docstring; built by :func:`kvsieve.kernels.cpu.head_tables.head_tables`), or ``None``
+    when the selection is not whole cache blocks (``sparse_attn_indices_block_size`` other than the
+    cache's block size) or some (row, KV head) selects nothing (the caller then takes kvsieve's
+    backend). ``params`` validated; ``md`` is the step's metadata over ``view``; every generation
+    row is one request's one token."""
     bs = view.tokens_per_block
     if params.sparse_attn_indices_block_size != bs or not params.selects_positions("generation"):
         return None
     rows, reqs = md.generation_rows, md.phase_requests("generation")
-    hkv = params.sparse_attn_indices.shape[0]
-    part = params.row_slice(rows)
-    off, idx = part.sparse_attn_offsets.numpy(), part.sparse_attn_indices.numpy()
-    counts = np.diff(off)
-    n, width = counts.size, int(counts.max())
-    if bool((counts == width).all()):
-        pages = idx.reshape(hkv, n, width)
-    else:  # rows of different lengths: pad each to the longest with -1
-        pages = np.full((hkv, n, width), -1, dtype=np.int32)
-        pages[:, np.arange(width)[None, :] < counts[:, None]] = idx
-    valid = pages >= 0
-    num = valid.sum(-1)  # [Hkv, N]
-    if bool((num == 0).any()):
+    off = params.sparse_attn_offsets.numpy()[rows.start: rows.stop + 1]  # the rows' segments (host numpy)
+    idx = params.sparse_attn_indices.numpy()[:, off[0]: off[-1]]
+    built = head_tables(idx, off - off[0], view.block_table[md.slots[reqs]], md.kv_lens_host[reqs], bs)
+    if built is None:
         return None
-    slots = md.slots[reqs]
-    table = view.block_table[slots]  # [N, W] physical block ids
-    blocks = np.take_along_axis(table[None], np.where(valid, pages, 0).astype(np.int64), axis=2)  # [Hkv, N, K]
-    heads = np.arange(hkv, dtype=np.int64)[:, None, None]
-    pseudo = np.where(valid, blocks.astype(np.int64) * hkv + heads, 0).astype(np.int32)
-    last = np.take_along_axis(pages, (num - 1)[..., None], axis=2)[..., 0].astype(np.int64)  # [Hkv, N]
-    kv = md.kv_lens_host[reqs].astype(np.int64)
-    seq = (num - 1) * bs + np.minimum(kv[None, :] - last * bs, bs)
-    return PerHeadTables(torch.from_numpy(np.ascontiguousarray(pseudo.transpose(1, 0, 2).reshape(n * hkv, width))),
-                         torch.from_numpy(np.ascontiguousarray(seq.T.reshape(-1).astype(np.int32))))
+    return PerHeadTables(torch.from_numpy(built[0]), torch.from_numpy(built[1]))

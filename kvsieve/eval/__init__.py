@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from .config import ConfigError, EvalConfig, SelectorSpec, TaskSpec, load_config
 from .model import LoadedModel, load_model
-from .runner import SweepInterrupted, SweepResult, plan_runs, run_sweep
+from .run_plan import plan_runs
+from .runner import SweepInterrupted, SweepResult, run_sweep
 from .tasks import Sample, Task, available_tasks, get_task, register_task
 
 __all__ = ["ConfigError", "SweepInterrupted", "SweepResult", "EvalConfig", "SelectorSpec", "TaskSpec", "load_config", "LoadedModel", "load_model", "plan_runs",

@@ -57,7 +57,7 @@ _REFUSED_SELECTOR_KEYS = {
                           "1 - budget / L; kvsieve once meant L / budget). Write sparsities: [...] for the fraction "
                           "removed (kvpress's compression_ratio) or reduction_factors: [...] for L / budget"}
 #: EvalConfig fields that do not change a run's results; every other field (model, backend, seed and
-#: any field added later) is part of each run's identity (see ``kvsieve.eval.runner.run_identity``)
+#: any field added later) is part of each run's identity (see ``kvsieve.eval.run_plan.run_identity``)
 RESULT_NEUTRAL = ("output_dir", "threads", "tasks", "selectors", "check")
 
 

@@ -1,11 +1,8 @@
 """The sweep: tasks x lengths x (dense + selectors x budgets), one folder per run, resumable.
 
 A cell is (task, length). Its samples are generated once; for each sample the pending runs of the
-cell execute back to back. Runs whose selector acts in the generation phase only, evicts nothing
-and either keeps no per-token state or rebuilds it from the cache when installed
-(``on_attach``, e.g. Quest's page summaries) share one dense prefill: the session rewinds the
-paged cache to the prompt and decodes again. Others (DSA's indexer keys, prompt eviction)
-prefill on their own.
+cell execute back to back, those that can sharing one dense prefill (:mod:`.run_plan` plans the
+runs and says which share).
 
 Every run has an identity: its fully resolved config (model, backend, seed, task parameters at its
 length, selector entry and budget, the lowered :class:`SparseAttentionConfig`, the kvsieve
@@ -18,14 +15,12 @@ writes ``error.txt`` and is marked ``failed`` in ``summary.csv``; the sweep goes
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import math
 import time
 import traceback
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -33,11 +28,11 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from .. import __version__, create_selector
+from .. import __version__
 from ..integrations.transformers import KvsieveSession
 from ..selectors.dsa.projections import IndexerInputs
-from ..sparse import SparseAttentionConfig, SparseSelector, attach_refusal, get_selector_class
-from .config import RESULT_NEUTRAL, Budget, EvalConfig, SelectorSpec, TaskSpec
+from ..sparse import get_selector_class
+from .config import EvalConfig
 from .memory import reset_peak_rss, rss_mb
 from .metrics import mean_ci95
 from .distill_indexer import attach_dsa_indexer
@@ -45,94 +40,17 @@ from .model import LoadedModel, load_model
 from .prepare import prepare_selectors
 from .plots import write_plots
 from .report import format_table, write_report
+from .run_plan import DENSE, RunSpec, compute_run_id, plan_runs, run_identity
 from .store import (CONFIG, ERROR, METRICS, PARTIAL, PREDICTIONS, RunState, atomic_write_text, clear_run,
                     discard_leftovers, read_state, write_csv)
 from .tasks import Sample, Task, get_task
 
-__all__ = ["RunSpec", "SweepResult", "SweepInterrupted", "plan_runs", "run_sweep", "run_identity", "DENSE",
-           "SUMMARY_FIELDS"]
+__all__ = ["SweepResult", "SweepInterrupted", "run_sweep", "SUMMARY_FIELDS"]
 
-DENSE = "dense"
 SUMMARY_FIELDS = ("task", "length", "model", "selector", "budget_label", "budget_tokens", "target_sparsity",
                   "reduction_factor", "achieved_sparsity", "score", "ci95_low", "ci95_high", "n", "partial",
                   "mass_recall", "rel_error", "topk_overlap", "kl", "status", "error", "run_id", "folder")
 _OPTIONAL_METRICS = ("partial", "mass_recall", "rel_error", "topk_overlap", "kl")
-
-
-@dataclass
-class RunSpec:
-    """One run: a task at a length, a model, and a selector at a budget (``None`` = dense)."""
-
-    task: TaskSpec
-    length: int
-    model: str
-    selector: SelectorSpec | None = None
-    budget: Budget | None = None
-    sparse: SparseAttentionConfig | None = field(default=None, init=False)
-    shares_prefill: bool = field(default=True, init=False)
-
-    def __post_init__(self) -> None:
-        if self.selector is not None:
-            self.sparse = self.selector.sparse_config(self.budget)
-            self.shares_prefill = _shares_prefill(self.sparse)
-
-    @property
-    def label(self) -> str:
-        return DENSE if self.selector is None else self.selector.label
-
-    @property
-    def folder(self) -> str:
-        budget = "full" if self.budget is None else self.budget.label
-        return f"{self.task.name}__{self.length}__{self.model}__{self.label}__{budget}"
-
-    def describe(self) -> dict[str, Any]:
-        """The columns that name the run (shared by metrics.json and summary.csv)."""
-        b = self.budget
-        return {"task": self.task.name, "length": self.length, "model": self.model, "selector": self.label,
-                "budget_label": b.label if b else "full", "budget_tokens": b.tokens if b else self.length,
-                "target_sparsity": b.sparsity if b else 0.0, "reduction_factor": b.reduction_factor if b else 1.0}
-
-
-def run_identity(cfg: EvalConfig, run: RunSpec) -> dict[str, Any]:
-    """The fully resolved config of ``run``: everything its results depend on. Every field of
-    :class:`EvalConfig` outside ``RESULT_NEUTRAL`` is included, so a field added later counts too."""
-    top = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in RESULT_NEUTRAL}
-    task = {k: v for k, v in asdict(run.task).items() if k != "lengths"}
-    selector = None
-    if run.selector is not None:
-        axis = ("budgets", "sparsities", "reduction_factors")
-        selector = {k: v for k, v in asdict(run.selector).items() if k not in axis}
-        selector["budget"] = asdict(run.budget)
-    return {"kvsieve_version": __version__, **top, "model_name": run.model,
-            "task": {**task, "length": run.length}, "selector": selector,
-            "sparse_config": asdict(run.sparse) if run.sparse else None}
-
-
-def _run_id(identity: dict[str, Any]) -> str:
-    text = json.dumps(identity, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
-
-
-def _shares_prefill(config: SparseAttentionConfig) -> bool:
-    """True when the selector acts only while decoding, evicts nothing, and can be installed on a
-    prompt already in the cache (:func:`~kvsieve.sparse.attach_refusal`): then a dense prefill is
-    the prefill it would have run."""
-    sel = create_selector(config.selector, **config.params)
-    phases = set(config.phases or sel.capabilities.phases)
-    no_kv = type(sel).predict_kv is SparseSelector.predict_kv
-    return no_kv and not sel.capabilities.evicts and phases == {"generation"} and attach_refusal(sel) is None
-
-
-def plan_runs(cfg: EvalConfig, model_name: str) -> list[list[RunSpec]]:
-    """Runs grouped by cell (task, length); the dense run first in each cell."""
-    cells = []
-    for t in cfg.tasks:
-        get_task(t.name)
-        for length in t.lengths:
-            runs = [RunSpec(t, length, model_name)]
-            runs += [RunSpec(t, length, model_name, s, b) for s in cfg.selectors for b in s.resolve(length)]
-            cells.append(runs)
-    return cells
 
 
 @dataclass
@@ -195,7 +113,7 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
     cfg = prepare_selectors(cfg, lm, log)
     cells = plan_runs(cfg, lm.name)
     runs = [r for cell in cells for r in cell]
-    ids = {r.folder: _run_id(run_identity(cfg, r)) for r in runs}
+    ids = {r.folder: compute_run_id(run_identity(cfg, r)) for r in runs}
     states = {r.folder: read_state(out / r.folder, ids[r.folder], run_identity(cfg, r)) for r in runs}
     counts = Counter(s.status for s in states.values())
     for r in runs:  # a kill between a run's metrics.json and this cleanup leaves them behind

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvsieve import SparseAttentionConfig
-from kvsieve.eval.runner import _shares_prefill
+from kvsieve.eval.run_plan import shares_prefill
 from kvsieve.integrations.transformers import KvsieveSession
 from kvsieve.selectors.common.page_selector import PageSelectorBase
 from kvsieve.sparse import Capabilities, SparseSelector, attach_refusal, create_selector, register_selector
@@ -112,7 +112,7 @@ def test_a_stateful_selector_from_the_prefill_on_is_not_refused(tiny_model, prom
     ("snapkv", {"prompt_budget": 64}, ("context",), False),
 ])
 def test_which_runs_share_the_dense_prefill(name, params, phases, shares):
-    assert _shares_prefill(SparseAttentionConfig(name, params, phases=phases)) is shares
+    assert shares_prefill(SparseAttentionConfig(name, params, phases=phases)) is shares
 
 
 def test_on_attach_gets_only_the_requests_that_began_before(tiny_model, monkeypatch):

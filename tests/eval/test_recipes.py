@@ -13,7 +13,8 @@ import yaml
 from kvsieve.eval import prepare
 from kvsieve.eval.config import RECIPES, ConfigError, from_dict, load_config
 from kvsieve.eval.model import load_model
-from kvsieve.eval.runner import plan_runs, run_identity, run_sweep
+from kvsieve.eval.run_plan import plan_runs, run_identity
+from kvsieve.eval.runner import run_sweep
 from kvsieve.integrations.transformers import KvsieveSession
 from kvsieve.selectors.dsa.projections import load_projections
 from kvsieve.selectors.skip_softmax.selector import interpolate_factor

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from kvsieve.eval import runner
+from kvsieve.eval import run_plan, runner
 from kvsieve.eval.config import EvalConfig, apply_overrides, from_dict
 from kvsieve.eval.model import load_model
 from kvsieve.eval.runner import SweepInterrupted, run_sweep
@@ -107,7 +107,7 @@ def test_rerun_reason_compares_as_the_run_id_does():
 def test_kvsieve_version_is_part_of_the_identity(base_dir, tiny, tmp_path, monkeypatch):
     out = tmp_path / "out"
     shutil.copytree(base_dir, out)
-    monkeypatch.setattr(runner, "__version__", "9.9.9")
+    monkeypatch.setattr(run_plan, "__version__", "9.9.9")  # the identity's version (run_plan.run_identity)
     result, log = _sweep(out, tiny)
     assert result.counts == {"changed": len(ALL)} and "kvsieve_version 0.1.0 -> 9.9.9" in log
 

@@ -12,7 +12,8 @@ import yaml
 from kvsieve.eval import config as cfgmod
 from kvsieve.eval.config import SelectorSpec, from_dict, load_config
 from kvsieve.eval.model import load_model
-from kvsieve.eval.runner import SUMMARY_FIELDS, plan_runs, run_sweep
+from kvsieve.eval.run_plan import plan_runs
+from kvsieve.eval.runner import SUMMARY_FIELDS, run_sweep
 from kvsieve.eval.store import RUN_FILES
 
 

@@ -2,8 +2,9 @@
 code so that the eval config can name their defaults without importing transformers."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from ..sparse.knobs import KnobError, check_knobs, knob
 
 __all__ = ["DistillConfig"]
 
@@ -15,26 +16,23 @@ class DistillConfig:
     ``rows`` query rows sampled per window, ``epochs`` passes with Adam (``lr``, cosine decay),
     ``seed``; ``holdout_every``: every so many essays are held out."""
 
-    n_heads: int = 8
-    head_dim: int = 32
-    rope_dim: int = 16
-    seq_len: int = 2048
-    num_seqs: int = 16
-    heldout_seqs: int = 2
-    rows: int = 256
-    epochs: int = 8
-    lr: float = 3e-3
+    n_heads: int = knob(8, ge=1, doc="indexer heads")
+    head_dim: int = knob(32, ge=1, doc="indexer head dim")
+    rope_dim: int = knob(16, ge=0, doc="even, <= head_dim")
+    seq_len: int = knob(2048, ge=1, doc="tokens per window")
+    num_seqs: int = knob(16, ge=1, doc="training windows")
+    heldout_seqs: int = knob(2, ge=1, doc="held-out windows")
+    rows: int = knob(256, ge=1, doc="query rows sampled per window, <= seq_len")
+    epochs: int = knob(8, ge=1)
+    lr: float = knob(3e-3, gt=0)
     seed: int = 0
-    holdout_every: int = 2
+    holdout_every: int = knob(2, ge=1, doc="every so many essays held out")
 
     def __post_init__(self) -> None:
-        for name in ("n_heads", "head_dim", "seq_len", "num_seqs", "heldout_seqs", "rows", "epochs", "holdout_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DistillConfig.{name}: expected >= 1, got {getattr(self, name)}")
-        if not 0 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
-            raise ValueError(f"DistillConfig.rope_dim: expected an even number in [0, head_dim={self.head_dim}], "
-                             f"got {self.rope_dim}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"DistillConfig.lr: expected a finite number > 0, got {self.lr}")
+        check_knobs(self, "DistillConfig")
+        if self.rope_dim > self.head_dim or self.rope_dim % 2:
+            raise KnobError(f"DistillConfig.rope_dim must be an even number <= head_dim={self.head_dim}, "
+                            f"got {self.rope_dim}")
         if self.rows > self.seq_len:
-            raise ValueError(f"DistillConfig.rows: {self.rows} rows cannot be sampled from {self.seq_len} positions")
+            raise KnobError(f"DistillConfig.rows must be <= seq_len={self.seq_len} (rows are sampled from "
+                            f"its positions), got {self.rows}")

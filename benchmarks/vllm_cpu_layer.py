@@ -1,10 +1,11 @@
 """Per-stage time of one attention layer of the vLLM plug-in on CPU, one decode token per request,
 against vLLM's own kernel on the same cache (the profile behind docs/results/vllm.md).
 
-    python benchmarks/vllm_cpu_layer.py [--kv-len 8000] [--requests 1] [--selector quest:budget=256,page_size=128]
+    python benchmarks/vllm_cpu_layer.py [--kv-len 8000] [--requests 1] [--block-size 128]
+                                        [--selector quest:budget=256,page_size=128]
 
 Runs in the vLLM virtual environment, one torch thread. SmolLM2-135M's attention geometry (3 KV
-heads, 3 query heads each, head dim 64), bf16, vLLM's ``vec`` CPU layout with 128-token blocks,
+heads, 3 query heads each, head dim 64), bf16, vLLM's ``vec`` CPU layout with ``--block-size`` blocks,
 random K/V; the selector's page summaries are built once (as the prompt step would). Each stage is
 timed alone (median of 200 calls, warm): vLLM's own dense kernel; the step's view and tables;
 the selector (``on_append``, ``predict_attn``, ``validate``); the per-(row, KV head) block tables;
@@ -38,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv-len", type=int, default=8000)
     ap.add_argument("--requests", type=int, default=1)
+    ap.add_argument("--block-size", type=int, default=128, help="vLLM's KV block size (a multiple of 32)")
     ap.add_argument("--selector", default="quest:budget=256,page_size=128")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -51,7 +53,7 @@ def main() -> None:
     from kvsieve.metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
     from kvsieve.sparse import AttentionGeometry, get_backend
 
-    hkv, g, d, bs, dtype, b, length = 3, 3, 64, 128, torch.bfloat16, args.requests, args.kv_len
+    hkv, g, d, bs, dtype, b, length = 3, 3, 64, args.block_size, torch.bfloat16, args.requests, args.kv_len
     per_req = -(-length // bs)
     num_blocks = per_req * b + 1
     gen = torch.Generator().manual_seed(0)

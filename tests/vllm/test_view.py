@@ -222,6 +222,22 @@ def test_refused_selectors(spec, message):
         lower_plans(PluginConfig(sparse=parse_selector_spec(spec)), num_layers=2, backend_name="torch")
 
 
+def test_selector_not_per_kv_head_is_refused_under_tensor_parallelism(monkeypatch):
+    """A selector that does not declare Capabilities(per_kv_head=True) is refused by name when each
+    worker holds a shard of the heads (tensor_parallel_size > 1), and runs with one worker."""
+    from dataclasses import replace
+
+    from kvsieve.selectors.streaming.selector import StreamingSelector
+
+    config = PluginConfig(sparse=parse_selector_spec("streaming:budget=48"))
+    assert lower_plans(config, num_layers=2, backend_name="torch", tensor_parallel_size=2)[0] is not None
+    monkeypatch.setattr(StreamingSelector, "capabilities", replace(StreamingSelector.capabilities, per_kv_head=False))
+    with pytest.raises(ValueError, match="selector 'streaming' cannot run under tensor parallelism "
+                                         r"\(tensor_parallel_size=2\).*per_kv_head=True"):
+        lower_plans(config, num_layers=2, backend_name="torch", tensor_parallel_size=2)
+    assert lower_plans(config, num_layers=2, backend_name="torch")[1].selector.name == "streaming"
+
+
 def test_per_layer_plans_from_a_config_file(tmp_path, monkeypatch):
     from kvsieve.integrations.vllm.config import read_plugin_config
 

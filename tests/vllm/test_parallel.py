@@ -30,7 +30,12 @@ from test_engine import _captured, _check_golden, _run_engine, gemma_dir, model_
 TP, PP = 2, 2
 PARALLEL = ("--tensor-parallel-size", str(TP), "--pipeline-parallel-size", str(PP), "--dynamo-eager")
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"}  # worker r on core r % 2 (any machine has cores 0 and 1)
-ARGS = ("--prompt-tokens", "700", "--max-tokens", "6", "--dtype", "float32")  # 6 blocks of 128, past the window
+# a 700-token prompt: 6 blocks of 128, past the 512-token window. A KV cache of 256 MiB per worker
+# and fewer batched tokens (the three prompts still fit one step): the four workers of the tiny
+# model take about 3 GB. SMALL unsets VLLM_CPU_KVCACHE_SPACE (whole GiB), which would override it.
+ARGS = ("--prompt-tokens", "700", "--max-tokens", "6", "--dtype", "float32", "--kv-cache-mib", "256",
+        "--max-num-batched-tokens", "2048")
+SMALL = {"VLLM_CPU_KVCACHE_SPACE": None}
 
 
 def write_tiny_gemma3(out: Path, tokenizer_dir: Path) -> Path:
@@ -63,7 +68,7 @@ def model(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def vllm_one_process_tokens(model, tmp_path_factory) -> list[list[int]]:
     """vLLM's own attention, one process: the reference greedy tokens."""
-    return _run_engine(model, tmp_path_factory.mktemp("own") / "own.json", *ARGS)["tokens"]
+    return _run_engine(model, tmp_path_factory.mktemp("own") / "own.json", *ARGS, **SMALL)["tokens"]
 
 
 def _config(model: Path) -> dict:
@@ -95,7 +100,7 @@ def _per_worker(records: list[dict], model: Path) -> list[list[dict]]:
 def test_dense_on_parallel_workers_equals_vllm_in_one_process(model, vllm_one_process_tokens, tmp_path):
     cap = tmp_path / "capture"
     plug = _run_engine(model, tmp_path / "plug.json", *ARGS, *PARALLEL, KVSIEVE_SELECTOR="dense",
-                       KVSIEVE_CAPTURE=str(cap), **BIND)
+                       KVSIEVE_CAPTURE=str(cap), **BIND, **SMALL)
     assert max(plug["prompt_lens"]) > _config(model)["sliding_window"]
     assert plug["tokens"] == vllm_one_process_tokens
     for recs in _per_worker(_captured(cap), model):
@@ -106,7 +111,7 @@ def test_dense_on_parallel_workers_equals_vllm_in_one_process(model, vllm_one_pr
 def test_selector_equals_vanilla_golden_in_each_parallel_worker(model, spec, tmp_path):
     cap = tmp_path / "capture"
     res = _run_engine(model, tmp_path / "plug.json", *ARGS, *PARALLEL, KVSIEVE_SELECTOR=spec,
-                      KVSIEVE_CAPTURE=str(cap), **BIND)
+                      KVSIEVE_CAPTURE=str(cap), **BIND, **SMALL)
     assert all(len(t) == 6 for t in res["tokens"])
     name = spec.partition(":")[0]
     for recs in _per_worker(_captured(cap), model):

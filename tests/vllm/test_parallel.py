@@ -31,8 +31,8 @@ TP, PP = 2, 2
 PARALLEL = ("--tensor-parallel-size", str(TP), "--pipeline-parallel-size", str(PP), "--dynamo-eager")
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"}  # worker r on core r % 2 (any machine has cores 0 and 1)
 # a 700-token prompt: 6 blocks of 128, past the 512-token window. A KV cache of 256 MiB per worker
-# and fewer batched tokens (the three prompts still fit one step): the four workers of the tiny
-# model take about 3 GB. SMALL unsets VLLM_CPU_KVCACHE_SPACE (whole GiB), which would override it.
+# and fewer batched tokens (the three prompts still fit one step): the tiny model's engine peaks at
+# about 5 GB. SMALL unsets VLLM_CPU_KVCACHE_SPACE (whole GiB), which would override the 256 MiB.
 ARGS = ("--prompt-tokens", "700", "--max-tokens", "6", "--dtype", "float32", "--kv-cache-mib", "256",
         "--max-num-batched-tokens", "2048")
 SMALL = {"VLLM_CPU_KVCACHE_SPACE": None}

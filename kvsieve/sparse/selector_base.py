@@ -55,7 +55,11 @@ class Capabilities:
     runs on, whether its ``predict_kv`` evicts prompt tokens, whether it restricts its choice
     to a sliding-window layer's window (``sliding_window``; see :attr:`SelectorInputs.window`), and
     whether its carrier asks the backend for skip-softmax thresholds (``skip_softmax``: a backend
-    that does not run them is refused when the plan is set)."""
+    that does not run them is refused when the plan is set), and whether it decides each KV head
+    from that head alone (``per_kv_head``: the selection, kept set and hints of KV head ``h`` read
+    only K/V of head ``h``, the query heads of its group and per-token inputs, never another KV
+    head; only such a selector runs on a tensor-parallel shard of a layer's heads, so the default
+    ``False`` is refused there)."""
 
     phases: frozenset[str] = frozenset(PHASES)
     attention_kinds: frozenset[str] = frozenset({"gqa"})
@@ -63,6 +67,7 @@ class Capabilities:
     evicts: bool = False
     sliding_window: bool = False
     skip_softmax: bool = False
+    per_kv_head: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (("phases", PHASES), ("attention_kinds", ATTENTION_KINDS), ("devices", DEVICES)):

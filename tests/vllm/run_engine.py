@@ -24,14 +24,30 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attention-backend", default=None, help="e.g. TRITON_ATTN (CUDA; the CPU platform ignores it)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1)
+    ap.add_argument("--kv-cache-mib", type=int, default=None,
+                    help="KV cache per worker in MiB (instead of VLLM_CPU_KVCACHE_SPACE's whole GiB; unset that)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--dynamo-eager", action="store_true",
+                    help="trace the model once with dynamo, run it eagerly (instead of --enforce-eager): vLLM's CPU "
+                         "worker sets up pipeline stages > 0 only in the warm-up this mode runs")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    # one process (no engine-core or worker process): each would import vLLM again
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
-              max_num_seqs=4, seed=0, distributed_executor_backend="uni",
-              attention_config={"backend": args.attention_backend} if args.attention_backend else None)
+    # one process (no engine-core or worker process): each would import vLLM again; with tensor or
+    # pipeline parallelism one worker process per rank ("mp")
+    parallel = args.tensor_parallel_size * args.pipeline_parallel_size > 1
+    extra = {"compilation_config": {"mode": 2, "backend": "eager"}} if args.dynamo_eager else {}  # DYNAMO_TRACE_ONCE
+    if args.kv_cache_mib:
+        extra["kv_cache_memory_bytes"] = args.kv_cache_mib << 20
+    if args.max_num_batched_tokens:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=not args.dynamo_eager,
+              max_num_seqs=4, seed=0, distributed_executor_backend="mp" if parallel else "uni",
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+              attention_config={"backend": args.attention_backend} if args.attention_backend else None, **extra)
     tok = llm.get_tokenizer()
     prompts = [TokensPrompt(prompt_token_ids=tok.encode(p)) for p in PROMPTS]
     if args.prompt_tokens:

@@ -47,14 +47,15 @@ def model_dir() -> Path:
     return converted_checkpoint(smollm2_gguf_path())
 
 
-def _env(**extra: str) -> dict[str, str]:
+def _env(**extra: str | None) -> dict[str, str]:
+    """The engine's environment: this one without kvsieve's settings, plus ``extra`` (``None`` removes)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSIEVE_") or k == "KVSIEVE_CACHE"}
     env.pop("TRITON_INTERPRET", None)
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"), **extra)
-    return env
+    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2"), **extra})
+    return {k: v for k, v in env.items() if v is not None}
 
 
-def _run_engine(model: Path, out: Path, *args: str, **env: str) -> dict:
+def _run_engine(model: Path, out: Path, *args: str, **env: str | None) -> dict:
     cmd = [sys.executable, str(HERE / "run_engine.py"), str(model), str(out), *args]
     proc = subprocess.run(cmd, env=_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", **env), capture_output=True, text=True,
                           timeout=ENGINE_TIMEOUT_S)

@@ -3,6 +3,8 @@ its own cache is the reference; the same K/V live in a vLLM-CPU-layout tensor at
 physical block ids, and the steps are handed over in vLLM's order (decode rows first)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -220,6 +222,54 @@ def test_cpu_layout_view_reads_transposed_k():
 def test_refused_selectors(spec, message):
     with pytest.raises(ValueError, match=message):
         lower_plans(PluginConfig(sparse=parse_selector_spec(spec)), num_layers=2, backend_name="torch")
+
+
+def test_selector_not_per_kv_head_is_refused_under_tensor_parallelism(monkeypatch):
+    """A selector that does not declare Capabilities(per_kv_head=True) is refused by name when each
+    worker holds a shard of the heads (tensor_parallel_size > 1), and runs with one worker."""
+    from dataclasses import replace
+
+    from kvsieve.selectors.streaming.selector import StreamingSelector
+
+    config = PluginConfig(sparse=parse_selector_spec("streaming:budget=48"))
+    assert lower_plans(config, num_layers=2, backend_name="torch", tensor_parallel_size=2)[0] is not None
+    monkeypatch.setattr(StreamingSelector, "capabilities", replace(StreamingSelector.capabilities, per_kv_head=False))
+    with pytest.raises(ValueError, match="selector 'streaming' cannot run under tensor parallelism "
+                                         r"\(tensor_parallel_size=2\).*per_kv_head=True"):
+        lower_plans(config, num_layers=2, backend_name="torch", tensor_parallel_size=2)
+    assert lower_plans(config, num_layers=2, backend_name="torch")[1].selector.name == "streaming"
+
+
+def _vllm_config(**parallel: int) -> SimpleNamespace:
+    """The fields of vLLM's config the plug-in's per-process state reads (plain attributes)."""
+    return SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=256, hf_config=SimpleNamespace(num_hidden_layers=2)),
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=256),
+        parallel_config=SimpleNamespace(**{"decode_context_parallel_size": 1, "prefill_context_parallel_size": 1,
+                                           **parallel}))
+
+
+def test_worker_state_refuses_at_start_up_by_name(monkeypatch):
+    """Each worker's state (built when vLLM builds its first attention layer) refuses context
+    parallelism and, on a tensor-parallel worker, a selector without per_kv_head; a worker's ranks
+    reach every layer's runner."""
+    from dataclasses import replace
+
+    from kvsieve.integrations.vllm.config import WorkerRanks
+    from kvsieve.integrations.vllm.state import PluginState
+    from kvsieve.selectors.streaming.selector import StreamingSelector
+
+    config = PluginConfig(sparse=parse_selector_spec("streaming:budget=48"))
+    ranks = WorkerRanks(tp_rank=1, tp_size=2, pp_rank=0, pp_size=1)
+    state = PluginState(config, _vllm_config(), torch.device("cpu"), ranks)
+    assert state.runner(1, num_heads=2, num_kv_heads=1, head_size=32, scale=1.0).ranks == ranks
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        with pytest.raises(NotImplementedError, match=f"{name}=2 is not supported"):
+            PluginState(config, _vllm_config(**{name: 2}), torch.device("cpu"))
+    monkeypatch.setattr(StreamingSelector, "capabilities", replace(StreamingSelector.capabilities, per_kv_head=False))
+    with pytest.raises(ValueError, match="selector 'streaming' cannot run under tensor parallelism"):
+        PluginState(config, _vllm_config(), torch.device("cpu"), ranks)
+    assert PluginState(config, _vllm_config(), torch.device("cpu")).plans[0].selector.name == "streaming"
 
 
 def test_per_layer_plans_from_a_config_file(tmp_path, monkeypatch):

@@ -29,7 +29,7 @@ import yaml
 
 from ...sparse import LayerPlan, SparseAttentionConfig, lower_config
 
-__all__ = ["PluginConfig", "read_plugin_config", "lower_plans", "parse_selector_spec", "DENSE", "ENV_SELECTOR", "ENV_CONFIG",
+__all__ = ["PluginConfig", "WorkerRanks", "read_plugin_config", "lower_plans", "parse_selector_spec", "DENSE", "ENV_SELECTOR", "ENV_CONFIG",
            "ENV_BACKEND", "ENV_CAPTURE"]
 
 ENV_SELECTOR = "KVSIEVE_SELECTOR"
@@ -54,6 +54,18 @@ class PluginConfig:
     backend: str | None = None
     capture_dir: Path | None = None
     source: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class WorkerRanks:
+    """This process's place in vLLM's parallel layout: its tensor-parallel rank among
+    ``tp_size`` workers (each holding a shard of every layer's heads) and its pipeline stage among
+    ``pp_size`` (each holding a contiguous range of the layers, numbered as in the whole model)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
 
 
 def _scalar(text: str) -> Any:
@@ -136,12 +148,14 @@ def read_plugin_config(environ: dict[str, str] | None = None) -> PluginConfig | 
                         source=source)
 
 
-def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, device: str = "cpu"
-                ) -> list[LayerPlan | None]:
+def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, device: str = "cpu",
+                tensor_parallel_size: int = 1) -> list[LayerPlan | None]:
     """One plan per layer (``None`` = dense), refusing what vLLM's attention layer cannot serve:
     selectors that evict prompt tokens (vLLM's block manager owns the blocks and lengths),
     selectors that need per-step model inputs (``model_inputs_type``; vLLM hands the attention
-    backend only q, k, v and the cache) and kernel hints the chosen kvsieve backend does not implement."""
+    backend only q, k, v and the cache), kernel hints the chosen kvsieve backend does not implement,
+    and, with ``tensor_parallel_size > 1`` (each worker holds a shard of every layer's heads),
+    selectors that do not declare ``Capabilities(per_kv_head=True)``."""
     plans = lower_config(config.sparse, num_layers=num_layers, attention_kind="gqa", device=device)
     plan = next((p for p in plans if p is not None), None)
     if plan is None:
@@ -157,6 +171,12 @@ def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, dev
             f"kvsieve vLLM plug-in: selector {sel.name!r} needs per-step model inputs "
             f"({sel.model_inputs_type.__name__}, its model_inputs_type), which vLLM's attention backend never "
             "receives (only q, k, v and the cache)")
+    if tensor_parallel_size > 1 and not sel.capabilities.per_kv_head:
+        raise ValueError(
+            f"kvsieve vLLM plug-in: selector {sel.name!r} cannot run under tensor parallelism (tensor_parallel_size="
+            f"{tensor_parallel_size}): each worker holds only a shard of a layer's heads, and the selector does not "
+            "declare Capabilities(per_kv_head=True) (a KV head's selection read from that head alone); run it with "
+            "tensor_parallel_size=1")
     # the one built-in that only gives kernel hints; a third-party selector's thresholds are refused
     # by the backend's forward (every backend without skip-softmax raises on a factor > 0)
     if sel.name == "skip_softmax" and backend_name != "triton":

@@ -35,7 +35,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from .host import PerHeadTables
-from .layer_checks import refuse_features, refusing_backend
+from .layer_checks import refuse_features, refusing_backend, worker_ranks
 from .layouts import kv_views
 from .state import PluginState, plugin_state
 from .step import VllmStep
@@ -104,7 +104,8 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
                         kv_cache_dtype=kv_cache_dtype)
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                          logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
-        self.state: PluginState = plugin_state(get_current_vllm_config(), device=torch.device("cpu"))
+        self.state: PluginState = plugin_state(get_current_vllm_config(), device=torch.device("cpu"),
+                                               ranks=worker_ranks())
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # noqa: ANN001
                 kv_cache: torch.Tensor, attn_metadata: KvsieveCPUAttentionMetadata | None, output: torch.Tensor,

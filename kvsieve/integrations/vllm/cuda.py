@@ -17,7 +17,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl, TritonAttentionMetadata
 
-from .layer_checks import refuse_features, refusing_backend
+from .layer_checks import refuse_features, refusing_backend, worker_ranks
 from .state import PluginState, plugin_state
 from .step import VllmStep
 
@@ -52,7 +52,8 @@ class KvsieveTritonAttentionImpl(TritonAttentionImpl):
                          chunk_lookback)
         vllm_config = get_current_vllm_config()
         refuse_cuda_graphs(vllm_config)
-        self.state: PluginState = plugin_state(vllm_config, device=torch.device("cuda", torch.cuda.current_device()))
+        self.state: PluginState = plugin_state(vllm_config, device=torch.device("cuda", torch.cuda.current_device()),
+                                               ranks=worker_ranks())
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # noqa: ANN001
                 kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata, output: torch.Tensor,

@@ -1,10 +1,22 @@
 """What an attention layer may ask of the plug-in: every feature it does not compute is refused
-when vLLM builds the layer, by name (shared by the CPU and CUDA backends)."""
+when vLLM builds the layer, by name; and which parallel worker builds it (shared by the CPU and
+CUDA backends)."""
 from __future__ import annotations
 
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.v1.attention.backend import AttentionType
 
-__all__ = ["refuse_features", "refusing_backend"]
+from .config import WorkerRanks
+
+__all__ = ["refuse_features", "refusing_backend", "worker_ranks"]
+
+
+def worker_ranks() -> WorkerRanks:
+    """This process's tensor-parallel rank and pipeline stage, from vLLM's parallel state (set up
+    before vLLM builds any layer)."""
+    pp = get_pp_group()
+    return WorkerRanks(tp_rank=get_tensor_model_parallel_rank(), tp_size=get_tensor_model_parallel_world_size(),
+                       pp_rank=pp.rank_in_group, pp_size=pp.world_size)
 
 
 def refuse_features(*, alibi_slopes: object, sliding_window: int | None, logits_soft_cap: float | None,

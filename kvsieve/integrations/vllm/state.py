@@ -11,7 +11,7 @@ import torch
 
 from ...metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
 from ...sparse import AttentionGeometry
-from .config import PluginConfig, lower_plans, read_plugin_config
+from .config import PluginConfig, WorkerRanks, lower_plans, read_plugin_config
 from .host import HostAttention
 from .layouts import kv_views
 from .step import LayerRunner, StepTranslator, VllmStep, make_backend
@@ -23,15 +23,30 @@ _STATE: PluginState | None = None
 
 class PluginState:
     """``vllm_config`` fields read: ``model_config.max_model_len``, ``model_config.hf_config
-    .num_hidden_layers``, ``scheduler_config.max_num_seqs`` / ``max_num_batched_tokens``."""
+    .num_hidden_layers``, ``scheduler_config.max_num_seqs`` / ``max_num_batched_tokens``,
+    ``parallel_config.decode_context_parallel_size`` / ``prefill_context_parallel_size``.
 
-    def __init__(self, config: PluginConfig, vllm_config: Any, device: torch.device) -> None:
+    Under tensor / pipeline parallelism each worker process has its own state: its layers see
+    their shard of the heads (the geometry comes from the layer, never from the model config) and,
+    on a pipeline stage, only that stage's layers, by their global index; ``ranks`` says which
+    worker this is (recorded with every captured call)."""
+
+    def __init__(self, config: PluginConfig, vllm_config: Any, device: torch.device,
+                 ranks: WorkerRanks = WorkerRanks()) -> None:
+        parallel = vllm_config.parallel_config
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if getattr(parallel, name) > 1:
+                raise NotImplementedError(
+                    f"kvsieve vLLM plug-in: {name}={getattr(parallel, name)} is not supported: context parallelism "
+                    "spreads one request's tokens over several workers' caches, and a selector here sees one "
+                    "worker's cache only; use tensor or pipeline parallelism")
         self.config = config
         self.device = device
+        self.ranks = ranks
         self.backend = make_backend(config.backend, device)
         self.num_layers = int(vllm_config.model_config.hf_config.num_hidden_layers)
         self.plans = lower_plans(config, num_layers=self.num_layers, backend_name=self.backend.name,
-                                 device=device.type)
+                                 device=device.type, tensor_parallel_size=ranks.tp_size)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
         self.max_num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
@@ -60,7 +75,8 @@ class PluginState:
             geometry = AttentionGeometry(kind="gqa", num_q_heads=num_heads, num_kv_heads=num_kv_heads,
                                          head_dim=head_size, sm_scale=scale)
             self.runners[layer_idx] = LayerRunner(layer_idx=layer_idx, geometry=geometry, plan=self.plans[layer_idx],
-                                                  backend=self.backend, capture_dir=self.config.capture_dir)
+                                                  backend=self.backend, capture_dir=self.config.capture_dir,
+                                                  ranks=self.ranks)
         return self.runners[layer_idx]
 
     def host_only(self, layer_idx: int) -> bool:
@@ -86,12 +102,13 @@ class PluginState:
         return output
 
 
-def plugin_state(vllm_config: Any, device: torch.device) -> PluginState:
-    """The process's state, built on first use from the environment's plug-in config."""
+def plugin_state(vllm_config: Any, device: torch.device, ranks: WorkerRanks) -> PluginState:
+    """The process's state, built on first use from the environment's plug-in config; ``ranks``:
+    the worker this process is (one state per process, so per tensor-parallel rank and stage)."""
     global _STATE
     if _STATE is None:
         config = read_plugin_config()
         if config is None:
             raise RuntimeError("kvsieve's vLLM backend is in use but neither KVSIEVE_SELECTOR nor KVSIEVE_CONFIG is set")
-        _STATE = PluginState(config, vllm_config, device)
+        _STATE = PluginState(config, vllm_config, device, ranks)
     return _STATE

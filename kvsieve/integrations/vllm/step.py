@@ -36,6 +36,7 @@ from ...sparse.attention import _checked_kept, _checked_params, place_rows
 from ...sparse.backends import AttentionResult, VanillaBackend, default_backend
 from ...sparse.backends.sdpa import causal_sdpa
 from ...sparse.params import is_dense
+from .config import WorkerRanks
 from .host import HostAttention, per_head_block_tables
 
 __all__ = ["VllmStep", "StepTranslator", "LayerRunner", "dense_context_rows"]
@@ -147,12 +148,14 @@ class LayerRunner:
 
     ``capture_dir``: also run the Vanilla golden on the same selection and append one JSON line
     per call (layer, tokens, contexts, attended and dense positions, largest difference to the
-    golden, and to the host engine's own attention output when the caller passes it)."""
+    golden, and to the host engine's own attention output when the caller passes it; the
+    worker's ``ranks`` and the layer's head counts on this worker)."""
 
     def __init__(self, *, layer_idx: int, geometry: AttentionGeometry, plan: LayerPlan | None,
-                 backend: AttentionBackend, capture_dir: Path | None = None) -> None:
+                 backend: AttentionBackend, capture_dir: Path | None = None,
+                 ranks: WorkerRanks = WorkerRanks()) -> None:
         self.layer_idx, self.geometry, self.plan, self.backend = layer_idx, geometry, plan, backend
-        self.capture_dir = capture_dir
+        self.capture_dir, self.ranks = capture_dir, ranks
         self.golden = VanillaBackend() if capture_dir is not None else None
         # the selector inputs and row placement of kvsieve's own layer (which also writes K/V; vLLM did that)
         self._inputs = SparseAttention(layer_idx=layer_idx, num_q_heads=geometry.num_q_heads,
@@ -262,6 +265,8 @@ class LayerRunner:
         attended = self.golden.effective_attended_tokens(params, md, self.geometry)
         record = {
             "layer": self.layer_idx, "num_tokens": md.num_tokens, "num_contexts": md.num_contexts,
+            "tp_rank": self.ranks.tp_rank, "pp_rank": self.ranks.pp_rank,
+            "num_q_heads": self.geometry.num_q_heads, "num_kv_heads": self.geometry.num_kv_heads,
             "selector": None if self.plan is None else self.plan.selector.name,
             "sparse": params is not None and params.sparse_attn_indices is not None,
             "attended": int(attended.sum()), "dense": int(md.token_kv_lens.to(torch.int64).sum()) * self.geometry.num_kv_heads,

@@ -274,7 +274,7 @@ class BlockSelectSelector(PageSelectorBase):
 
     name = "block_select"
     config_class = BlockSelectConfig
-    capabilities = Capabilities(sliding_window=True)
+    capabilities = Capabilities(sliding_window=True, per_kv_head=True)
 
     def summaries(self, inputs: SelectorInputs) -> PageSummaries:
         if self._summaries is None or self._summaries.cache is not inputs.cache:

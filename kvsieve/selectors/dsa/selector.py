@@ -99,7 +99,7 @@ class DSAStats:
 class DSASelector(SparseSelector):
     name = "dsa"
     config_class = DSAConfig
-    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), sliding_window=True)
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), sliding_window=True, per_kv_head=True)
     model_inputs_type = IndexerInputs
 
     def __init__(self, config: DSAConfig | None = None, **overrides) -> None:

@@ -61,7 +61,7 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, kv_lens: torch.Tensor, sm_s
 class OracleTopKSelector(SparseSelector):
     name = "oracle_topk"
     config_class = OracleTopKConfig
-    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), sliding_window=True)
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), sliding_window=True, per_kv_head=True)
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         bs = self.config.block_size

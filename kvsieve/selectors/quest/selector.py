@@ -54,7 +54,7 @@ class QuestConfig:
 class QuestSelector(PageSelectorBase):
     name = "quest"
     config_class = QuestConfig
-    capabilities = Capabilities(phases=frozenset({"generation"}), sliding_window=True)
+    capabilities = Capabilities(phases=frozenset({"generation"}), sliding_window=True, per_kv_head=True)
     mode = "bound"
 
     def page_knobs(self, head_dim: int) -> PageKnobs:

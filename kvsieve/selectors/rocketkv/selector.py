@@ -54,7 +54,7 @@ class RocketKVConfig:
 class RocketKVSelector(PageSelectorBase):
     name = "rocketkv"
     config_class = RocketKVConfig
-    capabilities = Capabilities(evicts=True)
+    capabilities = Capabilities(evicts=True, per_kv_head=True)
     mode = "sign"
 
     def page_knobs(self, head_dim: int) -> PageKnobs:

@@ -98,7 +98,7 @@ class SkipSoftmaxConfig:
 class SkipSoftmaxSelector(SparseSelector):
     name = "skip_softmax"
     config_class = SkipSoftmaxConfig
-    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), skip_softmax=True)
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), skip_softmax=True, per_kv_head=True)
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         return SparseRuntimeParams(threshold_scale_factor_context=self.config.factor("context"),

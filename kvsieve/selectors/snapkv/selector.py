@@ -58,7 +58,7 @@ class SnapKVConfig:
 class SnapKVSelector(SparseSelector):
     name = "snapkv"
     config_class = SnapKVConfig
-    capabilities = Capabilities(phases=frozenset({"context"}), evicts=True)
+    capabilities = Capabilities(phases=frozenset({"context"}), evicts=True, per_kv_head=True)
 
     def _budget(self) -> PromptBudget:
         c = self.config

@@ -51,7 +51,7 @@ def streaming_topk(kv_lens: torch.Tensor, budget: int, num_sink: int) -> torch.T
 class StreamingSelector(SparseSelector):
     name = "streaming"
     config_class = StreamingConfig
-    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), sliding_window=True)
+    capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), sliding_window=True, per_kv_head=True)
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         lens = inputs.row_kv_lens

@@ -25,7 +25,7 @@ class RecentBlocksConfig:
 class RecentBlocksSelector(SparseSelector):
     name = "recent_blocks"
     config_class = RecentBlocksConfig
-    capabilities = Capabilities(phases=frozenset({"generation"}))
+    capabilities = Capabilities(phases=frozenset({"generation"}), per_kv_head=True)
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         c = self.config

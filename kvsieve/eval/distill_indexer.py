@@ -26,7 +26,9 @@ import json
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +41,7 @@ from .distill_config import DistillConfig
 from .distill_corpus import corpus_documents, special_prefix, split_documents, token_windows
 
 __all__ = ["DistillConfig", "WindowTargets", "Checkpoint", "DistillResult", "Corpus", "DENSITIES", "collect", "fit", "distill",
-           "LayerCapture", "windowed_attention", "capture_attention", "capture_targets", "indexer_row_logits", "row_kl", "row_recall", "trainable_layers",
+           "LayerCapture", "windowed_attention", "capture_attention", "capture_targets", "cached_capture", "indexer_row_logits", "row_kl", "row_recall", "trainable_layers",
            "attach_dsa_indexer", "special_prefix", "main"]
 
 #: the densities of the held-out recall (budget = ceil(context / density) per query row)
@@ -74,12 +76,15 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class DistillResult:
-    """The trained ``projections`` per layer, the training ``curve``, the held-out ``streaming``
-    recall per density (4 sinks + recent window, for comparison) and the document ``split``."""
+    """The trained ``projections`` per layer, the training ``curve``, the held-out recall per
+    density of ``streaming`` (4 sinks + recent window, for comparison) and of the ``oracle`` (the
+    exact top positions of ``p``: the ceiling of any one set of positions shared by the query heads,
+    as the indexer's is), and the document ``split``."""
 
     projections: dict[int, IndexerProjections]
     curve: list[Checkpoint]
     streaming: dict[int, float]
+    oracle: dict[int, float]
     split: dict[str, list[str]]
 
 
@@ -206,6 +211,26 @@ def capture_targets(model: torch.nn.Module, ids: torch.Tensor, layers: list[int]
                          {i: c.dense_attention(rows).mean(1).half() for i, c in caps.items()})
 
 
+def cached_capture(path: Path | None, key: dict[str, Any], capture: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``key | capture()``, kept in the file ``path`` and read back from there instead when the
+    file holds the same ``key`` (strings compared as strings, anything else as tensors). The
+    captures are the expensive part of a run: a run stopped midway keeps the windows it finished."""
+    def same(a: Any, b: Any) -> bool:
+        return a == b if isinstance(b, str) else torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+
+    if path is not None and path.is_file():
+        saved = torch.load(path, weights_only=True)
+        if all(k in saved and same(saved[k], v) for k, v in key.items()):
+            return saved
+    out = key | capture()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(out, tmp)
+        tmp.replace(path)
+    return out
+
+
 def indexer_row_logits(proj: IndexerProjections, hidden: torch.Tensor, rows: torch.Tensor,
                        key_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """fp32 ``[R, S]`` logits ``sum_h w relu(q k)`` of query ``rows`` over every key of the
@@ -274,20 +299,36 @@ class Corpus:
 
 
 def collect(model: torch.nn.Module, tokenizer: Any, cfg: DistillConfig, layers: list[int] | None = None, *,
-            progress: bool = True) -> Corpus:
-    """Capture the training and held-out windows of ``cfg`` (the expensive, geometry-free part)."""
+            progress: bool = True, captures: Path | None = None) -> Corpus:
+    """Capture the training and held-out windows of ``cfg`` (the expensive, geometry-free part);
+    with ``captures`` (a folder) each window's targets are kept there (:func:`cached_capture`,
+    keyed by the model's weights, the tokens, the layers and the rows) and reused by a rerun."""
     start = time.perf_counter(), time.process_time()
     layers = trainable_layers(model.config, layers)
     for prm in model.parameters():
         prm.requires_grad_(False)
     train_docs, held_docs = split_documents(corpus_documents(), cfg.holdout_every)
     gen = torch.Generator().manual_seed(cfg.seed)
+    from .model import model_hash
 
-    def targets(docs, count, desc):
-        return [capture_targets(model, ids, layers, _sample_rows(cfg.seq_len, cfg.rows, gen))
-                for ids in tqdm(token_windows(tokenizer, docs, cfg.seq_len, count), desc=desc, disable=not progress)]
+    key = {"model": model_hash(model), "layers": layers} if captures is not None else {}
 
-    train, held = targets(train_docs, cfg.num_seqs, "train targets"), targets(held_docs, cfg.heldout_seqs, "held out")
+    def window(ids: torch.Tensor, rows: torch.Tensor, path: Path | None) -> WindowTargets:
+        def capture() -> dict[str, Any]:
+            t = capture_targets(model, ids, layers, rows)
+            return {"hidden": t.hidden, "p": t.p}
+
+        saved = cached_capture(path, key | {"ids": ids, "rows": rows}, capture)
+        return WindowTargets(rows, {int(i): h for i, h in saved["hidden"].items()},
+                             {int(i): p for i, p in saved["p"].items()})
+
+    def targets(docs, count, desc, name):
+        windows = tqdm(token_windows(tokenizer, docs, cfg.seq_len, count), desc=desc, disable=not progress)
+        return [window(ids, _sample_rows(cfg.seq_len, cfg.rows, gen), captures and Path(captures) / f"{name}-{j}.pt")
+                for j, ids in enumerate(windows)]
+
+    train = targets(train_docs, cfg.num_seqs, "train targets", "train")
+    held = targets(held_docs, cfg.heldout_seqs, "held out", "held")
     text = getattr(model.config, "text_config", model.config)
     split = {"train": [f"{d.source}/{d.name}" for d in train_docs], "held_out": [f"{d.source}/{d.name}" for d in held_docs]}
     return Corpus(train, held, layers, text.hidden_size, _rope_theta(text), split, start)
@@ -322,9 +363,10 @@ def fit(corpus: Corpus, cfg: DistillConfig, *, progress: bool = True) -> Distill
         bar.set_postfix(kl=f"{curve[-1].train_kl:.3f}/{curve[-1].heldout_kl:.3f}")
     for proj in projs.values():
         proj.eval()
-    streaming = {d: sum(_streaming_recall(w.p[i], w.rows, d) for w in corpus.held for i in corpus.layers)
-                 / (len(corpus.held) * len(corpus.layers)) for d in DENSITIES}
-    return DistillResult(projs, curve, streaming, corpus.split)
+    held = [(w.p[i], w.rows) for w in corpus.held for i in corpus.layers]
+    streaming = {d: sum(_streaming_recall(p, rows, d) for p, rows in held) / len(held) for d in DENSITIES}
+    oracle = {d: sum(row_recall(p, p.float(), rows, d) for p, rows in held) / len(held) for d in DENSITIES}
+    return DistillResult(projs, curve, streaming, oracle, corpus.split)
 
 
 def distill(model: torch.nn.Module, tokenizer: Any, cfg: DistillConfig, layers: list[int] | None = None, *,
@@ -336,10 +378,11 @@ def distill(model: torch.nn.Module, tokenizer: Any, cfg: DistillConfig, layers: 
 
 def result_meta(result: DistillResult, cfg: DistillConfig, model_name: str) -> dict[str, Any]:
     """What the projections file and ``--json`` record: the model, the config, the layers, the
-    curve, the streaming reference and the split."""
+    curve, the streaming and oracle references and the split."""
     size = sum(prm.numel() for proj in result.projections.values() for prm in proj.parameters())
     return {"model": model_name, **dataclasses.asdict(cfg), "layers": sorted(result.projections), "parameters": size,
-            "curve": [dataclasses.asdict(c) for c in result.curve], "streaming": result.streaming, "split": result.split}
+            "curve": [dataclasses.asdict(c) for c in result.curve], "streaming": result.streaming,
+            "oracle": result.oracle, "split": result.split}
 
 
 def attach_dsa_indexer(session: Any) -> list[Any]:
@@ -367,8 +410,8 @@ def _print_curve(label: str, result: DistillResult) -> None:
     for c in result.curve:
         print(f"{c.epoch} | {c.seconds:.0f} | {c.cpu_seconds:.0f} | {c.train_kl:.4f} | {c.heldout_kl:.4f} | "
               + " | ".join(f"{c.recall.get(d, math.nan):.4f}" for d in DENSITIES))
-    print("streaming (4 sinks + recent) held-out recall: "
-          + " | ".join(f"1/{d} {result.streaming[d]:.4f}" for d in DENSITIES))
+    for name, ref in (("streaming (4 sinks + recent)", result.streaming), ("oracle (exact top-k of p)", result.oracle)):
+        print(f"{name} held-out recall: " + " | ".join(f"1/{d} {ref[d]:.4f}" for d in DENSITIES))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -382,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also train these geometries (e.g. 4x16 16x64) on the same captured windows; their "
                          "curves go to --json under 'grid' (recall against size)")
     ap.add_argument("--json", default=None, help="write the config, the curve and the split here")
+    ap.add_argument("--captures", default=None, help="a folder keeping each window's captured targets for reruns")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -394,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--grid: expected HEADSxDIM such as 4x16, got {bad}")
     grid = [tuple(int(x) for x in g.split("x")) for g in args.grid]
     loaded = load_model(args.model)
-    corpus = collect(loaded.model, loaded.tokenizer, cfg, args.layers)
+    corpus = collect(loaded.model, loaded.tokenizer, cfg, args.layers, captures=args.captures and Path(args.captures))
     capture_cost = time.perf_counter() - corpus.start[0], time.process_time() - corpus.start[1]
     result = fit(corpus, cfg)
     meta = result_meta(result, cfg, loaded.name)

@@ -38,7 +38,7 @@ import torch
 
 from ..selectors.dsa.projections import IndexerProjections, load_projections
 from .distill_corpus import corpus_documents, split_documents, token_windows
-from .distill_indexer import LayerCapture, capture_attention, indexer_row_logits, trainable_layers
+from .distill_indexer import LayerCapture, cached_capture, capture_attention, indexer_row_logits, trainable_layers
 
 __all__ = ["SELECTORS", "PAGE_SELECTORS", "select", "group_mass", "bound_terms", "window_recall", "mean_interval", "main"]
 
@@ -184,17 +184,12 @@ def mean_interval(values: list[float]) -> tuple[float, float]:
 def _captured(lm: Any, ids: torch.Tensor, layers: list[int], rows: torch.Tensor, path: Path | None
               ) -> dict[int, LayerCapture]:
     """:func:`capture_attention`, kept in ``path`` and read back from there when it holds the same
-    tokens, layers and rows."""
-    key = {"ids": ids, "layers": layers, "rows": rows}
-    if path is not None and path.is_file():
-        saved = torch.load(path, weights_only=True)
-        if all(torch.equal(torch.as_tensor(saved[k]), torch.as_tensor(v)) for k, v in key.items()):
-            return {int(i): LayerCapture(**c) for i, c in saved["caps"].items()}
-    caps = capture_attention(lm.model, ids, layers, rows)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(key | {"caps": {i: dataclasses.asdict(c) for i, c in caps.items()}}, path)
-    return caps
+    tokens, layers and rows (:func:`~.distill_indexer.cached_capture`)."""
+    def capture() -> dict[str, Any]:
+        return {"caps": {i: dataclasses.asdict(c) for i, c in capture_attention(lm.model, ids, layers, rows).items()}}
+
+    saved = cached_capture(path, {"ids": ids, "layers": layers, "rows": rows}, capture)
+    return {int(i): LayerCapture(**c) for i, c in saved["caps"].items()}
 
 
 def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> int:

@@ -11,6 +11,7 @@ from the config so ``save_pretrained`` works) and later loads read that folder.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -22,7 +23,7 @@ import torch
 
 from ..cache_dir import default_cache_dir
 
-__all__ = ["LoadedModel", "load_model", "smollm2_gguf_path", "gemma3_270m_gguf_path", "ByteTokenizer",
+__all__ = ["LoadedModel", "load_model", "model_hash", "smollm2_gguf_path", "gemma3_270m_gguf_path", "ByteTokenizer",
            "tiny_random_llama", "models_dir", "BUILTINS"]
 
 SMOLLM2 = "smollm2"
@@ -154,3 +155,13 @@ def load_model(spec: str = SMOLLM2, *, dtype: torch.dtype = torch.float32) -> Lo
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
     return LoadedModel(model, tok, name)
+
+
+def model_hash(model: torch.nn.Module) -> str:
+    """sha256 (16 hex digits) of every parameter and buffer: name, dtype, shape and bytes."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]

@@ -39,9 +39,9 @@ from .config import PREPARE_OPTIONS, ConfigError, EvalConfig, SelectorSpec
 from .distill_corpus import special_prefix
 from .distill_config import DistillConfig
 from ..cache_dir import default_cache_dir
-from .model import LoadedModel
+from .model import LoadedModel, model_hash
 
-__all__ = ["last_query_samples", "model_hash", "prepare_selectors", "prepared_dir"]
+__all__ = ["last_query_samples", "prepare_selectors", "prepared_dir"]
 
 _CAPTURE = "kvsieve_capture"
 
@@ -49,16 +49,6 @@ _CAPTURE = "kvsieve_capture"
 def prepared_dir() -> Path:
     """``prepared/`` under :func:`kvsieve.cache_dir.default_cache_dir`."""
     return default_cache_dir() / "prepared"
-
-
-def model_hash(model: torch.nn.Module) -> str:
-    """sha256 (16 hex digits) of every parameter and buffer: name, dtype, shape and bytes."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:16]
 
 
 def prepare_selectors(cfg: EvalConfig, lm: LoadedModel, log: Callable[[str], None] = print) -> EvalConfig:

@@ -25,6 +25,10 @@ def test_distill_command_and_selector(tmp_path):
     assert curve[-1]["train_kl"] < curve[0]["train_kl"] and curve[-1]["heldout_kl"] < curve[0]["heldout_kl"]
     assert set(curve[-1]["recall"]) == {"4", "16", "64"} and all(0 < r <= 1 for r in curve[-1]["recall"].values())
     assert all(a["seconds"] <= b["seconds"] for a, b in zip(curve, curve[1:]))
+    # the exact top-k of p keeps the most mass any set of that size can: at least the indexer's at every epoch
+    # (up to the float sums' rounding). Streaming is no bound here: it keeps its 4 sinks even where k < 4.
+    for d in ("4", "16", "64"):
+        assert all(c["recall"][d] <= meta["oracle"][d] + 1e-6 for c in curve) and meta["oracle"][d] <= 1 + 1e-6
     assert not set(meta["split"]["train"]) & set(meta["split"]["held_out"])
     (small,) = meta["grid"]  # trained on the same captured windows: the untrained KL differs, the targets not
     assert (small["n_heads"], small["head_dim"], small["rope_dim"]) == (1, 8, 8)
@@ -215,3 +219,36 @@ def test_capture_on_a_sliding_window_model_keeps_its_logits_and_targets():
     with torch.no_grad():
         got_logits = model(input_ids=ids, use_cache=False).logits[0, -1]
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_collect_keeps_each_window_and_reuses_it_only_for_the_same_model_tokens_and_rows(tmp_path, monkeypatch):
+    """A rerun with ``captures`` reads the kept windows back instead of running the model; other rows
+    (another seed) or other weights capture anew, and a capture read back equals one made without the cache."""
+    import dataclasses
+
+    from kvsieve.eval import distill_indexer as di
+    from kvsieve.eval.model import load_model
+
+    def same(a, b):
+        return torch.equal(a.rows, b.rows) and all(torch.equal(a.p[i], b.p[i]) and torch.equal(a.hidden[i], b.hidden[i])
+                                                   for i in a.p) and a.p.keys() == b.p.keys()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("captured again")
+
+    lm = load_model("tiny-random")
+    cfg = di.DistillConfig(seq_len=96, num_seqs=2, heldout_seqs=1, rows=16)
+    first = di.collect(lm.model, lm.tokenizer, cfg, progress=False, captures=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["held-0.pt", "train-0.pt", "train-1.pt"]
+    plain = di.collect(lm.model, lm.tokenizer, cfg, progress=False)
+    with monkeypatch.context() as m:
+        m.setattr(di, "capture_targets", refuse)
+        again = di.collect(lm.model, lm.tokenizer, cfg, progress=False, captures=tmp_path)
+        with pytest.raises(AssertionError, match="captured again"):  # other rows: not reused
+            di.collect(lm.model, lm.tokenizer, dataclasses.replace(cfg, seed=1), progress=False, captures=tmp_path)
+        with torch.no_grad():
+            next(lm.model.parameters()).add_(1.0)
+        with pytest.raises(AssertionError, match="captured again"):  # other weights: not reused
+            di.collect(lm.model, lm.tokenizer, cfg, progress=False, captures=tmp_path)
+    assert all(same(a, b) and same(a, c) for a, b, c in zip(first.train + first.held, again.train + again.held,
+                                                           plain.train + plain.held))

@@ -38,7 +38,8 @@ import torch
 
 from ..selectors.dsa.projections import IndexerProjections, load_projections
 from .distill_corpus import corpus_documents, split_documents, token_windows
-from .distill_indexer import LayerCapture, cached_capture, capture_attention, indexer_row_logits, trainable_layers
+from .distill_capture import LayerCapture, cached_capture, capture_attention, trainable_layers
+from .distill_indexer import indexer_row_logits
 
 __all__ = ["SELECTORS", "PAGE_SELECTORS", "select", "group_mass", "bound_terms", "window_recall", "mean_interval", "main"]
 
@@ -184,7 +185,7 @@ def mean_interval(values: list[float]) -> tuple[float, float]:
 def _captured(lm: Any, ids: torch.Tensor, layers: list[int], rows: torch.Tensor, path: Path | None
               ) -> dict[int, LayerCapture]:
     """:func:`capture_attention`, kept in ``path`` and read back from there when it holds the same
-    tokens, layers and rows (:func:`~.distill_indexer.cached_capture`)."""
+    tokens, layers and rows (:func:`~.distill_capture.cached_capture`)."""
     def capture() -> dict[str, Any]:
         return {"caps": {i: dataclasses.asdict(c) for i, c in capture_attention(lm.model, ids, layers, rows).items()}}
 

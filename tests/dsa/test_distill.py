@@ -133,7 +133,7 @@ def test_row_logits_equal_the_full_indexer_matrix():
 def test_captured_targets_equal_the_models_eager_attention():
     """capture_targets' p rows equal transformers' eager attention weights, averaged over heads,
     and its hidden states the attention module's input."""
-    from kvsieve.eval.distill_indexer import capture_targets
+    from kvsieve.eval.distill_capture import capture_targets
 
     model = tiny_random_llama()
     ids = torch.tensor([ByteTokenizer().encode("the quick brown fox jumps over the lazy dog, twice over")])
@@ -161,7 +161,8 @@ def test_sliding_layers_and_short_corpora_are_refused():
     from types import SimpleNamespace
 
     from kvsieve.eval.distill_corpus import Document, split_documents, token_windows
-    from kvsieve.eval.distill_indexer import DistillConfig, trainable_layers
+    from kvsieve.eval.distill_capture import trainable_layers
+    from kvsieve.eval.distill_config import DistillConfig
 
     cfg = SimpleNamespace(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
     assert trainable_layers(cfg, None) == [1, 3]
@@ -181,7 +182,7 @@ def test_sliding_layers_and_short_corpora_are_refused():
 
 
 def test_windowed_attention_equals_masked_sdpa():
-    from kvsieve.eval.distill_indexer import windowed_attention
+    from kvsieve.eval.distill_capture import windowed_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 37, 8), torch.randn(1, 2, 37, 8), torch.randn(1, 2, 37, 8)
@@ -197,7 +198,7 @@ def test_capture_on_a_sliding_window_model_keeps_its_logits_and_targets():
     logits (sliding layers through windowed_attention), and the full layer's targets equal eager."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from kvsieve.eval.distill_indexer import capture_targets, trainable_layers
+    from kvsieve.eval.distill_capture import capture_targets, trainable_layers
 
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,

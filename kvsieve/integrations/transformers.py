@@ -199,6 +199,7 @@ class KvsieveSession:
             self.observers.append(self.golden_check)
         self.config: SparseAttentionConfig | None = None
         self._request_ids: list[int] = []
+        self.beam_width = 1  # rows per generation request at decode; model.generate sets num_beams
         self._next_pos = 0
         self._step_open = False
         self._driven = False
@@ -410,7 +411,8 @@ class KvsieveSession:
             self._next_pos = 0
         elif batch != len(self._request_ids):
             raise ValueError(f"a step of {batch} rows for {len(self._request_ids)} live requests")
-        self.engine.begin_step(self._request_ids, [num_new] * batch, num_contexts=batch if new_requests else 0)
+        self.engine.begin_step(self._request_ids, [num_new] * batch, num_contexts=batch if new_requests else 0,
+                               beam_width=self.beam_width)
         self._phase = "context" if new_requests else "generation"
         self._next_pos += num_new
         self._step_open = True

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from ..metadata import AttentionMetadata, KVCacheManager
+from ..metadata import AttentionMetadata, KVCacheManager, beam_rows
 from ..metadata.kv_cache import CacheSnapshot
 from .attention import LayerOutput, SparseAttention, commit_evictions
 from .knobs import check_value
@@ -108,9 +108,10 @@ class Engine:
         return self.caches[0].request_ids
 
     def check_batch(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int,
-                    tokens: Sequence[Sequence[int] | None] | None = None) -> list[int]:
+                    tokens: Sequence[Sequence[int] | None] | None = None, beam_width: int = 1) -> list[int]:
         """Raise (changing nothing) unless the batch can run: ``request_ids`` unique ints,
-        ``seq_lens`` ints >= 1 of the same length, ``0 <= num_contexts <= len(request_ids)``,
+        ``seq_lens`` ints >= 1 of the same length, ``0 <= num_contexts <= len(request_ids)``, the
+        generation requests' rows whole groups of ``beam_width`` beams (:func:`~kvsieve.metadata.beam_rows`),
         every generation request (index >= ``num_contexts``) already prefilled, at most
         ``max_num_requests`` requests and ``max_num_tokens`` tokens, and room in every cache group
         (slots, blocks, ``max_blocks_per_seq``) for all appends together. Returns, per cache
@@ -125,6 +126,7 @@ class Engine:
             raise TypeError(f"num_contexts must be an int, got {type(num_contexts).__name__} {num_contexts!r}")
         if not 0 <= num_contexts <= len(request_ids):
             raise ValueError(f"num_contexts must be in [0, {len(request_ids)}] (the number of requests), got {num_contexts}")
+        beam_rows(np.arange(len(request_ids)), num_contexts, beam_width)
         bad = [(r, n) for r, n in zip(request_ids, seq_lens) if n < 1]
         if bad:
             raise ValueError(f"seq_lens must be >= 1 (new tokens per request); request {bad[0][0]} has {bad[0][1]}")
@@ -201,16 +203,18 @@ class Engine:
         return [int(r) for r in request_ids[:num_contexts] if evicts and r in self.caches[group].request_ids]
 
     def begin_step(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int,
-                   tokens: Sequence[Sequence[int] | None] | None = None) -> AttentionMetadata:
+                   tokens: Sequence[Sequence[int] | None] | None = None, beam_width: int = 1) -> AttentionMetadata:
         """Context requests first. A request id not yet in the cache is added. ``tokens``: per
         request, the step's new token ids for a request tracked for prefix caching
-        (:meth:`add_request`), ``None`` for the others. Returns the step metadata of the first
+        (:meth:`add_request`), ``None`` for the others. ``beam_width``: the generation requests
+        come as groups of that many beams (forked requests, consecutive), laid out so in the
+        block-offset table (:attr:`AttentionMetadata.beam_width`). Returns the step metadata of the first
         cache group (the only one of a single-group engine; every group's through
         :meth:`metadata_for`). Call :meth:`end_step` after the layers ran, or :meth:`abort_step`
         if one failed."""
         if self._snapshots is not None:
             raise RuntimeError("begin_step: the previous step was neither ended nor aborted")
-        new_blocks = self.check_batch(request_ids, seq_lens, num_contexts, tokens)
+        new_blocks = self.check_batch(request_ids, seq_lens, num_contexts, tokens, beam_width)
         self._snapshots = [c.snapshot(self._blocks_written(c, request_ids, num_contexts) + c.allocator.peek(n))
                            for c, n in zip(self.caches, new_blocks)]
         try:
@@ -224,6 +228,7 @@ class Engine:
                 md.request_ids = list(request_ids)
                 md.seq_lens = list(seq_lens)
                 md.num_contexts = num_contexts
+                md.beam_width = beam_width
                 md.prepare()
         except BaseException:
             self.abort_step()

@@ -179,6 +179,19 @@ def test_begin_step_abort_step_pair_restores_the_state():
         rig.engine.abort_step()
 
 
+def test_generation_rows_that_are_not_whole_beam_groups_are_refused_before_any_change():
+    rig = prefilled()
+    rig.engine.fork(1, 2)
+    before = state(rig.cache)
+    with pytest.raises(ValueError, match="2 generation rows, not a multiple of beam_width=3"):
+        rig.engine.begin_step([1, 2], [1, 1], 0, beam_width=3)
+    assert_same_state(before, state(rig.cache))
+    md = rig.engine.begin_step([1, 2], [1, 1], 0, beam_width=2)  # one generation request of two beams
+    assert md.beam_width == 2 and md.prepared
+    rig.engine.abort_step()
+    assert_same_state(before, state(rig.cache))
+
+
 def test_a_step_left_open_is_refused():
     rig = prefilled()
     rig.engine.begin_step([1], [1], 0)

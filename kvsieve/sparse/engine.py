@@ -17,11 +17,13 @@ context requests is made private (:meth:`KVCacheManager.make_writable`).
 
 A step is all-or-nothing. ``begin_step`` checks the whole batch before it changes anything
 (:meth:`Engine.check_batch`), snapshots what the step may write (ledger, allocator, the pool
-rows of the batch's blocks), appends the step's tokens to the ledger, fills
+rows of the batch's blocks, and each layer's record of the requests and blocks its selector has
+seen, :class:`~.attention.SelectorRecord`), appends the step's tokens to the ledger, fills
 :class:`AttentionMetadata` and runs ``prepare()``; the caller then runs its layers; ``end_step``
 commits evictions and drops the snapshot, or ``abort_step`` puts the snapshot back. ``step``
 does all of it for callers whose per-layer inputs are known up front and aborts on any error, so
-a failed ``step`` leaves the ledger, the allocator and the pools exactly as before the call.
+a failed ``step`` leaves the ledger, the allocator, the pools and the selectors' records exactly
+as before the call.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ import torch
 
 from ..metadata import AttentionMetadata, KVCacheManager, beam_rows
 from ..metadata.kv_cache import CacheSnapshot
-from .attention import LayerOutput, SparseAttention, commit_evictions
+from .attention import LayerOutput, SelectorRecord, SparseAttention, commit_evictions
 from .knobs import check_value
 
 __all__ = ["Engine"]
@@ -76,6 +78,7 @@ class Engine:
                           for c in self.caches]
         self.release_windows = release_windows
         self._snapshots: list[CacheSnapshot] | None = None
+        self._records: list[SelectorRecord] = []  # each layer's, as the open step found it
 
     @property
     def cache(self) -> KVCacheManager:
@@ -217,6 +220,7 @@ class Engine:
         new_blocks = self.check_batch(request_ids, seq_lens, num_contexts, tokens, beam_width)
         self._snapshots = [c.snapshot(self._blocks_written(c, request_ids, num_contexts) + c.allocator.peek(n))
                            for c, n in zip(self.caches, new_blocks)]
+        self._records = [layer.record() for layer in self.layers]
         try:
             for g, (c, md) in enumerate(zip(self.caches, self.metadatas)):
                 for rid in self._rewritten(g, request_ids, num_contexts):
@@ -251,19 +255,23 @@ class Engine:
             self.abort_step()
             raise
         self._snapshots = None
+        self._records = []
         return done
 
     def abort_step(self) -> None:
         """Undo the step begun by :meth:`begin_step`: ledger, allocator and the pool rows it may
-        have written (main and auxiliary pools) are restored in every group; recorded evictions
-        are dropped."""
+        have written (main and auxiliary pools) are restored in every group, and each layer's
+        record of what its selector has seen; recorded evictions are dropped."""
         if self._snapshots is None:
             raise RuntimeError("abort_step: no step in progress")
         for c, md, snap in zip(self.caches, self.metadatas, self._snapshots):
             c.restore(snap)
             md.pending_kv_lens.clear()
             md.prepared = False
+        for layer, record in zip(self.layers, self._records):
+            layer.restore_record(record)
         self._snapshots = None
+        self._records = []
 
     def step(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int,
              layer_inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],

@@ -11,11 +11,12 @@ request's beams, ``beam_width`` consecutive rows (beam ``b`` of generation reque
 ``num_contexts + j * beam_width + b``), so the table holds ``num_contexts + num_generations *
 beam_width`` rows and a batch whose generation rows are not whole beam groups is refused
 (:func:`beam_rows`). A beam is a forked request (:meth:`KVCacheManager.fork`, ``reorder``) with
-its own ledger row, sharing blocks by reference. On the
-non-speculative path the copied width is capped at the batch's longest row; on the speculative
-path the whole addressable row is copied (drafts may land in reserved pages). The asynchronous
-host->device copy reads from a private per-call snapshot so that the next ``fill`` cannot race it;
-the persistent host buffer stays for synchronous readers.
+its own ledger row, sharing blocks by reference.
+
+On the non-speculative path the copied width is capped at the batch's longest row; on the
+speculative path the whole addressable row is copied (drafts may land in reserved pages). The
+asynchronous host->device copy reads from a private per-call snapshot so that the next ``fill``
+cannot race it; the persistent host buffer stays for synchronous readers.
 """
 from __future__ import annotations
 

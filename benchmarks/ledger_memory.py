@@ -5,6 +5,10 @@
   (``KVCacheManager.add_request(tokens=)``: the cached system-prompt blocks are reused, only the rest
   is appended) and its full blocks are named after its prefill (``cache_full_blocks``, as
   ``Engine.end_step`` does); without, each appends its whole prompt into private blocks.
+* **Prefix caching through the session**: ``N`` prompts sharing one system prompt, one after
+  another, through ``KvsieveSession.prefill`` (a tiny random Llama: the counts do not depend on the
+  weights) with and without ``prefix_caching``: positions the model ran, blocks the live request
+  holds and blocks it took from the cache by reference.
 * **Window release**: one Gemma 3 270M request (18 layers: 15 sliding-window layers with a
   512-position window, 3 full-attention layers; 1 KV head of 256, bf16) prefilled to ``L`` positions
   in chunks, then decoding; two cache groups as ``KvsieveSession`` builds them. With release the
@@ -23,7 +27,7 @@ import torch
 
 from kvsieve.metadata import KVCacheManager, KVCacheSpec
 
-__all__ = ["prefix_sharing", "window_release", "main"]
+__all__ = ["prefix_sharing", "session_prefix", "window_release", "main"]
 
 GEMMA3_270M = dict(num_layers=18, window=512, full_layers=(5, 11, 17), num_kv_heads=1, head_dim=256, dtype_bytes=2)
 
@@ -63,6 +67,36 @@ def prefix_sharing(n_requests: int, system_len: int, user_len: tuple[int, int], 
             held["reused_tokens"] = reused
     held["prompt_lens"] = [len(p) for p in prompts]
     return held
+
+
+def session_prefix(n_calls: int, system_len: int, user_len: tuple[int, int], tpb: int = 16,
+                   seed: int = 0) -> dict[str, int]:
+    """Over ``n_calls`` prefills of prompts sharing a system prompt: positions the model ran
+    (``computed_<tag>``), blocks the last live request holds (``held_<tag>``; cached blocks nobody
+    holds are not counted) and, with prefix caching, blocks reused from the cache over all calls
+    (``reused_blocks``); tag ``plain`` or ``shared``."""
+    from kvsieve.eval.model import tiny_random_llama
+    from kvsieve.integrations.transformers import KvsieveSession
+
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 256) for _ in range(system_len)]
+    prompts = [system + [rng.randrange(1, 256) for _ in range(rng.randint(*user_len))] for _ in range(n_calls)]
+    model = tiny_random_llama(seed)
+    ran: list[int] = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: ran.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    out: dict[str, int] = {"prompt_tokens": sum(len(p) for p in prompts), "reused_blocks": 0}
+    for share in (False, True):
+        ran.clear()
+        with KvsieveSession(model, None, max_tokens=system_len + user_len[1], tokens_per_block=tpb,
+                            prefix_caching=share) as session:
+            for prompt in prompts:
+                session.prefill(torch.tensor([prompt]))
+                if share:  # the positions the model did not run are whole cached blocks
+                    out["reused_blocks"] += (len(prompt) - ran[-1]) // tpb
+            tag = "shared" if share else "plain"
+            out[f"computed_{tag}"], out[f"held_{tag}"] = sum(ran), session.cache.allocator.num_held
+    hook.remove()
+    return out
 
 
 def window_release(length: int, decode: int = 256, chunk: int = 2048, tpb: int = 16,
@@ -109,6 +143,16 @@ def main() -> None:
         r = prefix_sharing(n, args.system, (64, 192))
         print(f"| {n} | {sum(r['prompt_lens'])} | {r['private']} | {r['shared']} | {r['reused_tokens']} | "
               f"{r['private'] / r['shared']:.2f}x |")
+    print(f"\n### Prefix caching through KvsieveSession (system prompt {args.system} tokens, user turns 64-192 "
+          "tokens, prompts one after another)\n")
+    print("| prompts | prompt tokens | positions run, plain | positions run, prefix caching | blocks held (live "
+          "request), both | blocks reused |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n in (1, 4, 16):
+        r = session_prefix(n, args.system, (64, 192))
+        assert r["held_plain"] == r["held_shared"]
+        print(f"| {n} | {r['prompt_tokens']} | {r['computed_plain']} | {r['computed_shared']} | {r['held_shared']} | "
+              f"{r['reused_blocks']} |")
     print("\n### Gemma 3 270M, one request: prefill in 2048-token chunks, then 256 decode steps\n")
     print("| length | full-attn blocks (x3 layers) | windowed blocks (x15), kept | windowed blocks (x15), released "
           "| KV bytes kept | KV bytes released | peak bytes kept | peak bytes released |")

@@ -14,7 +14,8 @@ entry::
         sparsity_params: []       # config fields that receive the budget's target sparsity (a float)
         prepare: null             # a model-specific step run before the sweep (kvsieve/eval/prepare.py:
         prepare_params: {}        # distill_indexer for dsa, calibrate_skip_softmax), and its options
-        phases: [generation]      # where the selector acts (dense elsewhere)
+        phases: [generation]      # where the selector acts (dense elsewhere); a selector that evicts
+                                  # prompt tokens needs context here (refused without it)
         dense_layers: [0, 1]
         layer_types: [full_attention]  # or layers: [2, 3]; default: the full-attention layers of
                                        # an interleaved model (Gemma 3), else every layer
@@ -311,7 +312,7 @@ def check_prepare(spec: SelectorSpec) -> None:
 def from_dict(raw: dict[str, Any]) -> EvalConfig:
     """Validate a raw mapping (as read from YAML) into an :class:`EvalConfig`; a :class:`ConfigError`
     names the offending key, the expected type and the valid values."""
-    from ..sparse import available_backends, available_selectors, create_selector
+    from ..sparse import available_backends, available_selectors, create_selector, get_selector_class
     from .tasks import available_tasks
 
     top = _fields(EvalConfig, "config", raw, skip=(), nested=("tasks", "selectors"))
@@ -339,6 +340,11 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
             raise ConfigError(f"selectors.{s.label}: run folders must be distinct: the label 'dense' is the "
                               f"dense run's and budgets must not repeat (got budgets {labels})")
         check_prepare(s)
+        cls = get_selector_class(s.selector)
+        if cls.capabilities.evicts and "context" in cls.capabilities.phases and "context" not in s.phases:
+            raise ConfigError(f"selectors.{s.label}.phases: {s.phases} leave out the context phase, where selector "
+                              f"{s.selector!r} evicts prompt tokens (its prompt-eviction stage), so it would not run "
+                              f"as {s.selector!r}; write phases: {sorted(cls.capabilities.phases)} (every stage it has)")
         if s.prepare is not None:  # its config is complete, and checked, once the model is prepared
             continue
         try:

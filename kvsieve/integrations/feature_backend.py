@@ -31,7 +31,7 @@ from ..sparse.backends import AttentionBackend, AttentionGeometry, AttentionResu
 from ..sparse.backends.sdpa import causal_sdpa, gather_blocks, native_dense_decode, sdpa_gqa
 from ..sparse.params import SparseRuntimeParams, is_dense
 from ..sparse.selection import selection_mask
-from ..sparse.window import window_params
+from ..sparse.window import window_counts, window_params
 from .attention_features import LayerFeatures
 
 __all__ = ["FeatureBackend", "apply_sinks", "softcapped_attention", "check_backend",
@@ -129,20 +129,24 @@ class FeatureBackend(AttentionBackend):
         if geometry.kind != "gqa":
             raise ValueError(f"FeatureBackend: GQA layers only, layer {layer_idx} is {geometry.kind!r}")
         phases = metadata.phases()
-        wparams = self._params(params, metadata, layer_idx, geometry)
         if f.softcap is not None:
             if params is not None and any(params.threshold_scale_factor(p) > 0 for p in phases):
                 raise ValueError(f"layer {layer_idx}: skip-softmax thresholds cannot be combined with logit "
                                  f"soft-capping (softcap={f.softcap})")
+            wparams = self._params(params, metadata, layer_idx, geometry)
             out, lse = self._softcapped(q, metadata, layer_idx, geometry, wparams, f.softcap)
             res = AttentionResult(out, lse, self.inner.effective_attended_tokens(wparams, metadata, geometry),
                                   {p: "softcap_torch" for p in phases})
         elif self.dense_fast_path and all(is_dense(params, p) for p in phases) and f.sinks is None:
             out, path = self._sdpa(q, metadata, layer_idx, geometry, f.window)
-            res = AttentionResult(out, None, self.inner.effective_attended_tokens(wparams, metadata, geometry),
-                                  {p: path for p in phases})
+            if f.window is None:
+                attended = self.inner.effective_attended_tokens(None, metadata, geometry)
+            else:  # counted from the lengths: the window's selection would be [T, Hkv, window] indices
+                page = metadata.kv_cache_manager.tokens_per_block if self.inner.kv_page_granular else 1
+                attended = window_counts(metadata.token_kv_lens, geometry.num_kv_heads, f.window, page)
+            res = AttentionResult(out, None, attended, {p: path for p in phases})
         else:
-            res = self.inner.forward(q, metadata, layer_idx, geometry, wparams)
+            res = self.inner.forward(q, metadata, layer_idx, geometry, self._params(params, metadata, layer_idx, geometry))
         if f.sinks is not None:
             res = dataclasses.replace(res, out=apply_sinks(res.out, res.lse, f.sinks.detach().to(res.out.device)))
         return res

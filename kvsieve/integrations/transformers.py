@@ -149,13 +149,19 @@ class KvsieveSession:
     :meth:`rewind` refuses a length whose window was dropped); ``False`` keeps them.
     ``check_steps``: compare that many random generation steps with the Vanilla golden
     (:class:`~kvsieve.integrations.golden_check.GoldenCheck`, kept as :attr:`golden_check`).
+    ``prefix_caching``: :meth:`prefill` adds its rows with their token ids, so a prompt whose
+    leading whole blocks an earlier prompt computed (the blocks stay cached after their requests
+    end, until the allocator needs them) holds those blocks by reference and the model runs only
+    on the rest (the positions every row of the batch reuses); a new config forgets the cached
+    blocks. Refused on a model with sliding-window layers (several cache groups) and with a
+    selector that evicts prompt tokens (it would see only the part of the prompt that runs).
     """
 
     def __init__(self, model: torch.nn.Module, config: SparseAttentionConfig | None = None, *,
                  backend: str | None = None, max_tokens: int = 8448, max_batch: int | None = None,
                  tokens_per_block: int = 16,
                  dense_fast_path: bool = True, decode_threads: int | None = None, debug: bool = False,
-                 check_steps: int = 0, release_windows: bool = True) -> None:
+                 check_steps: int = 0, release_windows: bool = True, prefix_caching: bool = False) -> None:
         if decode_threads is not None and decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1 or None, got {decode_threads}")
         if max_tokens < 1 or (max_batch is not None and max_batch < 1) or tokens_per_block < 1:
@@ -191,6 +197,12 @@ class KvsieveSession:
         self.release_windows = release_windows
         self.engine: Engine
         self._size_cache(max_batch or 1)
+        if prefix_caching and len(self.engine.caches) > 1:
+            raise ValueError(f"prefix_caching: the model's sliding-window layers (windows "
+                             f"{sorted({w for w in self.engine.windows if w is not None})}) keep their own cache group, "
+                             "whose blocks out of the window are released; prefix caching needs one cache group")
+        self.prefix_caching = prefix_caching
+        self._tracked = False  # the live requests were added with their token ids (prefix caching)
         self.decode_threads = decode_threads
         self.device = device
         self.observers: list[LayerObserver] = []
@@ -199,6 +211,7 @@ class KvsieveSession:
             self.observers.append(self.golden_check)
         self.config: SparseAttentionConfig | None = None
         self._request_ids: list[int] = []
+        self.beam_width = 1  # rows per generation request at decode; model.generate sets num_beams
         self._next_pos = 0
         self._step_open = False
         self._driven = False
@@ -269,6 +282,11 @@ class KvsieveSession:
         plans = lower_config(config, num_layers=self.num_layers, device=self.device,
                              layer_types=[f.layer_type for f in self.features],
                              layer_windows=[f.window for f in self.features])
+        evicting = sorted({p.selector.name for p in plans if p is not None and p.selector.capabilities.evicts})
+        if self.prefix_caching and evicting:
+            raise ValueError(f"prefix_caching: selector(s) {evicting} evict prompt tokens, but a prompt that reuses "
+                             "cached blocks runs only its rest, so eviction would see part of the prompt; build the "
+                             "session without prefix_caching")
         for i, (plan, f) in enumerate(zip(plans, self.features)):
             if plan is not None:
                 if f.softcap is not None and plan.selector.name == "skip_softmax":
@@ -276,6 +294,9 @@ class KvsieveSession:
                                      f"soft-caps ({f.describe()}); not supported")
         for layer, plan in zip(self.layers, plans):
             layer.plan = plan
+        for cache in self.engine.caches:  # blocks the old plans computed are not what the new ones would
+            cache.forget_prefixes()
+        self._tracked = False
         self.config = config
 
     # ---- session-driven stepping --------------------------------------------------------
@@ -382,12 +403,12 @@ class KvsieveSession:
 
     def _run(self, ids: torch.Tensor, *, new_requests: bool) -> torch.Tensor:
         b, s = ids.shape
-        start = 0 if new_requests else self._next_pos
-        self._open_step(b, s, new_requests)
+        reused = self._open_step(b, s, new_requests, ids)
+        start = self._next_pos - s + reused
         self._driven = True
         try:
-            pos = torch.arange(start, start + s, device=self.device).expand(b, s)
-            logits = self.model(input_ids=ids.to(self.device), position_ids=pos, use_cache=False,
+            pos = torch.arange(start, self._next_pos, device=self.device).expand(b, s - reused)
+            logits = self.model(input_ids=ids[:, reused:].to(self.device), position_ids=pos, use_cache=False,
                                 logits_to_keep=1).logits
         except BaseException:
             self._abort_step(s, new_requests)
@@ -398,9 +419,13 @@ class KvsieveSession:
         return logits[:, -1]
 
     # ---- the step around the layers -----------------------------------------------------
-    def _open_step(self, batch: int, num_new: int, new_requests: bool) -> None:
+    def _open_step(self, batch: int, num_new: int, new_requests: bool, ids: torch.Tensor | None = None) -> int:
+        """Open the step of ``num_new`` positions per row (token ids ``ids [batch, num_new]`` when
+        the session drives); returns how many leading positions of new prompts came from the
+        prefix cache (the model runs on the rest)."""
         if self.max_batch is not None and batch > self.max_batch:
             raise ValueError(f"batch of {batch} rows exceeds max_batch={self.max_batch}")
+        reused = 0
         if new_requests:
             for rid in self.engine.request_ids:
                 self.engine.free(rid)
@@ -408,12 +433,43 @@ class KvsieveSession:
                 self._size_cache(batch)
             self._request_ids = list(range(batch))
             self._next_pos = 0
+            self._tracked = self.prefix_caching and ids is not None
+            if self._tracked:
+                reused = self._add_prompts(ids)
         elif batch != len(self._request_ids):
             raise ValueError(f"a step of {batch} rows for {len(self._request_ids)} live requests")
-        self.engine.begin_step(self._request_ids, [num_new] * batch, num_contexts=batch if new_requests else 0)
+        tokens = ids[:, reused:].tolist() if self._tracked else None
+        try:
+            self.engine.begin_step(self._request_ids, [num_new - reused] * batch,
+                                   num_contexts=batch if new_requests else 0, tokens=tokens, beam_width=self.beam_width)
+        except BaseException:
+            if new_requests:
+                self._drop_new_requests()
+            raise
         self._phase = "context" if new_requests else "generation"
         self._next_pos += num_new
         self._step_open = True
+        return reused
+
+    def _add_prompts(self, ids: torch.Tensor) -> int:
+        """Add the new rows with their prompts' token ids; each holds its longest cached prefix,
+        cut to the shortest of the batch (rows run as one equal-length step). Returns its length."""
+        try:
+            reused = [self.engine.add_request(rid, row) for rid, row in zip(self._request_ids, ids.tolist())]
+            for rid, n in zip(self._request_ids, reused):
+                if n > min(reused):
+                    self.engine.truncate(rid, min(reused))
+        except BaseException:
+            self._drop_new_requests()
+            raise
+        return min(reused)
+
+    def _drop_new_requests(self) -> None:
+        """A prefill that failed leaves no live requests (nor their holds on cached blocks)."""
+        for rid in self.engine.request_ids:
+            self.engine.free(rid)
+        self._request_ids = []
+        self._tracked = False
 
     def _close_step(self) -> None:
         self.engine.end_step()
@@ -426,7 +482,7 @@ class KvsieveSession:
         self._step_open = False
         self._next_pos -= num_new
         if new_requests:
-            self._request_ids = []
+            self._drop_new_requests()
 
     def _attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 model_inputs: object = None) -> torch.Tensor:

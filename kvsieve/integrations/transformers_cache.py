@@ -15,9 +15,13 @@ history; kvsieve attends its own paged cache. :class:`GenerateLink` keeps the tw
 * a forward hook records the cache each forward returns;
 * ``model._reorder_cache`` (which transformers' beam search calls with ``beam_idx`` between
   steps) reorders transformers' cache as before and the paged cache's rows the same way
-  (:meth:`~kvsieve.metadata.KVCacheManager.reorder`: blocks shared by reference, copied on write).
+  (:meth:`~kvsieve.metadata.KVCacheManager.reorder`: blocks shared by reference, copied on write);
+* ``model.generate`` tells the session the call's beam width (``num_beams``, from its keyword
+  arguments or generation config) for the call's duration: its decode steps run the rows as
+  groups of that many beams (:attr:`~kvsieve.metadata.AttentionMetadata.beam_width`, the
+  block-offset table's layout), and rows that are not whole beam groups are refused.
 
-:meth:`GenerateLink.close` removes all three.
+:meth:`GenerateLink.close` removes all four.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ class GenerateLink:
 
     ``session`` exposes ``active`` (the model's attention runs through it now), ``driven`` (a
     session-driven forward is running), ``num_cached_positions``,
-    ``live_rows``, ``decode_phase_selectors()`` and ``reorder_rows(beam_idx)``."""
+    ``live_rows``, ``decode_phase_selectors()``, ``reorder_rows(beam_idx)`` and a settable ``beam_width``."""
 
     def __init__(self, model: torch.nn.Module, session: Any) -> None:
         self.model = model
@@ -46,6 +50,9 @@ class GenerateLink:
         self._own_reorder = "_reorder_cache" in vars(model)
         self._previous_reorder: Callable[..., Any] | None = getattr(model, "_reorder_cache", None)
         model._reorder_cache = self._reorder
+        self._own_generate = "generate" in vars(model)
+        self._previous_generate: Callable[..., Any] = model.generate
+        model.generate = self._generate
 
     def close(self) -> None:
         self._pre.remove()
@@ -54,6 +61,21 @@ class GenerateLink:
             self.model._reorder_cache = self._previous_reorder
         else:
             del self.model._reorder_cache
+        if self._own_generate:
+            self.model.generate = self._previous_generate
+        else:
+            del self.model.generate
+
+    def _generate(self, *args: Any, **kwargs: Any) -> Any:
+        """``model.generate`` with the session's ``beam_width`` set to the call's ``num_beams``."""
+        config = kwargs.get("generation_config", args[1] if len(args) > 1 else None) or self.model.generation_config
+        width = kwargs.get("num_beams", getattr(config, "num_beams", None)) or 1
+        before = self.session.beam_width
+        self.session.beam_width = int(width)
+        try:
+            return self._previous_generate(*args, **kwargs)
+        finally:
+            self.session.beam_width = before
 
     def _before(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         s = self.session

@@ -5,7 +5,8 @@ construction; every per-row buffer is allocated to capacity once and only its fi
 written each step, in place (``copy_``), so a captured CUDA graph keeps valid addresses.
 
 Per step the engine sets ``request_ids`` (context requests first), ``seq_lens`` (new query
-tokens per request) and ``num_contexts``, appends the step's tokens to the ledger
+tokens per request), ``num_contexts`` and ``beam_width`` (the generation requests' rows come in
+groups of ``beam_width`` beams, each beam a request of its own; 1 without beam search), appends the step's tokens to the ledger
 (:meth:`KVCacheManager.append_tokens`), then calls :meth:`prepare` once; ``prepare`` asks the
 manager for block ids and lengths through the request ids and fills the translations the
 backends asked for.
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from .block_lists import BlockLists, build_block_lists
-from .block_offsets import BlockOffsetTable
+from .block_offsets import BlockOffsetTable, beam_rows
 from .kv_cache import KVCacheManager
 from .ragged_page_table import RaggedPageTable
 
@@ -91,6 +92,7 @@ class AttentionMetadata:
         self._request_ids: list[int] = []
         self._num_seqs = 0
         self._num_contexts = 0
+        self._beam_width = 1
         self.num_tokens = 0
         self.num_ctx_tokens = 0
         self.num_generations = 0
@@ -144,6 +146,18 @@ class AttentionMetadata:
         self._update_counts()
 
     @property
+    def beam_width(self) -> int:
+        """Rows per generation request: its beams, consecutive (the block-offset table's layout)."""
+        return self._beam_width
+
+    @beam_width.setter
+    def beam_width(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"beam_width must be an int >= 1, got {n!r}")
+        self._beam_width = int(n)
+        self.prepared = False
+
+    @property
     def num_seqs(self) -> int:
         return self._num_seqs
 
@@ -166,6 +180,7 @@ class AttentionMetadata:
             raise ValueError(f"num_contexts={self._num_contexts} > number of requests {self._num_seqs}")
         mgr = self.kv_cache_manager
         slots = mgr.slots(self._request_ids)
+        beam_rows(slots, self._num_contexts, self._beam_width)  # whole beam groups, before anything is written
         b = len(slots)
         seq = self._seq_lens_host[:b].numpy()
         kv = mgr.valid_lens[slots]
@@ -195,7 +210,8 @@ class AttentionMetadata:
             self.ragged_page_table.fill(mgr.block_table, slots, kv, seq, mgr.tokens_per_block)
         if self.block_offset_table is not None:
             speculative = bool((mgr.addressable_lens[slots] > kv).any())
-            self.block_offset_table.fill(mgr.block_table, slots, mgr.num_blocks_of, speculative)
+            self.block_offset_table.fill(mgr.block_table, slots, mgr.num_blocks_of, speculative,
+                                         num_contexts=self._num_contexts, beam_width=self._beam_width)
         self.prepared = True
 
     # ---- per-step outputs of prepare -------------------------------------------------------

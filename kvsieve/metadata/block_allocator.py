@@ -157,6 +157,16 @@ class BlockAllocator:
             del self._block_of[h]
         self.named[block] = False
 
+    def forget_names(self) -> None:
+        """Drop every block's name: cached blocks nobody holds go to the free list, held ones stay
+        held (their contents no longer stand for their tokens, e.g. the attention that computed
+        them changed)."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._block_of.clear()
+        self.named[:] = False
+
     # ---- state ---------------------------------------------------------------------------
     def state(self) -> AllocatorState:
         return AllocatorState(list(self._free), list(self._evictable), self.refcount.copy(), dict(self._hash_of))

@@ -55,6 +55,7 @@ class CacheSnapshot:
     num_blocks_of: np.ndarray
     valid_lens: np.ndarray
     addressable_lens: np.ndarray
+    copied_from: np.ndarray
     slot_of: dict[int, int]
     free_slots: list[int]
     allocator: AllocatorState
@@ -285,7 +286,8 @@ class KVCacheManager(BlockSharing, PagedPools):
         return CacheSnapshot(
             block_table=self.block_table.copy(), num_blocks_of=self.num_blocks_of.copy(),
             valid_lens=self.valid_lens.copy(), addressable_lens=self.addressable_lens.copy(),
-            slot_of=dict(self._slot_of), free_slots=list(self._free_slots), allocator=self.allocator.state(),
+            copied_from=self.copied_from.copy(), slot_of=dict(self._slot_of), free_slots=list(self._free_slots),
+            allocator=self.allocator.state(),
             tokens=[None if t is None else (t, len(t)) for t in self._tokens],
             hashes=[(h, len(h)) for h in self._hashes],
             blocks=ids, pool_rows=[p[ids].clone() if len(p) else p for p in self.pools],
@@ -299,6 +301,7 @@ class KVCacheManager(BlockSharing, PagedPools):
         self.num_blocks_of[:] = snap.num_blocks_of
         self.valid_lens[:] = snap.valid_lens
         self.addressable_lens[:] = snap.addressable_lens
+        self.copied_from[:] = snap.copied_from
         self._slot_of = dict(snap.slot_of)
         self._free_slots = list(snap.free_slots)
         self.allocator.set_state(snap.allocator)

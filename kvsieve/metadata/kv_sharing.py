@@ -105,6 +105,15 @@ class BlockSharing:
                 if self.block_table[s, j]:  # not released out of a sliding window
                     self.allocator.register(int(self.block_table[s, j]), hashes[-1])
 
+    def forget_prefixes(self) -> None:
+        """End prefix caching for what the cache holds now: every block loses its name (cached
+        blocks nobody holds are freed) and no live request is tracked any more (its appends take
+        no token ids). For a cache whose contents a later request must not reuse, such as after
+        the attention that computed them changed."""
+        self.allocator.forget_names()
+        for s in range(len(self._tokens)):
+            self._tokens[s], self._hashes[s] = None, []
+
     def _cached_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
         """The cached blocks holding the longest prefix of ``tokens`` in whole blocks (leaving at
         least one token uncached) and their hashes."""

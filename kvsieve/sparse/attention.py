@@ -40,7 +40,7 @@ from .knobs import check_value
 from .params import PHASES, SparseRuntimeParams
 from .window import window_params
 
-__all__ = ["SparseAttention", "LayerOutput", "LayerStats", "commit_evictions"]
+__all__ = ["SparseAttention", "LayerOutput", "LayerStats", "SelectorRecord", "commit_evictions"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,17 @@ class LayerOutput:
     params: SparseRuntimeParams | None
     stats: LayerStats
     paths: dict[str, str]
+
+
+@dataclass(frozen=True)
+class SelectorRecord:
+    """What a layer records about its plan's selector between steps (:meth:`SparseAttention.record`):
+    the live requests whose positions the selector has seen and the blocks whose per-block state
+    (page summaries, index keys) it built (``None`` before its first step). The per-block state
+    itself lives in the cache's auxiliary pools, which the cache snapshot covers."""
+
+    attached: frozenset[int]
+    seen_blocks: np.ndarray | None
 
 
 class SparseAttention:
@@ -138,6 +149,16 @@ class SparseAttention:
                                       skip_softmax=plan is not None and plan.selector.capabilities.skip_softmax)
         if reason is not None:
             raise ValueError(f"layer {self.layer_idx}: {reason}")
+
+    def record(self) -> SelectorRecord:
+        """A copy of the layer's record of what its selector has seen (for :meth:`restore_record`)."""
+        seen = None if self._seen_blocks is None else self._seen_blocks.copy()
+        return SelectorRecord(frozenset(self._attached), seen)
+
+    def restore_record(self, record: SelectorRecord) -> None:
+        """Put back a record taken by :meth:`record` under the same plan (a step that failed is undone)."""
+        self._attached = set(record.attached)
+        self._seen_blocks = None if record.seen_blocks is None else record.seen_blocks.copy()
 
     @property
     def last(self) -> LayerOutput | None:

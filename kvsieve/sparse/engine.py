@@ -17,11 +17,13 @@ context requests is made private (:meth:`KVCacheManager.make_writable`).
 
 A step is all-or-nothing. ``begin_step`` checks the whole batch before it changes anything
 (:meth:`Engine.check_batch`), snapshots what the step may write (ledger, allocator, the pool
-rows of the batch's blocks), appends the step's tokens to the ledger, fills
+rows of the batch's blocks, and each layer's record of the requests and blocks its selector has
+seen, :class:`~.attention.SelectorRecord`), appends the step's tokens to the ledger, fills
 :class:`AttentionMetadata` and runs ``prepare()``; the caller then runs its layers; ``end_step``
 commits evictions and drops the snapshot, or ``abort_step`` puts the snapshot back. ``step``
 does all of it for callers whose per-layer inputs are known up front and aborts on any error, so
-a failed ``step`` leaves the ledger, the allocator and the pools exactly as before the call.
+a failed ``step`` leaves the ledger, the allocator, the pools and the selectors' records exactly
+as before the call.
 """
 from __future__ import annotations
 
@@ -30,9 +32,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from ..metadata import AttentionMetadata, KVCacheManager
+from ..metadata import AttentionMetadata, KVCacheManager, beam_rows
 from ..metadata.kv_cache import CacheSnapshot
-from .attention import LayerOutput, SparseAttention, commit_evictions
+from .attention import LayerOutput, SelectorRecord, SparseAttention, commit_evictions
 from .knobs import check_value
 
 __all__ = ["Engine"]
@@ -76,6 +78,7 @@ class Engine:
                           for c in self.caches]
         self.release_windows = release_windows
         self._snapshots: list[CacheSnapshot] | None = None
+        self._records: list[SelectorRecord] = []  # each layer's, as the open step found it
 
     @property
     def cache(self) -> KVCacheManager:
@@ -108,9 +111,10 @@ class Engine:
         return self.caches[0].request_ids
 
     def check_batch(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int,
-                    tokens: Sequence[Sequence[int] | None] | None = None) -> list[int]:
+                    tokens: Sequence[Sequence[int] | None] | None = None, beam_width: int = 1) -> list[int]:
         """Raise (changing nothing) unless the batch can run: ``request_ids`` unique ints,
-        ``seq_lens`` ints >= 1 of the same length, ``0 <= num_contexts <= len(request_ids)``,
+        ``seq_lens`` ints >= 1 of the same length, ``0 <= num_contexts <= len(request_ids)``, the
+        generation requests' rows whole groups of ``beam_width`` beams (:func:`~kvsieve.metadata.beam_rows`),
         every generation request (index >= ``num_contexts``) already prefilled, at most
         ``max_num_requests`` requests and ``max_num_tokens`` tokens, and room in every cache group
         (slots, blocks, ``max_blocks_per_seq``) for all appends together. Returns, per cache
@@ -125,6 +129,7 @@ class Engine:
             raise TypeError(f"num_contexts must be an int, got {type(num_contexts).__name__} {num_contexts!r}")
         if not 0 <= num_contexts <= len(request_ids):
             raise ValueError(f"num_contexts must be in [0, {len(request_ids)}] (the number of requests), got {num_contexts}")
+        beam_rows(np.arange(len(request_ids)), num_contexts, beam_width)
         bad = [(r, n) for r, n in zip(request_ids, seq_lens) if n < 1]
         if bad:
             raise ValueError(f"seq_lens must be >= 1 (new tokens per request); request {bad[0][0]} has {bad[0][1]}")
@@ -201,18 +206,21 @@ class Engine:
         return [int(r) for r in request_ids[:num_contexts] if evicts and r in self.caches[group].request_ids]
 
     def begin_step(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int,
-                   tokens: Sequence[Sequence[int] | None] | None = None) -> AttentionMetadata:
+                   tokens: Sequence[Sequence[int] | None] | None = None, beam_width: int = 1) -> AttentionMetadata:
         """Context requests first. A request id not yet in the cache is added. ``tokens``: per
         request, the step's new token ids for a request tracked for prefix caching
-        (:meth:`add_request`), ``None`` for the others. Returns the step metadata of the first
+        (:meth:`add_request`), ``None`` for the others. ``beam_width``: the generation requests
+        come as groups of that many beams (forked requests, consecutive), laid out so in the
+        block-offset table (:attr:`AttentionMetadata.beam_width`). Returns the step metadata of the first
         cache group (the only one of a single-group engine; every group's through
         :meth:`metadata_for`). Call :meth:`end_step` after the layers ran, or :meth:`abort_step`
         if one failed."""
         if self._snapshots is not None:
             raise RuntimeError("begin_step: the previous step was neither ended nor aborted")
-        new_blocks = self.check_batch(request_ids, seq_lens, num_contexts, tokens)
+        new_blocks = self.check_batch(request_ids, seq_lens, num_contexts, tokens, beam_width)
         self._snapshots = [c.snapshot(self._blocks_written(c, request_ids, num_contexts) + c.allocator.peek(n))
                            for c, n in zip(self.caches, new_blocks)]
+        self._records = [layer.record() for layer in self.layers]
         try:
             for g, (c, md) in enumerate(zip(self.caches, self.metadatas)):
                 for rid in self._rewritten(g, request_ids, num_contexts):
@@ -224,6 +232,7 @@ class Engine:
                 md.request_ids = list(request_ids)
                 md.seq_lens = list(seq_lens)
                 md.num_contexts = num_contexts
+                md.beam_width = beam_width
                 md.prepare()
         except BaseException:
             self.abort_step()
@@ -246,19 +255,23 @@ class Engine:
             self.abort_step()
             raise
         self._snapshots = None
+        self._records = []
         return done
 
     def abort_step(self) -> None:
         """Undo the step begun by :meth:`begin_step`: ledger, allocator and the pool rows it may
-        have written (main and auxiliary pools) are restored in every group; recorded evictions
-        are dropped."""
+        have written (main and auxiliary pools) are restored in every group, and each layer's
+        record of what its selector has seen; recorded evictions are dropped."""
         if self._snapshots is None:
             raise RuntimeError("abort_step: no step in progress")
         for c, md, snap in zip(self.caches, self.metadatas, self._snapshots):
             c.restore(snap)
             md.pending_kv_lens.clear()
             md.prepared = False
+        for layer, record in zip(self.layers, self._records):
+            layer.restore_record(record)
         self._snapshots = None
+        self._records = []
 
     def step(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int,
              layer_inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],

@@ -13,7 +13,7 @@ from ..metadata import PHASES, AttentionMetadata
 from .backends._torch_selection import selected_positions
 from .params import SparseRuntimeParams
 
-__all__ = ["window_params"]
+__all__ = ["window_counts", "window_params"]
 
 
 def window_params(params: SparseRuntimeParams | None, metadata: AttentionMetadata, num_kv_heads: int,
@@ -44,3 +44,15 @@ def window_params(params: SparseRuntimeParams | None, metadata: AttentionMetadat
         "threshold_scale_factor_generation")}
     return SparseRuntimeParams.from_topk(pos.to(torch.int32).contiguous(), block_size=1,
                                          selected_phases=frozenset(PHASES), **fields)
+
+
+def window_counts(token_kv_lens: torch.Tensor, num_kv_heads: int, window: int, page_size: int = 1) -> torch.Tensor:
+    """Host int64 ``[num_tokens, num_kv_heads]``: positions each dense query of a layer with
+    ``window`` reads, ``[kv_len - window, kv_len)``, rounded out to whole pages of ``page_size``
+    (clipped to ``kv_len``) as a page-gathering kernel pays. It equals
+    :func:`~kvsieve.sparse.selection.attended_counts` of ``window_params(None, ...)``, counted from
+    the lengths alone: that selection holds ``num_tokens * num_kv_heads * window`` indices, and
+    counting it for a long prompt's prefill costs more than the attention."""
+    lens = token_kv_lens.to(torch.int64).cpu()
+    first = (lens - window).clamp_min(0) // page_size * page_size  # the first position of the first page read
+    return (lens - first).unsqueeze(1).expand(lens.numel(), num_kv_heads).clone()

@@ -24,3 +24,16 @@ def test_window_release_keeps_the_window_blocks_only() -> None:
     block = 2 * 8 * 4 * 2
     assert r["bytes_keep"] == (-(-n // 8)) * 4 * block
     assert r["peak_bytes_release"] >= r["bytes_release"]
+
+
+def test_session_prefix_counts_match_block_arithmetic():
+    """Through the session, every prompt after the first finds the 64-token system prompt (4 whole
+    blocks of 16) cached and the model runs on the rest only; the live request holds as many blocks
+    either way (the reused ones by reference)."""
+    from benchmarks.ledger_memory import session_prefix
+
+    r = session_prefix(3, 64, (5, 20), tpb=16)
+    assert r["computed_plain"] == r["prompt_tokens"]
+    assert r["computed_shared"] == r["prompt_tokens"] - 2 * 64
+    assert r["reused_blocks"] == 2 * 4
+    assert r["held_plain"] == r["held_shared"]

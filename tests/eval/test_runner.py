@@ -131,3 +131,36 @@ def test_presets_and_overrides(tmp_path):
     cells = plan_runs(quick, "m")
     assert all(cell[0].label == "dense" for cell in cells)
     assert len({r.folder for cell in cells for r in cell}) == sum(len(c) for c in cells)
+
+
+ROCKET = {"budgets": [64], "budget_params": ["prompt_budget"],
+          "params": {"window_size": 8, "kernel_size": 3, "page_size": 4, "topk": 4, "summary_dtype": "float32"}}
+
+
+def test_an_evicting_selector_without_the_context_phase_is_refused_by_name(tmp_path):
+    """RocketKV evicts prompt tokens in the context phase; the eval's default phases ([generation])
+    would run only its decode-time page selection, so that configuration is refused, naming it."""
+    raw = _raw(tmp_path)
+    raw["selectors"] = {"rocketkv": dict(ROCKET)}
+    with pytest.raises(ValueError, match=r"selectors\.rocketkv\.phases: \['generation'\] leave out the context "
+                                         r"phase.*phases: \['context', 'generation'\]"):
+        from_dict(raw)
+
+
+def test_rocketkv_runs_both_of_its_stages_in_the_eval(tmp_path, tiny, monkeypatch):
+    from kvsieve.selectors.rocketkv.selector import RocketKVSelector
+
+    calls = {"predict_kv": 0, "predict_attn": 0}
+    for name in calls:
+        original = getattr(RocketKVSelector, name)
+
+        def spy(self, inputs, _original=original, _name=name):
+            calls[_name] += 1
+            return _original(self, inputs)
+
+        monkeypatch.setattr(RocketKVSelector, name, spy)
+    raw = _raw(tmp_path)
+    raw["tasks"] = {"passkey": {"lengths": [400], "depths": [50], "samples": 1}}
+    raw["selectors"] = {"rocketkv": {**ROCKET, "phases": ["context", "generation"]}}
+    run_sweep(from_dict(raw), loaded=tiny, progress=False, log=lambda _: None)
+    assert calls["predict_kv"] > 0 and calls["predict_attn"] > 0  # prompt eviction, then page selection

@@ -159,3 +159,63 @@ def test_prepare_requires_appended_tokens():
     md.request_ids, md.seq_lens, md.num_contexts = [9], [5], 1
     with pytest.raises(ValueError, match="append the step's tokens"):
         md.prepare()
+
+
+def _beam_batch(n_ctx: int, n_gen: int, width: int, page: int = 4):
+    """A step of ``n_ctx`` new prompts and ``n_gen`` generation requests of ``width`` forked beams
+    each (every beam then wrote one token of its own, so its last block was copied on write)."""
+    m = KVCacheManager(KVCacheSpec(num_layers=1, num_blocks=200, tokens_per_block=page, num_kv_heads=1, head_dim=4,
+                                   max_requests=16, max_blocks_per_seq=16))
+    rids, seq = [], []
+    for i in range(n_ctx):
+        m.add_request(100 + i, 3 + 2 * i)
+        rids.append(100 + i)
+        seq.append(3 + 2 * i)
+    for j in range(n_gen):
+        parent = 200 + 10 * j
+        m.add_request(parent, 5 + 3 * j)
+        for b in range(1, width):
+            m.fork(parent, parent + b)
+        for b in range(width):
+            m.append_tokens(parent + b, 1)
+            rids.append(parent + b)
+            seq.append(1)
+    return m, rids, seq
+
+
+def _offsets(m, rids, seq, n_ctx, width):
+    md = AttentionMetadata(kv_cache_manager=m, max_num_requests=16, max_num_tokens=64, max_num_sequences=16,
+                           translations=("block_offsets",))
+    md.request_ids, md.seq_lens, md.num_contexts, md.beam_width = rids, seq, n_ctx, width
+    md.prepare()
+    t = md.block_offset_table
+    return t.kv_cache_block_offsets[:, : t.num_rows, :, : t.width].clone()
+
+
+@pytest.mark.parametrize("n_ctx,n_gen,width", [(0, 1, 3), (2, 2, 2), (1, 3, 4), (2, 0, 3)])
+def test_beam_rows_lay_out_as_the_per_row_translation(n_ctx, n_gen, width):
+    """Context rows once, then generation requests' beams in groups of beam_width: the table equals
+    the per-row translation (beam_width 1) of the same rows, and row num_contexts + j*width + b
+    holds beam b of generation request j (forked: shared blocks, its own last block)."""
+    m, rids, seq = _beam_batch(n_ctx, n_gen, width)
+    beams = _offsets(m, rids, seq, n_ctx, width)
+    per_row = _offsets(m, rids, seq, len(rids) if not n_gen else n_ctx, 1)
+    assert beams.shape[1] == n_ctx + n_gen * width
+    assert torch.equal(beams, per_row)
+    for j in range(n_gen):
+        for b in range(width):
+            blocks = np.array(m.block_ids(200 + 10 * j + b))
+            assert beams[0, n_ctx + j * width + b, 0, : len(blocks)].tolist() == (2 * blocks).tolist()
+
+
+def test_generation_rows_that_are_not_whole_beam_groups_are_refused():
+    m, rids, seq = _beam_batch(1, 2, 2)
+    md = AttentionMetadata(kv_cache_manager=m, max_num_requests=16, max_num_tokens=64, max_num_sequences=16,
+                           translations=("block_offsets",))
+    md.request_ids, md.seq_lens, md.num_contexts, md.beam_width = rids, seq, 1, 3
+    before = md.block_offset_table.host.copy()
+    with pytest.raises(ValueError, match="4 generation rows, not a multiple of beam_width=3"):
+        md.prepare()
+    assert not md.prepared and np.array_equal(md.block_offset_table.host, before)
+    with pytest.raises(ValueError, match="beam_width must be an int >= 1"):
+        md.beam_width = 0

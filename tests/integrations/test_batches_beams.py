@@ -30,6 +30,18 @@ def test_beam_search_equals_plain_transformers(family: str) -> None:
     assert torch.equal(got, want)
 
 
+def test_beam_search_steps_carry_the_beam_width() -> None:
+    """model.generate(num_beams=k) runs its decode steps as groups of k beams (the block-offset
+    table's layout); the prefill's rows are context rows, once each, and the width is 1 again after."""
+    model, _ = build("llama")
+    seen = []
+    with kvsieve.apply(model, None) as session:
+        session.observers.append(lambda i, q, out, md, layer: seen.append((md.num_contexts, md.beam_width)) if i == 0 else None)
+        model.generate(_prompts(2, 10), max_new_tokens=4, num_beams=3, do_sample=False)
+        assert session.beam_width == 1
+    assert seen[0] == (6, 3) and seen[1:] and all(s == (0, 3) for s in seen[1:])
+
+
 def test_beam_search_with_a_paged_selector_matches_dense_when_the_budget_covers_everything() -> None:
     """Quest keeps page summaries per block (an auxiliary pool): beams share them and copy them on
     write; with a budget covering every page the selection is the whole history, so the beams equal

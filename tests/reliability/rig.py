@@ -44,7 +44,7 @@ def state(cache: KVCacheManager) -> dict:
     return {
         "block_table": cache.block_table.copy(), "num_blocks_of": cache.num_blocks_of.copy(),
         "valid_lens": cache.valid_lens.copy(), "addressable_lens": cache.addressable_lens.copy(),
-        "slot_of": dict(cache._slot_of), "free_slots": list(cache._free_slots),
+        "copied_from": cache.copied_from.copy(), "slot_of": dict(cache._slot_of), "free_slots": list(cache._free_slots),
         "free_blocks": list(cache.allocator._free), "evictable": list(cache.allocator._evictable),
         "refcount": cache.allocator.refcount.copy(), "hash_of": dict(cache.allocator._hash_of),
         "tokens": [None if t is None else list(t) for t in cache._tokens], "hashes": [list(h) for h in cache._hashes],
@@ -54,7 +54,7 @@ def state(cache: KVCacheManager) -> dict:
 
 
 def assert_same_state(before: dict, after: dict) -> None:
-    for key in ("block_table", "num_blocks_of", "valid_lens", "addressable_lens", "refcount"):
+    for key in ("block_table", "num_blocks_of", "valid_lens", "addressable_lens", "copied_from", "refcount"):
         np.testing.assert_array_equal(before[key], after[key], err_msg=key)
     for key in ("slot_of", "free_slots", "free_blocks", "evictable", "hash_of", "tokens", "hashes"):
         assert before[key] == after[key], key
@@ -66,3 +66,20 @@ def assert_same_state(before: dict, after: dict) -> None:
     for name, pools in after["aux"].items():  # registered during the failed step: back to zeros
         if name not in before["aux"]:
             assert all(not p.any() for p in pools), f"new aux pool {name} not zeroed"
+
+
+def records(engine: Engine) -> list[tuple[frozenset[int], np.ndarray | None]]:
+    """Each layer's record of the requests and blocks its selector has seen, as plain values."""
+    out = []
+    for layer in engine.layers:
+        r = layer.record()
+        out.append((r.attached, None if r.seen_blocks is None else r.seen_blocks.copy()))
+    return out
+
+
+def assert_same_records(before: list, after: list) -> None:
+    for i, ((att_a, seen_a), (att_b, seen_b)) in enumerate(zip(before, after)):
+        assert att_a == att_b, f"layer {i}: attached requests changed"
+        assert (seen_a is None) == (seen_b is None), f"layer {i}: seen blocks changed"
+        if seen_a is not None:
+            np.testing.assert_array_equal(seen_a, seen_b, err_msg=f"layer {i}: seen blocks")

@@ -10,7 +10,7 @@ import torch
 from kvsieve.metadata.kv_cache import KVCacheCapacityError
 from kvsieve.sparse.attention import SparseAttention
 
-from .rig import assert_same_state, make_rig, state
+from .rig import assert_same_records, assert_same_state, make_rig, records, state
 
 ROCKET = dict(window_size=4, kernel_size=3, prompt_budget=12, page_size=4, topk=2, summary_dtype="float32")
 
@@ -150,7 +150,7 @@ def _rocket_rig():
 @pytest.mark.parametrize("where, name, nth", POINTS, ids=[f"{w}.{n}" for w, n, _ in POINTS])
 def test_failure_at_each_point_restores_the_state_and_the_retry_matches_golden(where, name, nth, monkeypatch):
     rig = _rocket_rig()
-    before = state(rig.cache)
+    before, before_records = state(rig.cache), records(rig.engine)
     obj = {"cache": rig.cache, "metadata": rig.engine.metadata, "selector": rig.engine.layers[0].plan.selector,
            "backend": rig.engine.layers[1].backend}[where]
     _fail_on(obj, name, monkeypatch, nth)
@@ -158,6 +158,7 @@ def test_failure_at_each_point_restores_the_state_and_the_retry_matches_golden(w
     with pytest.raises(Fault):
         rig.engine.step(*BATCH, inputs)
     assert_same_state(before, state(rig.cache))
+    assert_same_records(before_records, records(rig.engine))  # new request 3 unseen, its blocks too
     assert rig.engine.metadata.pending_kv_lens == {}
     monkeypatch.undo()
     got = rig.engine.step(*BATCH, inputs)
@@ -177,6 +178,19 @@ def test_begin_step_abort_step_pair_restores_the_state():
     assert_same_state(before, state(rig.cache))
     with pytest.raises(RuntimeError, match="abort_step: no step in progress"):
         rig.engine.abort_step()
+
+
+def test_generation_rows_that_are_not_whole_beam_groups_are_refused_before_any_change():
+    rig = prefilled()
+    rig.engine.fork(1, 2)
+    before = state(rig.cache)
+    with pytest.raises(ValueError, match="2 generation rows, not a multiple of beam_width=3"):
+        rig.engine.begin_step([1, 2], [1, 1], 0, beam_width=3)
+    assert_same_state(before, state(rig.cache))
+    md = rig.engine.begin_step([1, 2], [1, 1], 0, beam_width=2)  # one generation request of two beams
+    assert md.beam_width == 2 and md.prepared
+    rig.engine.abort_step()
+    assert_same_state(before, state(rig.cache))
 
 
 def test_a_step_left_open_is_refused():

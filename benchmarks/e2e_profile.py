@@ -80,9 +80,9 @@ def _steps(step: Callable[[torch.Tensor], torch.Tensor], tok: torch.Tensor, step
 
 
 def _model_parts(model: torch.nn.Module, timers: StageTimers) -> None:
-    from kvsieve.integrations.transformers import _attention_modules
+    from kvsieve.integrations.transformers_hooks import attention_modules
 
-    for m in _attention_modules(model):
+    for m in attention_modules(model):
         timers.wrap(m, "forward", "attn_module")
     timers.wrap(model.lm_head, "forward", "lm_head")
 

@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 def apply(model, selector=None, **kwargs):  # noqa: ANN001, ANN201  (transformers is imported lazily)
     """``with kvsieve.apply(model, "quest", budget=256): model.generate(...)`` — see
     :func:`kvsieve.integrations.transformers.apply`."""
-    from .integrations.transformers import apply as _apply
+    from .integrations.transformers_apply import apply as _apply
 
     return _apply(model, selector, **kwargs)
 

@@ -2,7 +2,7 @@
 
 ::
 
-    with kvsieve.apply(model, "quest", budget=256):      # one line; restores the model on exit
+    with kvsieve.apply(model, "quest", budget=256):      # one line (:mod:`.transformers_apply`); restores the model on exit
         model.generate(input_ids, max_new_tokens=32)
 
     from kvsieve import SparseAttentionConfig
@@ -13,8 +13,8 @@
     new_tokens = session.generate(input_ids, max_new_tokens=8)        # [B, n]
     session.attended_fraction("generation")                          # per layer
 
-Constructing a session registers the attention function ``"kvsieve"`` with transformers'
-``AttentionInterface`` and a mask function under the same name with ``AttentionMaskInterface``
+Constructing a session registers (:mod:`.transformers_hooks`) the attention function ``"kvsieve"``
+with transformers' ``AttentionInterface`` and a mask function under the same name with ``AttentionMaskInterface``
 (it returns ``None``: kvsieve applies causality from its own ledger, so transformers never builds
 an ``[S, L]`` mask), then calls ``model.set_attn_implementation("kvsieve")``. Every attention
 module gets a reference to the session; the attention function maps transformers' ``query
@@ -52,7 +52,6 @@ a later step that starts new requests with more rows); ``max_batch`` fixes it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
@@ -60,72 +59,18 @@ import torch
 from ..metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
 from ..sparse import Engine, SparseAttention, SparseAttentionConfig, get_backend, lower_config
 from ..sparse.backends import default_backend
-from .attention_features import LayerFeatures, check_call, read_layer_features
+from .attention_features import LayerFeatures, read_layer_features
 from .feature_backend import FeatureBackend, gather_request_kv
 from .golden_check import GOLDEN_TRANSLATIONS, GoldenCheck
 from .transformers_cache import GenerateLink
+from .transformers_hooks import (ATTN_IMPLEMENTATION, MODEL_INPUTS_KWARG, SESSION_ATTR, attention_modules, head_dims,
+                                 register_attention)
 
-__all__ = ["apply", "KvsieveSession", "ATTN_IMPLEMENTATION", "MODEL_INPUTS_KWARG", "register_attention", "LayerObserver",
+__all__ = ["KvsieveSession", "ATTN_IMPLEMENTATION", "MODEL_INPUTS_KWARG", "register_attention", "LayerObserver",
            "gather_request_kv"]
-
-ATTN_IMPLEMENTATION = "kvsieve"
-#: attention keyword argument carrying the layer's per-step model inputs for its selector (see the module docstring)
-MODEL_INPUTS_KWARG = "kvsieve_model_inputs"
-_SESSION_ATTR = "kvsieve_session"
 
 #: ``observer(layer_idx, q [T, Hq, D], out [T, Hq, D], metadata, layer)`` after each layer forward.
 LayerObserver = Callable[[int, torch.Tensor, torch.Tensor, AttentionMetadata, SparseAttention], None]
-
-
-def _attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                       **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function contract; returns ``(out [B, S, Hq, D], None)``."""
-    session = getattr(module, _SESSION_ATTR, None)
-    if session is None:
-        raise RuntimeError(f"attention implementation {ATTN_IMPLEMENTATION!r} needs a KvsieveSession built on "
-                           "this model (KvsieveSession(model, config))")
-    if attention_mask is not None:
-        raise ValueError(f"layer {module.layer_idx}: an attention_mask reached kvsieve's attention; kvsieve "
-                         "applies causality and windows itself and cannot apply another mask")
-    model_inputs = kwargs.pop(MODEL_INPUTS_KWARG, None)
-    check_call(module.layer_idx, session.features[module.layer_idx], {"scaling": scaling, "dropout": dropout, **kwargs})
-    return session._attend(module.layer_idx, query, key, value, model_inputs), None
-
-
-def _no_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
-    """Mask function for ``AttentionMaskInterface``: kvsieve masks causally (and by window) from its
-    ledger. A padding mask that hides any position is refused: rows are equal-length, unpadded."""
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise ValueError("attention_mask hides positions (padding); kvsieve runs equal-length rows without "
-                         "padding — pass unpadded rows of equal length")
-    return None
-
-
-def register_attention() -> None:
-    """Register ``"kvsieve"`` with transformers' attention and mask interfaces (idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
-
-
-def _head_dims(cfg: Any) -> tuple[int, int]:
-    """(key/query head dim, value head dim) of the tensors transformers hands the attention function."""
-    if hasattr(cfg, "kv_lora_rank"):  # MLA: decompressed nope + rope keys, separate value width
-        key = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        return key, cfg.v_head_dim
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return head_dim, head_dim
-
-
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    layers = getattr(decoder, "layers", None)
-    if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
-        raise ValueError(f"model: expected a decoder with .layers[i].self_attn, got {type(model).__name__}")
-    return [layer.self_attn for layer in layers]
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -169,11 +114,11 @@ class KvsieveSession:
                              f"{max_tokens}, {max_batch}, {tokens_per_block}")
         cfg = model.config
         self.model = model
-        self.modules = _attention_modules(model)
+        self.modules = attention_modules(model)
         self.num_layers = len(self.modules)
         self.features: list[LayerFeatures] = read_layer_features(cfg, self.modules)
         num_q = cfg.num_attention_heads
-        self.key_dim, self.value_dim = _head_dims(cfg)
+        self.key_dim, self.value_dim = head_dims(cfg)
         # MLA models (DeepSeek) hand over decompressed per-head K and V: multi-head attention
         num_kv = num_q if self.key_dim != self.value_dim or hasattr(cfg, "kv_lora_rank") else (
             getattr(cfg, "num_key_value_heads", None) or num_q)
@@ -221,7 +166,7 @@ class KvsieveSession:
         register_attention()
         self._previous_implementation = model.config._attn_implementation
         for m in self.modules:
-            setattr(m, _SESSION_ATTR, self)
+            setattr(m, SESSION_ATTR, self)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self._link = GenerateLink(model, self)
 
@@ -255,8 +200,8 @@ class KvsieveSession:
         self._step_open = False
         self._link.close()
         for m in self.modules:
-            if getattr(m, _SESSION_ATTR, None) is self:
-                delattr(m, _SESSION_ATTR)
+            if getattr(m, SESSION_ATTR, None) is self:
+                delattr(m, SESSION_ATTR)
         self.model.set_attn_implementation(self._previous_implementation)
 
     def __enter__(self) -> KvsieveSession:
@@ -355,7 +300,7 @@ class KvsieveSession:
         """Whether the model's attention runs through this session now (not closed, not replaced by
         a later session or another attention implementation)."""
         return (self.model.config._attn_implementation == ATTN_IMPLEMENTATION
-                and getattr(self.modules[0], _SESSION_ATTR, None) is self)
+                and getattr(self.modules[0], SESSION_ATTR, None) is self)
 
     @property
     def driven(self) -> bool:
@@ -536,29 +481,3 @@ class KvsieveSession:
     def reset_stats(self) -> None:
         for acc in self._stats.values():
             acc[:] = 0
-
-
-def apply(model: torch.nn.Module, selector: str | None = None, *, backend: str | None = None,
-          layers: tuple[int, ...] | None = None, layer_types: tuple[str, ...] | None = None,
-          dense_layers: tuple[int, ...] = (), phases: tuple[str, ...] | None = None, max_tokens: int = 8448,
-          **params: Any) -> KvsieveSession:
-    """Route ``model``'s attention through kvsieve with ``selector`` (its config fields as keyword
-    arguments; ``None`` = dense); a context manager that restores the model on exit::
-
-        with kvsieve.apply(model, "quest", budget=256):
-            model.generate(input_ids, max_new_tokens=32)
-
-    ``layers`` / ``layer_types`` / ``dense_layers`` / ``phases``: see :class:`SparseAttentionConfig`.
-    ``model.generate`` keeps transformers' own cache (see the module docstring); the returned
-    session also offers kvsieve's own paged-cache stepping (:meth:`KvsieveSession.generate`)."""
-    config = None
-    if selector is not None:
-        config = SparseAttentionConfig(selector, params, dense_layers=tuple(dense_layers), phases=phases,
-                                       layers=layers, layer_types=layer_types)
-    else:
-        given = {**params, "layers": layers, "layer_types": layer_types, "dense_layers": dense_layers or None,
-                 "phases": phases}
-        if any(v is not None for v in given.values()):
-            raise ValueError(f"selector=None (dense) takes no selector settings, got "
-                             f"{sorted(k for k, v in given.items() if v is not None)}")
-    return KvsieveSession(model, config, backend=backend, max_tokens=max_tokens)

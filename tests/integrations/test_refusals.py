@@ -7,14 +7,15 @@ import torch
 from families import build
 
 from kvsieve import SparseAttentionConfig
-from kvsieve.integrations.transformers import ATTN_IMPLEMENTATION, KvsieveSession, _attention_forward
+from kvsieve.integrations.transformers import KvsieveSession
+from kvsieve.integrations.transformers_hooks import ATTN_IMPLEMENTATION, attention_forward
 
 
 def _call(session: KvsieveSession, layer: int, **kwargs):
     m = session.modules[layer]
     q = torch.zeros(1, 4, 2, session.key_dim)
     kv = torch.zeros(1, session.layers[layer].geometry.num_kv_heads, 2, session.key_dim)
-    return _attention_forward(m, q, kv, kv, None, **kwargs)
+    return attention_forward(m, q, kv, kv, None, **kwargs)
 
 
 @pytest.mark.parametrize("kwargs,name", [

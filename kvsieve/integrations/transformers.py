@@ -63,6 +63,7 @@ from .attention_features import LayerFeatures, read_layer_features
 from .feature_backend import FeatureBackend, gather_request_kv
 from .golden_check import GOLDEN_TRANSLATIONS, GoldenCheck
 from .transformers_cache import GenerateLink
+from .transformers_steps import SessionSteps
 from .transformers_hooks import (ATTN_IMPLEMENTATION, MODEL_INPUTS_KWARG, SESSION_ATTR, attention_modules, head_dims,
                                  register_attention)
 
@@ -77,7 +78,7 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width)) if width else x
 
 
-class KvsieveSession:
+class KvsieveSession(SessionSteps):
     """Owns a kvsieve :class:`Engine` (paged cache + one :class:`SparseAttention` per decoder layer)
     attached to a transformers causal LM.
 
@@ -327,107 +328,6 @@ class KvsieveSession:
     def num_cached_positions(self) -> int:
         """Positions the live requests have seen (the next RoPE position), eviction notwithstanding."""
         return self._next_pos
-
-    def rewind(self, length: int) -> None:
-        """Drop every position ``>= length`` of the live requests (e.g. to reuse a prompt's cache
-        for another selector that keeps no state of its own). Not valid after eviction."""
-        if not 0 <= length <= self._next_pos:
-            raise ValueError(f"length must be in [0, {self._next_pos}], got {length}")
-        for rid in self._request_ids:
-            for cache, window in zip(self.engine.caches, self.engine.windows):
-                if cache.valid_len(rid) != self._next_pos:
-                    raise ValueError(f"rewind: request {rid} was compacted by eviction; prefill again instead")
-                p, s = cache.tokens_per_block, cache.slot(rid)
-                if window is not None and not cache.block_table[s, max(length + 1 - window, 0) // p: -(-length // p)].all():
-                    raise ValueError(f"rewind: the sliding-window layers of request {rid} dropped positions the window "
-                                     f"at length {length} reads; prefill again, or build the session with "
-                                     "release_windows=False")
-        for rid in self._request_ids:
-            self.engine.truncate(rid, length)
-        self._next_pos = length
-
-    def _run(self, ids: torch.Tensor, *, new_requests: bool) -> torch.Tensor:
-        b, s = ids.shape
-        reused = self._open_step(b, s, new_requests, ids)
-        start = self._next_pos - s + reused
-        self._driven = True
-        try:
-            pos = torch.arange(start, self._next_pos, device=self.device).expand(b, s - reused)
-            logits = self.model(input_ids=ids[:, reused:].to(self.device), position_ids=pos, use_cache=False,
-                                logits_to_keep=1).logits
-        except BaseException:
-            self._abort_step(s, new_requests)
-            raise
-        finally:
-            self._driven = False
-        self._close_step()
-        return logits[:, -1]
-
-    # ---- the step around the layers -----------------------------------------------------
-    def _open_step(self, batch: int, num_new: int, new_requests: bool, ids: torch.Tensor | None = None) -> int:
-        """Open the step of ``num_new`` positions per row (token ids ``ids [batch, num_new]`` when
-        the session drives); returns how many leading positions of new prompts came from the
-        prefix cache (the model runs on the rest)."""
-        if self.max_batch is not None and batch > self.max_batch:
-            raise ValueError(f"batch of {batch} rows exceeds max_batch={self.max_batch}")
-        reused = 0
-        if new_requests:
-            for rid in self.engine.request_ids:
-                self.engine.free(rid)
-            if batch > self._rows_capacity:
-                self._size_cache(batch)
-            self._request_ids = list(range(batch))
-            self._next_pos = 0
-            self._tracked = self.prefix_caching and ids is not None
-            if self._tracked:
-                reused = self._add_prompts(ids)
-        elif batch != len(self._request_ids):
-            raise ValueError(f"a step of {batch} rows for {len(self._request_ids)} live requests")
-        tokens = ids[:, reused:].tolist() if self._tracked else None
-        try:
-            self.engine.begin_step(self._request_ids, [num_new - reused] * batch,
-                                   num_contexts=batch if new_requests else 0, tokens=tokens, beam_width=self.beam_width)
-        except BaseException:
-            if new_requests:
-                self._drop_new_requests()
-            raise
-        self._phase = "context" if new_requests else "generation"
-        self._next_pos += num_new
-        self._step_open = True
-        return reused
-
-    def _add_prompts(self, ids: torch.Tensor) -> int:
-        """Add the new rows with their prompts' token ids; each holds its longest cached prefix,
-        cut to the shortest of the batch (rows run as one equal-length step). Returns its length."""
-        try:
-            reused = [self.engine.add_request(rid, row) for rid, row in zip(self._request_ids, ids.tolist())]
-            for rid, n in zip(self._request_ids, reused):
-                if n > min(reused):
-                    self.engine.truncate(rid, min(reused))
-        except BaseException:
-            self._drop_new_requests()
-            raise
-        return min(reused)
-
-    def _drop_new_requests(self) -> None:
-        """A prefill that failed leaves no live requests (nor their holds on cached blocks)."""
-        for rid in self.engine.request_ids:
-            self.engine.free(rid)
-        self._request_ids = []
-        self._tracked = False
-
-    def _close_step(self) -> None:
-        self.engine.end_step()
-        self._step_open = False
-
-    def _abort_step(self, num_new: int, new_requests: bool) -> None:
-        """A forward failed inside the step: the cache goes back to before it (``Engine.abort_step``);
-        a failed prefill leaves no live requests."""
-        self.engine.abort_step()
-        self._step_open = False
-        self._next_pos -= num_new
-        if new_requests:
-            self._drop_new_requests()
 
     def _attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 model_inputs: object = None) -> torch.Tensor:

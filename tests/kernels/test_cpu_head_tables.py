@@ -67,3 +67,22 @@ def test_mismatched_shapes_are_refused() -> None:
     idx, off = np.zeros((1, 2), np.int32), np.array([0, 1, 2], np.int32)
     with pytest.raises(ValueError, match="table rows"):
         head_tables(idx, off, np.zeros((1, 4), np.int32), np.array([4, 4], np.int32), 16)
+
+
+@pytest.mark.parametrize("bad", [3, 9])  # block 3 starts at kv_len 48; block 9 is past the table row of 5
+def test_a_block_past_the_rows_length_is_refused_by_both_builders(bad: int) -> None:
+    idx = np.array([[0, bad]], dtype=np.int32)
+    off = np.array([0, 2], dtype=np.int32)
+    table = np.arange(5, dtype=np.int32).reshape(1, 5)
+    kv = np.array([48], dtype=np.int32)
+    for build in (head_tables, head_tables_naive):
+        with pytest.raises(ValueError, match="past its row's kv_len"):
+            build(idx, off, table, kv, 16)
+    try:
+        head_tables_native(idx, off, table, kv, 16)
+    except NativeUnavailable as e:
+        pytest.skip(f"native library unavailable: {e}")
+    except ValueError as e:
+        assert "past its row's kv_len" in str(e)
+    else:
+        raise AssertionError("the native builder read a block past the row")

@@ -10,7 +10,8 @@ Inputs (host numpy, int32):
 * ``kv_lens [n]``: positions in each row's request.
 
 :func:`head_tables` returns ``(pseudo [n * H, width], seq_lens [n * H])`` int32, or ``None`` when
-some (row, head) selects no block. Pseudo-request ``r * H + h`` reads the pseudo-blocks
+some (row, head) selects no block; a selected block at or past its row's length (or its table row)
+raises ``ValueError`` (both builders check it: nothing outside the table is read). Pseudo-request ``r * H + h`` reads the pseudo-blocks
 ``block * H + h`` of its selected blocks, in order (``width`` = the longest segment; entries past
 its own blocks are 0 and not read), and ``seq_lens`` positions of them: every selected block whole
 but the last, which ends at the request's length (only a request's newest block is partial). The
@@ -37,10 +38,11 @@ def head_tables(indices: np.ndarray, offsets: np.ndarray, table: np.ndarray, kv_
                          f"{table.shape[0]}) and lengths (got {kv_lens.size})")
     if offsets.size == 1:
         return None
-    args = [np.ascontiguousarray(a, dtype=np.int32) if a.dtype != np.int32 or a.strides[-1] != 4 else a
-            for a in (indices, offsets, table, kv_lens)]
-    args[1], args[3] = np.ascontiguousarray(args[1]), np.ascontiguousarray(args[3])
+    # the builders take int32 with contiguous rows (a 2-D array may be a column slice)
+    indices, table = (a if a.dtype == np.int32 and a.strides[-1] == 4 else np.ascontiguousarray(a, dtype=np.int32)
+                      for a in (indices, table))
+    offsets, kv_lens = (np.ascontiguousarray(a, dtype=np.int32) for a in (offsets, kv_lens))
     try:
-        return head_tables_native(*args, block_size)
+        return head_tables_native(indices, offsets, table, kv_lens, block_size)
     except NativeUnavailable:
-        return head_tables_naive(*args, block_size)
+        return head_tables_naive(indices, offsets, table, kv_lens, block_size)

@@ -3,7 +3,8 @@
  * ascending among the valid ones; table: [n, table_stride] int32 physical block ids of each row's
  * request; kv_lens [n]. Writes pseudo [n * heads, width] (block * heads + head, 0 past a row's
  * blocks) and seq [n * heads] (positions attended: whole blocks but the last, which ends at
- * kv_len). Returns 0, or 1 when some (row, head) selects no block (nothing is then usable). */
+ * kv_len). Returns 0; 1 when some (row, head) selects no block (nothing is then usable); 2 when a
+ * selected block starts at or past its row's kv_len or past its table row (nothing is read there). */
 #include <stdint.h>
 
 int kvsieve_head_tables(const int32_t *sel, int64_t row_stride, int32_t heads, const int32_t *off, int64_t n,
@@ -19,6 +20,8 @@ int kvsieve_head_tables(const int32_t *sel, int64_t row_stride, int32_t heads, c
                 if (s[j] < 0)
                     continue;
                 last = s[j];
+                if (last >= table_stride || last * block_size >= (int64_t)kv_lens[r])
+                    return 2;
                 out[k++] = blocks[last] * heads + h;
             }
             if (k == 0)

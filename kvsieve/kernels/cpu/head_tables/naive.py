@@ -3,13 +3,20 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["head_tables_naive"]
+__all__ = ["OUT_OF_RANGE", "head_tables_naive"]
+
+OUT_OF_RANGE = ("head_tables: a selected block starts at or past its row's kv_len, or past its table row "
+                "(the selection is not validated against the rows' lengths)")
 
 
 def head_tables_naive(indices: np.ndarray, offsets: np.ndarray, table: np.ndarray, kv_lens: np.ndarray,
                       block_size: int) -> tuple[np.ndarray, np.ndarray] | None:
     """``(pseudo [n * H, width] int32, seq_lens [n * H] int32)`` or ``None``."""
     heads, n = indices.shape[0], offsets.size - 1
+    row_of = np.repeat(np.arange(n), np.diff(offsets))
+    limit = np.minimum(-(-kv_lens.astype(np.int64) // block_size), table.shape[1])[row_of]
+    if bool(((indices >= 0) & (indices >= limit[None, :])).any()):
+        raise ValueError(OUT_OF_RANGE)
     counts = np.diff(offsets)
     width = int(counts.max())
     pages = np.full((heads, n, width), -1, dtype=np.int64)

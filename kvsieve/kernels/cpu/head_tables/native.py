@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..build import native_library
+from .naive import OUT_OF_RANGE
 
 __all__ = ["SOURCE", "head_tables_native"]
 
@@ -24,6 +25,8 @@ def head_tables_native(indices: np.ndarray, offsets: np.ndarray, table: np.ndarr
     width = int((offsets[1:] - offsets[:-1]).max())
     pseudo = np.empty((n * heads, width), dtype=np.int32)
     seq = np.empty(n * heads, dtype=np.int32)
-    empty = fn(indices.ctypes.data, indices.strides[0] // 4, heads, offsets.ctypes.data, n, table.ctypes.data,
+    code = fn(indices.ctypes.data, indices.strides[0] // 4, heads, offsets.ctypes.data, n, table.ctypes.data,
                table.strides[0] // 4, kv_lens.ctypes.data, block_size, width, pseudo.ctypes.data, seq.ctypes.data)
-    return None if empty else (pseudo, seq)
+    if code == 2:
+        raise ValueError(OUT_OF_RANGE)
+    return None if code else (pseudo, seq)

@@ -311,7 +311,8 @@ def place_rows(params: SparseRuntimeParams | None, inputs: SelectorInputs, selec
     if params is None:
         return None
     md, rows = inputs.metadata, inputs.rows
-    fields: dict[str, object] = {f"threshold_scale_factor_{p}": 0.0 for p in PHASES if p not in inputs.phases}
+    fields: dict[str, object] = {f"threshold_scale_factor_{p}": 0.0 for p in PHASES
+                                 if p not in inputs.phases and params.threshold_scale_factor(p) != 0.0}
     if params.sparse_attn_indices is not None:
         off = params.sparse_attn_offsets
         if off is None or off.dim() != 1 or off.numel() != inputs.num_rows + 1:
@@ -324,11 +325,11 @@ def place_rows(params: SparseRuntimeParams | None, inputs: SelectorInputs, selec
             fields["sparse_attn_offsets"] = torch.cat([off.new_zeros(rows.start), off,
                                                        end.expand(md.num_tokens - rows.stop)])
         phases = params.selected_phases & inputs.phases
-        if phases:
-            fields["selected_phases"] = phases
-        else:  # the selector selects in none of the phases it was asked about: dense rows
+        if not phases:  # the selector selects in none of the phases it was asked about: dense rows
             fields.update(sparse_attn_indices=None, sparse_attn_offsets=None, selected_phases=frozenset(PHASES))
-    return replace(params, **fields)
+        elif phases != params.selected_phases:
+            fields["selected_phases"] = phases
+    return replace(params, **fields) if fields else params  # a carrier already in place is returned as is
 
 
 def _checked_params(selector: str, params: object) -> SparseRuntimeParams | None:

@@ -196,31 +196,32 @@ class LayerRunner:
         phases = md.phases()
         if any(params is not None and params.threshold_scale_factor(p) > 0 for p in phases):
             return None
-        paths = {p: "host_dense" for p in phases}
-        # positions read per (row, KV head): dense rows all they may attend, paged rows their tables' lengths
-        attended = md.token_kv_lens.to(torch.int64)[:, None].repeat(1, g.num_kv_heads)
         if all(is_dense(params, p) for p in phases):
-            out = step.to_kvsieve(host.dense())
-        elif "generation" in phases and not ("context" in phases and params.selects_positions("context")):
-            tables = per_head_block_tables(params, md, step.view)
-            if tables is None and "context" not in phases:
-                return None
-            rows = md.generation_rows
-            # a copy: host.dense() stays the host's own output (the capture compares with it)
-            out = step.to_kvsieve(host.dense()).clone() if "context" in phases else q.new_empty(md.num_tokens, *q.shape[1:])
-            if tables is None:  # the decode rows' selection is not whole blocks: the backend on their sub-step
-                sub = self.backend.forward(q[rows], step.generation_metadata(), self.layer_idx, g,
-                                           _rows_params(params, rows))
-                out[rows], attended[rows], paths["generation"] = sub.out, sub.attended, sub.paths["generation"]
-            else:
-                hkv = g.num_kv_heads
-                paged = host.paged_per_head(q[rows].reshape(-1, g.num_q_heads // hkv, g.head_dim), tables)
-                out[rows] = paged.view(-1, g.num_q_heads, g.value_dim)
-                attended[rows] = tables.seq_lens.view(-1, hkv)
-                paths["generation"] = "host_paged"
-        else:
+            attended = md.token_kv_lens.to(torch.int64)[:, None].expand(-1, g.num_kv_heads)
+            return AttentionResult(step.to_kvsieve(host.dense()), None, attended, dict.fromkeys(phases, "host_dense"))
+        if "generation" not in phases or ("context" in phases and params.selects_positions("context")):
             return None
-        return AttentionResult(out, None, attended, paths, 0, 0)
+        tables = per_head_block_tables(params, md, step.view)
+        hkv, rows = g.num_kv_heads, md.generation_rows
+        if "context" not in phases:  # a decode-only step: every row is a generation row
+            if tables is None:
+                return None
+            paged = host.paged_per_head(q.reshape(-1, g.num_q_heads // hkv, g.head_dim), tables)
+            return AttentionResult(paged.view(-1, g.num_q_heads, g.value_dim), None,
+                                   tables.seq_lens.view(-1, hkv).to(torch.int64), {"generation": "host_paged"})
+        # a mixed step: the context rows (dense) from the host's own attention of the whole step, copied
+        # (host.dense() stays the host's own output: the capture compares with it)
+        out = step.to_kvsieve(host.dense()).clone()
+        attended = md.token_kv_lens.to(torch.int64)[:, None].repeat(1, hkv)
+        if tables is None:  # the decode rows' selection is not whole blocks: the backend on their sub-step
+            sub = self.backend.forward(q[rows], step.generation_metadata(), self.layer_idx, g,
+                                       _rows_params(params, rows))
+            out[rows], attended[rows], path = sub.out, sub.attended, sub.paths["generation"]
+        else:
+            paged = host.paged_per_head(q[rows].reshape(-1, g.num_q_heads // hkv, g.head_dim), tables)
+            out[rows], attended[rows] = paged.view(-1, g.num_q_heads, g.value_dim), tables.seq_lens.view(-1, hkv)
+            path = "host_paged"
+        return AttentionResult(out, None, attended, {"context": "host_dense", "generation": path})
 
     def _select(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
                 ) -> SparseRuntimeParams | None:

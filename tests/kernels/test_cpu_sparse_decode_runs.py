@@ -11,8 +11,8 @@ import torch
 
 from kvsieve.integrations.vllm.layouts import kv_views
 from kvsieve.kernels.cpu import NativeUnavailable
-from kvsieve.kernels.cpu.sparse_decode import (selection_runs, sparse_decode_runs_naive, sparse_decode_runs_native,
-                                               supports_runs_native)
+from kvsieve.kernels.cpu.sparse_decode import (TokenRuns, selection_runs, selection_runs_naive,
+                                               sparse_decode_runs_naive, sparse_decode_runs_native, supports_runs_native)
 from kvsieve.sparse import SparseRuntimeParams
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -76,8 +76,10 @@ def test_runs_native_matches_naive_and_float64(dtype, layout, hkv, g, d, bs, uni
     table = np.random.default_rng(0).permutation(num_blocks)[: 4 * 16].reshape(4, 16).astype(np.int32)
     sel = _selection(kv_lens, hkv, units_of, keep, seed=units_of)
     params = SparseRuntimeParams.from_topk(sel, block_size=units_of)
-    runs = selection_runs(params.sparse_attn_indices.numpy(), params.sparse_attn_offsets.numpy(), units_of, table,
-                          np.asarray(kv_lens, dtype=np.int32), bs)
+    args = (params.sparse_attn_indices.numpy(), params.sparse_attn_offsets.numpy(), units_of, table,
+            np.asarray(kv_lens, dtype=np.int32), bs)
+    runs = selection_runs(*args)
+    _assert_same_runs(runs, selection_runs_naive(*args))
     q = torch.randn(4, hkv * g, d, generator=torch.Generator().manual_seed(3))
     assert supports_runs_native(k, v, q)
     out, lse = sparse_decode_runs_native(k, v, runs, q, sm_scale=d ** -0.5)
@@ -93,13 +95,33 @@ def test_runs_native_matches_naive_and_float64(dtype, layout, hkv, g, d, bs, uni
     torch.testing.assert_close(n_lse[finite].double(), r_lse[finite], atol=2e-5, rtol=2e-5)
 
 
-def test_consecutive_positions_in_a_block_are_one_run():
-    """Positions 3..9 and 30..33 of 16-token blocks: runs 3-9, 30-31, 32-33 (a block boundary splits)."""
-    idx = np.array([[3, 4, 5, 6, 7, 8, 9, 30, 31, 32, 33, -1]], dtype=np.int32)
-    runs = selection_runs(idx, np.array([0, 12]), 1, np.array([[5, 2, 7]], dtype=np.int32), np.array([40]), 16)
-    assert runs.ptr.tolist() == [0, 3]
-    assert runs.block.tolist() == [5, 2, 7] and runs.start.tolist() == [3, 14, 0] and runs.cnt.tolist() == [7, 2, 2]
-    assert runs.attended.tolist() == [[11]]
+def _assert_same_runs(a: TokenRuns, b: TokenRuns) -> None:
+    for field in ("ptr", "block", "head", "start", "cnt", "attended"):
+        assert np.array_equal(getattr(a, field), getattr(b, field)), field
+
+
+@pytest.mark.parametrize("build", [selection_runs, selection_runs_naive])
+def test_consecutive_positions_in_a_block_are_one_run(build):
+    """Positions 3..9 and 30..33 of 16-token blocks: runs 3-9, 30-31, 32-33 (a block boundary splits);
+    the second row's segment, read from a column slice, is cut at its kv_len."""
+    idx = np.array([[0, 3, 4, 5, 6, 7, 8, 9, 30, 31, 32, 33, -1, 1, 2, 5, -1]], dtype=np.int32)[:, 1:]
+    table = np.array([[5, 2, 7, 0], [9, 1, 0, 0]], dtype=np.int32)[:, :3]
+    runs = build(idx, np.array([0, 12, 16]), 1, table, np.array([40, 3]), 16)
+    assert runs.ptr.tolist() == [0, 3, 4]
+    assert runs.block.tolist() == [5, 2, 7, 9] and runs.start.tolist() == [3, 14, 0, 1]
+    assert runs.cnt.tolist() == [7, 2, 2, 2] and runs.head.tolist() == [0, 0, 0, 0]
+    assert runs.attended.tolist() == [[11], [2]]
+
+
+def test_units_cut_at_block_boundaries_and_kv_len():
+    """Units of 48 positions over 32-token blocks: pieces of 16, joined into runs within a block."""
+    idx = np.array([[0, 2, -1], [1, 2, -1]], dtype=np.int32)
+    args = (idx, np.array([0, 3]), 48, np.array([[4, 6, 8, 3, 1]], dtype=np.int32), np.array([130]), 32)
+    runs = selection_runs(*args)
+    _assert_same_runs(runs, selection_runs_naive(*args))
+    # head 0: 0-47 (blocks 0, 1) and 96-129 (blocks 3, 4); head 1: 48-129 (blocks 1..4)
+    assert runs.block.tolist() == [4, 6, 3, 1, 6, 8, 3, 1] and runs.cnt.tolist() == [32, 16, 32, 2, 16, 32, 32, 2]
+    assert runs.attended.tolist() == [[82, 82]]
 
 
 def test_unsupported_views_and_unavailable_library(monkeypatch):
@@ -108,8 +130,12 @@ def test_unsupported_views_and_unavailable_library(monkeypatch):
     assert not supports_runs_native(k.half(), v.half(), q)  # fp16 caches: the caller's PyTorch path
     assert not supports_runs_native(k, v, torch.randn(1, 2 * 17, 64))  # G past the kernel's 16
     assert not supports_runs_native(k.transpose(0, 1), v, q)
-    runs = selection_runs(np.array([[0, 1], [2, -1]], dtype=np.int32), np.array([0, 2]), 1,
-                          np.array([[1]], dtype=np.int32), np.array([3]), 16)
+    args = (np.array([[0, 1], [2, -1]], dtype=np.int32), np.array([0, 2]), 1, np.array([[1]], dtype=np.int32),
+            np.array([3]), 16)
+    runs = selection_runs(*args)
+    with pytest.raises(ValueError, match="past its row's block table"):
+        selection_runs(args[0], args[1], 1, args[3], np.array([40]), 2)
     monkeypatch.setenv("KVSIEVE_NATIVE", "0")
     with pytest.raises(NativeUnavailable, match="KVSIEVE_NATIVE=0"):
         sparse_decode_runs_native(k, v, runs, q, sm_scale=0.125)
+    _assert_same_runs(selection_runs(*args), runs)  # the numpy twin without the library

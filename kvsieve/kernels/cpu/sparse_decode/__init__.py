@@ -24,7 +24,8 @@ rows in place (no gather, no fp32 copy) with an online softmax over chunks of 64
   head strides): V rows of ``D`` contiguous channels; K the same, or stored by channel (tokens
   contiguous, ``k.stride(2) == 1``: vLLM's CPU layout, whose K tile is ``[D, block_size]``).
 * ``runs`` (:class:`~.runs.TokenRuns`, built by :func:`~.runs.selection_runs` from a selection and
-  the block table): per (row, KV head) its runs of consecutive positions inside one block.
+  the block table, in C, or by its numpy twin :func:`~.runs.selection_runs_naive`): per (row, KV
+  head) its runs of consecutive positions inside one block.
 * ``q [N, Hq, D]``.
 
 Returns ``out [N, Hq, D]`` fp32 and ``lse [N, Hq]`` fp32, as above per row. With K stored by channel
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 from .naive import sparse_decode_naive, sparse_decode_runs_naive
 from .native import sparse_decode_native, sparse_decode_runs_native, supports_native, supports_runs_native
-from .runs import TokenRuns, selection_runs
+from .runs import TokenRuns, selection_runs, selection_runs_naive
 
-__all__ = ["TokenRuns", "selection_runs", "sparse_decode_naive", "sparse_decode_native", "sparse_decode_runs_naive",
+__all__ = ["TokenRuns", "selection_runs", "selection_runs_naive", "sparse_decode_naive", "sparse_decode_native", "sparse_decode_runs_naive",
            "sparse_decode_runs_native", "supports_native", "supports_runs_native"]

@@ -203,3 +203,51 @@ int kvsieve_sparse_decode_runs(const void* k, const void* v, int is_bf16, int64_
   }
   return 0;
 }
+
+/* The runs of a selection (the contract: runs.py, selection_runs). idx: row-major with row stride
+ * idx_stride (KV head h's entries at idx + h * idx_stride), row n's segment [offsets[n], offsets[n+1]);
+ * each entry a unit of units_of positions cut into pieces of unit = gcd(units_of, block_size); table
+ * [n_rows, table_width] with row stride table_stride. Writes ptr [hkv * n_rows + 1], per run block,
+ * head, start (int64) and cnt (int32), at most max_runs of them, and attended [n_rows, hkv].
+ * Returns the number of runs, -1 when more than max_runs, -2 for a position past its table row. */
+int64_t kvsieve_selection_runs(const int32_t* idx, int64_t idx_stride, const int64_t* offsets, int64_t n_rows, int hkv,
+                               int units_of, int unit, const int32_t* table, int64_t table_stride, int64_t table_width,
+                               const int32_t* kv_lens, int block_size, int64_t max_runs, int64_t* ptr, int64_t* block,
+                               int64_t* head, int64_t* start, int32_t* cnt, int64_t* attended) {
+  const int per = units_of / unit;
+  int64_t r = 0;
+  ptr[0] = 0;
+  for (int h = 0; h < hkv; ++h) {
+    const int32_t* ih = idx + (int64_t)h * idx_stride;
+    for (int64_t n = 0; n < n_rows; ++n) {
+      const int64_t len = kv_lens[n];
+      int64_t run_end = -1, run_blk = -1, total = 0; /* the open run's next position and block */
+      for (int64_t e = offsets[n]; e < offsets[n + 1]; ++e) {
+        if (ih[e] < 0) break; /* padding: the segment's tail */
+        for (int j = 0; j < per; ++j) {
+          const int64_t pos = ((int64_t)ih[e] * per + j) * unit;
+          if (pos >= len) break;
+          const int64_t c = len - pos < unit ? len - pos : unit, blk = pos / block_size;
+          total += c;
+          if (pos == run_end && blk == run_blk) { /* extends the open run */
+            cnt[r - 1] += (int32_t)c;
+            run_end += c;
+            continue;
+          }
+          if (blk >= table_width) return -2;
+          if (r >= max_runs) return -1;
+          block[r] = table[n * table_stride + blk];
+          head[r] = h;
+          start[r] = pos % block_size;
+          cnt[r] = (int32_t)c;
+          ++r;
+          run_end = pos + c;
+          run_blk = blk;
+        }
+      }
+      ptr[(int64_t)h * n_rows + n + 1] = r;
+      attended[n * hkv + h] = total;
+    }
+  }
+  return r;
+}

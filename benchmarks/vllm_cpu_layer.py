@@ -7,10 +7,14 @@ against vLLM's own kernel on the same cache (the profile behind docs/results/vll
 Runs in the vLLM virtual environment, one torch thread. SmolLM2-135M's attention geometry (3 KV
 heads, 3 query heads each, head dim 64), bf16, vLLM's ``vec`` CPU layout with ``--block-size`` blocks,
 random K/V; the selector's page summaries are built once (as the prompt step would). Each stage is
-timed alone (median of 200 calls, warm): vLLM's own dense kernel; the step's view and tables;
-the selector (``on_append``, ``predict_attn``, ``validate``); the per-(row, KV head) block tables;
-vLLM's paged kernel on them; and the whole plug-in layer call (``LayerRunner.forward`` with vLLM's
-kernels). Prints milliseconds and the load average.
+timed alone (200 calls, warm; median and minimum): vLLM's own dense kernel; the step's view and
+tables; the selector (``on_append``, ``predict_attn``, ``validate``); for a selection of whole vLLM
+blocks the per-(row, KV head) block tables and vLLM's paged kernel on them, for any other selection
+(tokens: ``oracle_topk``, ``streaming``) the per-(row, KV head) runs, kvsieve's native kernel on
+them, and the kvsieve backend's attention on the same selection (what ran before); the whole
+plug-in layer call (``LayerRunner.forward`` with vLLM's kernels); and the same call without them
+(the kvsieve backend's path, which token selections took before ``native_runs``).
+Prints milliseconds and the load average.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import numpy as np
 import torch
 
 
-def _median_ms(fn, n: int = 200) -> float:  # noqa: ANN001
+def _times_ms(fn, n: int = 200) -> tuple[float, float]:  # noqa: ANN001
+    """(median, minimum) milliseconds of ``n`` warm calls."""
     for _ in range(5):
         fn()
     times = []
@@ -32,7 +37,7 @@ def _median_ms(fn, n: int = 200) -> float:  # noqa: ANN001
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(times), 1e3 * min(times)
 
 
 def main() -> None:
@@ -47,7 +52,7 @@ def main() -> None:
 
     from kvsieve.integrations.vllm.config import PluginConfig, lower_plans, parse_selector_spec
     from kvsieve.integrations.vllm.cpu import VllmHostAttention
-    from kvsieve.integrations.vllm.host import per_head_block_tables
+    from kvsieve.integrations.vllm.host import native_runs_attention, per_head_block_tables, token_runs
     from kvsieve.integrations.vllm.layouts import kv_views
     from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
     from kvsieve.metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
@@ -100,18 +105,29 @@ def main() -> None:
     params = runner._select(q, k, v, md)
     tables = per_head_block_tables(params, md, view)
     q_heads = q.reshape(-1, g, d).contiguous()
+    if tables is not None:  # whole vLLM blocks: vLLM's paged kernel
+        selected = [("per-head block tables", lambda: per_head_block_tables(params, md, view)),
+                    ("vLLM paged kernel on them", lambda: host.paged_per_head(q_heads, tables))]
+    else:  # any other selection: kvsieve's native kernel on runs
+        runs = token_runs(params, md, view)
+        selected = [("per-head token runs", lambda: token_runs(params, md, view)),
+                    ("native kernel on the runs", lambda: native_runs_attention(q, runs, view, 0, geometry)),
+                    ("kvsieve backend on it", lambda: backend.forward(q, md, 0, geometry, params))]
     load = Path("/proc/loadavg").read_text().split()[0]
     rows = [("vLLM's own dense kernel", own), ("step: view + tables", prep),
             ("selector on_append", lambda: sel.on_append(inputs)), ("selector predict_attn", lambda: sel.predict_attn(inputs)),
             ("validate", lambda: params.validate(num_kv_heads=hkv, num_query_tokens=md.num_tokens,
                                                  num_contexts=md.num_contexts, kv_lens=md.token_kv_lens)),
-            ("per-head block tables", lambda: per_head_block_tables(params, md, view)),
-            ("vLLM paged kernel on them", lambda: host.paged_per_head(q_heads, tables)),
-            ("plug-in layer call (all)", lambda: runner.forward(q, k, v, tr, host))]
+            *selected, ("plug-in layer call (all)", lambda: runner.forward(q, k, v, tr, host)),
+            ("same, kvsieve backend path", lambda: runner.forward(q, k, v, tr, None))]
     print(f"kv_len {length}, {b} request(s), {args.selector}; load average {load}")
+    print(f"  {'stage':28} {'median':>8}    {'min':>8}")
     for name, fn in rows:
-        print(f"  {name:28} {_median_ms(fn):8.3f} ms")
-    print(f"  path taken: {runner.forward(q, k, v, tr, host).paths}")
+        med, low = _times_ms(fn)
+        print(f"  {name:28} {med:8.3f} ms {low:8.3f} ms")
+    print(f"  paths taken: {runner.forward(q, k, v, tr, host).paths} (kvsieve backend: "
+          f"{runner.forward(q, k, v, tr, None).paths}); positions read {int(runner.forward(q, k, v, tr, host).attended.sum())}"
+          f" of {b * length * hkv}; load average after {Path('/proc/loadavg').read_text().split()[0]}")
 
 
 if __name__ == "__main__":

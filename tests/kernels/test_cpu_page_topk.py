@@ -134,3 +134,29 @@ def test_a_switch_value_other_than_0_or_1_is_refused(monkeypatch, value):
     monkeypatch.setenv(build.ENV_VAR, value)
     with pytest.raises(ValueError, match="KVSIEVE_NATIVE must be 0"):
         build.native_library(SOURCE)
+
+
+@needs_cc
+@pytest.mark.parametrize("mode", ["bound", "sign"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_in_one_call_equal_page_topk_per_row(monkeypatch, mode, dtype):
+    """``page_topk_rows`` (one native call; ``KVSIEVE_NATIVE=0``: per row) picks, for requests of
+    different lengths and budgets side by side, the pages ``page_topk`` picks for each alone."""
+    import numpy as np
+
+    from kvsieve.kernels.cpu.page_topk import page_topk_rows
+
+    hkv, g, d, sub = 3, 3, 64, 2
+    pool, _, _ = _case(hkv, g, d, sub, 40, dtype, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    n_pages = np.array([40, 1, 17, 9])
+    ks = np.array([8, 1, 17, 4])
+    table = torch.stack([torch.randperm(pool.shape[0], generator=gen)[:20] for _ in range(4)]).numpy()
+    q = torch.randn(4, hkv * g, d, generator=gen)
+    want = torch.cat([page_topk(pool, torch.from_numpy(table[n]), int(n_pages[n]), q[n], sm_scale=0.125, mode=mode,
+                                k=int(ks[n])).indices for n in range(4)], dim=1)
+    assert torch.equal(page_topk_rows(pool, table.astype(np.int32), n_pages, q, sm_scale=0.125, mode=mode, ks=ks), want)
+    monkeypatch.setenv("KVSIEVE_NATIVE", "0")
+    assert torch.equal(page_topk_rows(pool, table, n_pages, q, sm_scale=0.125, mode=mode, ks=ks), want)
+    with pytest.raises(ValueError, match="k must be in"):
+        page_topk_rows(pool, table, n_pages, q, sm_scale=0.125, mode=mode, ks=np.array([8, 2, 17, 4]))

@@ -148,9 +148,10 @@ def test_cuda_plugin_dense_matches_vllm_triton_on_gpu(tmp_path):
     assert tokens[0] == tokens[1]
 
 
-def _decode_step_on_vllm_cache(dtype: torch.dtype, kv_lens: list[int], block_size: int, hkv: int, d: int):
+def _decode_step_on_vllm_cache(dtype: torch.dtype, kv_lens: list[int], block_size: int, hkv: int, d: int,
+                               translations: tuple[str, ...] = ("block_lists",)):
     """A decode step of ``len(kv_lens)`` requests whose K/V vLLM's own op wrote into a CPU cache
-    (blocks scattered): the cache, the translator (prepared) and the view."""
+    (blocks scattered): the cache, the translator (prepared, with ``translations``) and the view."""
     import numpy as np
     from vllm import _custom_ops as ops
 
@@ -173,7 +174,7 @@ def _decode_step_on_vllm_cache(dtype: torch.dtype, kv_lens: list[int], block_siz
                          head_dim=d, dtype=dtype, device=torch.device("cpu"), layout="vllm-cpu", max_requests=8,
                          max_blocks_per_seq=width)
     view = ForeignPagedKV(spec)
-    tr = StepTranslator(view, max_num_tokens=16, translations=("block_lists",))
+    tr = StepTranslator(view, max_num_tokens=16, translations=translations)
     view.bind_layer(0, cache, *kv_views("vllm-cpu", cache))
     qsl = np.arange(len(kv_lens) + 1, dtype=np.int32)
     tr.prepare(VllmStep(qsl, np.asarray(kv_lens, dtype=np.int32), table))
@@ -184,11 +185,12 @@ def _decode_step_on_vllm_cache(dtype: torch.dtype, kv_lens: list[int], block_siz
 def test_block_selection_runs_vllm_kernel_on_per_head_block_tables(dtype):
     """A selection of whole vLLM blocks (rows of different lengths, a head that skips its request's
     partial newest block) through vLLM's own paged kernel on per-(row, KV head) block tables equals
-    kvsieve's Vanilla golden on the same selection, read from the same cache in place."""
+    kvsieve's Vanilla golden on the same selection, read from the same cache in place; so do the
+    selections vLLM's kernel does not take, through kvsieve's native kernel on runs."""
     from types import SimpleNamespace
 
     from kvsieve.integrations.vllm.cpu import VllmHostAttention
-    from kvsieve.integrations.vllm.host import per_head_block_tables
+    from kvsieve.integrations.vllm.host import native_runs_attention, per_head_block_tables, token_runs
     from kvsieve.sparse import AttentionGeometry, SparseRuntimeParams
     from kvsieve.sparse.backends import VanillaBackend
 
@@ -209,8 +211,67 @@ def test_block_selection_runs_vllm_kernel_on_per_head_block_tables(dtype):
     ref = VanillaBackend().forward(q, md, 0, geometry, params).out
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
-    # not whole vLLM blocks, or a (row, KV head) that selects nothing: left to kvsieve's backend
-    assert per_head_block_tables(SparseRuntimeParams.from_topk(topk, block_size=bs // 2), md, view) is None
+    # not whole vLLM blocks, or a (row, KV head) that selects nothing: not vLLM's kernel but kvsieve's
+    # native one on runs of the same cache
     empty = topk.clone()
     empty[1, 0] = -1
-    assert per_head_block_tables(SparseRuntimeParams.from_topk(empty, block_size=bs), md, view) is None
+    for other in (SparseRuntimeParams.from_topk(topk, block_size=bs // 2),
+                  SparseRuntimeParams.from_topk(empty, block_size=bs)):
+        assert per_head_block_tables(other, md, view) is None
+        runs = token_runs(other, md, view)
+        got = native_runs_attention(q, runs, view, 0, geometry)
+        want = VanillaBackend().forward(q, md, 0, geometry, other).out
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert runs.attended[1, 0] == 0 and not bool(got[1, :g].any())  # selects nothing: out 0
+
+
+class _NoBackend:
+    """Stands in for kvsieve's backend where a layer call must not reach it."""
+
+    name = "none"
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        raise AssertionError("the layer call went to kvsieve's backend")
+
+
+@pytest.mark.parametrize("spec", ["oracle_topk:budget=40", "streaming:budget=48,num_sink=4",
+                                  "oracle_topk:budget=64,block_size=16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_selection_runs_native_kernel_on_vllm_cache(dtype, spec):
+    """Decode rows whose selection is not whole vLLM blocks (tokens; pages of 16 in 32-token blocks):
+    per-(row, KV head) runs read in place from a cache vLLM's own op wrote (blocks scattered, GQA,
+    three requests of different lengths) by kvsieve's native kernel (path ``native_runs``, never the
+    backend); equal to the kvsieve backend's gather path and to the Vanilla golden on the same
+    selection, reading exactly the selected positions."""
+    from types import SimpleNamespace
+
+    from kvsieve.integrations.vllm.config import PluginConfig, lower_plans, parse_selector_spec
+    from kvsieve.integrations.vllm.cpu import VllmHostAttention
+    from kvsieve.integrations.vllm.step import LayerRunner
+    from kvsieve.sparse import AttentionGeometry, get_backend
+    from kvsieve.sparse.backends import VanillaBackend
+
+    bs, hkv, g, d = 32, 2, 3, 64
+    kv_lens = [150, 64, 97]
+    cache, tr, view = _decode_step_on_vllm_cache(dtype, kv_lens, bs, hkv, d,
+                                                 translations=("block_lists", "ragged_page_table"))
+    md = tr.metadata
+    geometry = AttentionGeometry(kind="gqa", num_q_heads=hkv * g, num_kv_heads=hkv, head_dim=d, sm_scale=d ** -0.5)
+    plan = lower_plans(PluginConfig(sparse=parse_selector_spec(spec)), num_layers=1, backend_name="torch")[0]
+    runner = LayerRunner(layer_idx=0, geometry=geometry, plan=plan, backend=get_backend("torch"))
+    runner.backend = _NoBackend()
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3, h, d, generator=gen).to(dtype) for h in (hkv * g, hkv, hkv))
+    host = VllmHostAttention(SimpleNamespace(scale=d ** -0.5), SimpleNamespace(isa="vec", _k_scale_float=1.0,
+                             _v_scale_float=1.0), q, k, v, cache, None)
+    res = runner.forward(q, k, v, tr, host)
+    assert res.paths == {"generation": "native_runs"}
+    params = runner._select(q, k, v, md)  # the same selection (the selector is deterministic)
+    ref = VanillaBackend().forward(q, md, 0, geometry, params)
+    gathered = get_backend("torch").forward(q, md, 0, geometry, params)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(res.out.float(), ref.out.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(res.out.float(), gathered.out.float(), atol=tol, rtol=tol)
+    assert torch.equal(res.attended, VanillaBackend().effective_attended_tokens(params, md, geometry).to(torch.int64))
+    assert torch.equal(res.attended, gathered.attended.to(torch.int64))
+    assert int(res.attended.sum()) < sum(kv_lens) * hkv  # it skips: fewer positions than the dense step

@@ -90,15 +90,18 @@ class _TorchHost:
 
 HOST_SELECTORS = [None, ("quest", {"budget": 64, "page_size": P, "summary_dtype": "float32"}),
                   ("block_select", {"block_size": P, "topk_blocks": 2}),
-                  ("quest", {"budget": 64, "page_size": 16, "summary_dtype": "float32"})]
+                  ("quest", {"budget": 64, "page_size": 16, "summary_dtype": "float32"}),
+                  ("streaming", {"budget": 48, "num_sink": 4}), ("oracle_topk", {"budget": 40}),
+                  ("oracle_topk", {"budget": 40}, ("generation",))]  # (name, params[, phases])
 
 
-@pytest.mark.parametrize("selector", HOST_SELECTORS, ids=lambda c: "dense" if c is None else f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("selector", HOST_SELECTORS, ids=lambda c: "dense" if c is None else "-".join(map(str, c)))
 def test_host_paths_match_kvsieve_engine(selector):
     """With the host's kernels (a plain-PyTorch stand-in here; vLLM's own in test_plugin/test_engine):
-    dense phases take ``host_dense``, decode rows selecting whole cache blocks ``host_paged`` (next to
-    the dense prompt rows of a mixed step), everything else the kvsieve backend; every output equals
-    kvsieve's own engine on its own cache."""
+    dense phases take ``host_dense``, decode rows selecting whole cache blocks ``host_paged``, decode
+    rows selecting other positions (tokens, smaller pages) ``native_runs`` (both next to the dense
+    prompt rows of a mixed step), a step with selecting prompt rows the kvsieve backend; every output
+    equals kvsieve's own engine on its own cache."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -109,7 +112,8 @@ def test_host_paths_match_kvsieve_engine(selector):
 
 def _check_view_matches_engine(layout, backend, selector, host=False):
     gen = torch.Generator().manual_seed(0)
-    cfg = None if selector is None else SparseAttentionConfig(selector[0], selector[1])
+    cfg = None if selector is None else SparseAttentionConfig(selector[0], selector[1], phases=(
+        selector[2] if len(selector) > 2 else None))
     spec = KVCacheSpec(num_layers=LAYERS, num_blocks=BLOCKS, tokens_per_block=P, num_kv_heads=HKV, head_dim=D,
                        max_requests=8, max_blocks_per_seq=32)
     cache = KVCacheManager(spec)
@@ -162,10 +166,12 @@ def _check_view_matches_engine(layout, backend, selector, host=False):
             for phase in kmd.phases():
                 selects = last.params is not None and last.params.selects_positions(phase)
                 paths_seen.add((phase, res.paths[phase]))
-                if host:  # dense phases on the host; whole-block decode selections on its paged kernel
+                if host:  # dense phases on the host; whole-block decode selections on its paged kernel, other
+                    # decode selections on kvsieve's native kernel over runs; selecting prompt rows: the backend
                     ctx_selects = selects and "context" in kmd.phases() and last.params.selects_positions("context")
-                    whole = selects and last.params.sparse_attn_indices_block_size == P and not ctx_selects
-                    expected = "host_dense" if not selects else "host_paged" if whole else None
+                    whole = last.params is not None and last.params.sparse_attn_indices_block_size == P
+                    expected = ("host_dense" if not selects else None if ctx_selects
+                                else "host_paged" if whole else "native_runs")
                     if expected is None:  # the kvsieve backend
                         assert not res.paths[phase].startswith("host"), (phase, res.paths)
                     else:
@@ -184,6 +190,7 @@ def _check_view_matches_engine(layout, backend, selector, host=False):
     if host:
         whole_pages = selector is not None and selector[1].get("page_size", selector[1].get("block_size")) == P
         assert (("generation", "host_paged") in paths_seen) == whole_pages
+        assert (("generation", "native_runs") in paths_seen) == (selector is not None and not whole_pages)
     elif selector is None or selector[0] == "quest":
         assert ("context", "sdpa_dense") in paths_seen
 

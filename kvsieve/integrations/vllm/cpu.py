@@ -9,7 +9,9 @@ block-wise gather for prompt rows the layer does not select, the kvsieve backend
 Whatever a layer attends densely runs vLLM's own kernel on vLLM's own metadata (no gather): dense
 layers whole, sliding-window layers whole (their selector, if any, is not run: Gemma 3's local
 layers), and the dense rows of a selecting layer; a selection of whole vLLM blocks runs vLLM's paged
-kernel on per-(row, KV head) block tables (:class:`VllmHostAttention`).
+kernel on per-(row, KV head) block tables (:class:`VllmHostAttention`); any other selection of decode
+rows (token-granular, smaller pages) runs kvsieve's native decode kernel on per-(row, KV head) runs
+of vLLM's cache, read in place (:func:`.host.native_runs_attention`).
 
 Refused when the layer is built, naming the feature: ALiBi, logit soft-capping, attention sinks,
 KV sharing between layers, FP8 KV cache, encoder / cross attention; at ``forward``: non-causal

@@ -8,6 +8,13 @@ kernel reads the selected blocks in place when the cache is seen as ``[num_block
 block_size, ...]`` (block ``b`` of KV head ``h`` is pseudo-block ``b * Hkv + h``) and every
 (row, KV head) is a pseudo-request of its ``G`` query heads and one KV head
 (:func:`per_head_block_tables`, :meth:`HostAttention.paged_per_head`).
+
+Any other position selection of generation rows (token-granular: ``oracle_topk``, ``streaming``,
+third-party token selectors; pages smaller than a cache block; a whole-block selection where a
+(row, KV head) selects nothing) is turned into per-(row, KV head) runs of consecutive positions
+inside one cache block, and kvsieve's native decode kernel reads them in place from the host's
+cache views (:func:`token_runs`, :func:`native_runs_attention`; K stored by channel, as in vLLM's
+CPU layout, is read channel by channel).
 """
 from __future__ import annotations
 
@@ -16,12 +23,14 @@ from typing import Protocol
 
 import torch
 
+from ...kernels.cpu import NativeUnavailable
 from ...kernels.cpu.head_tables import head_tables
+from ...kernels.cpu.sparse_decode import TokenRuns, selection_runs, sparse_decode_runs_native, supports_runs_native
 from ...metadata import AttentionMetadata
 from ...metadata.foreign_paged import ForeignPagedKV
-from ...sparse import SparseRuntimeParams
+from ...sparse import AttentionGeometry, SparseRuntimeParams
 
-__all__ = ["HostAttention", "PerHeadTables", "per_head_block_tables"]
+__all__ = ["HostAttention", "PerHeadTables", "native_runs_attention", "per_head_block_tables", "token_runs"]
 
 
 class HostAttention(Protocol):
@@ -65,3 +74,34 @@ def per_head_block_tables(params: SparseRuntimeParams, md: AttentionMetadata, vi
     if built is None:
         return None
     return PerHeadTables(torch.from_numpy(built[0]), torch.from_numpy(built[1]))
+
+
+def token_runs(params: SparseRuntimeParams, md: AttentionMetadata, view: ForeignPagedKV) -> TokenRuns | None:
+    """The generation rows' position selection of ``params`` (any ``sparse_attn_indices_block_size``)
+    as per-(row, KV head) runs of consecutive positions inside one cache block
+    (:func:`kvsieve.kernels.cpu.sparse_decode.selection_runs`, rows in ``md.generation_rows`` order),
+    or ``None`` when the generation rows select no positions. ``params`` validated; every generation
+    row is one request's one token."""
+    if not params.selects_positions("generation"):
+        return None
+    rows, reqs = md.generation_rows, md.phase_requests("generation")
+    off = params.sparse_attn_offsets.numpy()[rows.start: rows.stop + 1]
+    idx = params.sparse_attn_indices.numpy()[:, off[0]: off[-1]]
+    return selection_runs(idx, off - off[0], params.sparse_attn_indices_block_size, view.block_table[md.slots[reqs]],
+                          md.kv_lens_host[reqs], view.tokens_per_block)
+
+
+def native_runs_attention(q: torch.Tensor, runs: TokenRuns, view: ForeignPagedKV, layer_idx: int,
+                          geometry: AttentionGeometry) -> torch.Tensor | None:
+    """q ``[N, Hq, D]`` (the generation rows of ``runs``) -> ``[N, Hq, D]`` in q's dtype: each (row,
+    KV head) attends its runs, read in place from the view's K/V of ``layer_idx`` by the native kernel;
+    ``None`` where the kernel does not take the call (not GQA with ``value_dim == head_dim``, a cache
+    dtype other than bf16/fp32, a head dim past 256 or group past 16, or its library unavailable)."""
+    k, v = view.k_cache(layer_idx), view.v_cache(layer_idx)
+    if geometry.kind != "gqa" or geometry.value_dim != geometry.head_dim or not supports_runs_native(k, v, q):
+        return None
+    try:
+        out, _ = sparse_decode_runs_native(k, v, runs, q, sm_scale=geometry.sm_scale)
+    except NativeUnavailable:
+        return None
+    return out.to(q.dtype)

@@ -37,7 +37,7 @@ from ...sparse.backends import AttentionResult, VanillaBackend, default_backend
 from ...sparse.backends.sdpa import causal_sdpa
 from ...sparse.params import is_dense
 from .config import WorkerRanks
-from .host import HostAttention, per_head_block_tables
+from .host import HostAttention, native_runs_attention, per_head_block_tables, token_runs
 
 __all__ = ["VllmStep", "StepTranslator", "LayerRunner", "dense_context_rows"]
 
@@ -175,8 +175,10 @@ class LayerRunner:
         With ``host`` (the host engine's own kernels, :mod:`.host`): a step the layer attends densely
         in every phase present is the host's own attention (path ``host_dense``); generation rows
         whose selection is whole cache blocks go to the host's paged kernel with per-(row, KV head)
-        block tables (``host_paged``), their step's context rows (dense) to the host's own
-        attention. Every other case as without ``host``; the capture also compares dense layer
+        block tables (``host_paged``), any other position selection of generation rows to kvsieve's
+        native decode kernel on per-(row, KV head) runs read in place (``native_runs``), their step's
+        context rows (dense) to the host's own attention. Every other case (a selecting prompt row,
+        skip-softmax, a cache or shape the native kernel does not take) as without ``host``; the capture also compares dense layer
         calls with the host's own attention."""
         md = step.metadata
         params = self._select(q, k, v, md)
@@ -201,27 +203,39 @@ class LayerRunner:
             return AttentionResult(step.to_kvsieve(host.dense()), None, attended, dict.fromkeys(phases, "host_dense"))
         if "generation" not in phases or ("context" in phases and params.selects_positions("context")):
             return None
-        tables = per_head_block_tables(params, md, step.view)
         hkv, rows = g.num_kv_heads, md.generation_rows
         if "context" not in phases:  # a decode-only step: every row is a generation row
-            if tables is None:
-                return None
-            paged = host.paged_per_head(q.reshape(-1, g.num_q_heads // hkv, g.head_dim), tables)
-            return AttentionResult(paged.view(-1, g.num_q_heads, g.value_dim), None,
-                                   tables.seq_lens.view(-1, hkv).to(torch.int64), {"generation": "host_paged"})
+            gen = self._generation_on_host(q, step, params, host)
+            return None if gen is None else AttentionResult(gen[0], None, gen[1], {"generation": gen[2]})
         # a mixed step: the context rows (dense) from the host's own attention of the whole step, copied
         # (host.dense() stays the host's own output: the capture compares with it)
         out = step.to_kvsieve(host.dense()).clone()
         attended = md.token_kv_lens.to(torch.int64)[:, None].repeat(1, hkv)
-        if tables is None:  # the decode rows' selection is not whole blocks: the backend on their sub-step
+        gen = self._generation_on_host(q[rows], step, params, host)
+        if gen is None:  # not a selection the host path reads: the backend on the decode rows' sub-step
             sub = self.backend.forward(q[rows], step.generation_metadata(), self.layer_idx, g,
                                        _rows_params(params, rows))
             out[rows], attended[rows], path = sub.out, sub.attended, sub.paths["generation"]
         else:
-            paged = host.paged_per_head(q[rows].reshape(-1, g.num_q_heads // hkv, g.head_dim), tables)
-            out[rows], attended[rows] = paged.view(-1, g.num_q_heads, g.value_dim), tables.seq_lens.view(-1, hkv)
-            path = "host_paged"
+            out[rows], attended[rows], path = gen
         return AttentionResult(out, None, attended, {"context": "host_dense", "generation": path})
+
+    def _generation_on_host(self, q: torch.Tensor, step: StepTranslator, params: SparseRuntimeParams,
+                            host: HostAttention) -> tuple[torch.Tensor, torch.Tensor, str] | None:
+        """The generation rows' selected attention without the kvsieve backend: q ``[N, Hq, D]`` (those
+        rows) -> ``(out [N, Hq, D], attended [N, Hkv] int64, path)``. A selection of whole cache blocks
+        in which every (row, KV head) selects some: the host's paged kernel on per-head block tables
+        (``host_paged``); any other position selection: kvsieve's native kernel on per-(row, KV head)
+        runs read in place from the view (``native_runs``); ``None`` where neither takes it."""
+        md, g = step.metadata, self.geometry
+        hkv = g.num_kv_heads
+        tables = per_head_block_tables(params, md, step.view)
+        if tables is not None:
+            paged = host.paged_per_head(q.reshape(-1, g.num_q_heads // hkv, g.head_dim), tables)
+            return paged.view(-1, g.num_q_heads, g.value_dim), tables.seq_lens.view(-1, hkv).to(torch.int64), "host_paged"
+        runs = token_runs(params, md, step.view)
+        out = None if runs is None else native_runs_attention(q, runs, step.view, self.layer_idx, g)
+        return None if out is None else (out, torch.from_numpy(runs.attended), "native_runs")
 
     def _select(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
                 ) -> SparseRuntimeParams | None:

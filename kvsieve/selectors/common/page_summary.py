@@ -32,10 +32,12 @@ list (newest page first, then by score) is cut where the scores before the next 
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 import torch
 
-from ...kernels.cpu import page_topk
+from ...kernels.cpu.page_topk import page_topk_rows
 from ...kernels.cpu.page_minmax import page_minmax
 from ...metadata import KVCacheManager
 from ...sparse import SelectorInputs, SparseRuntimeParams
@@ -221,9 +223,9 @@ def _select_pages_per_row(inputs: SelectorInputs, summaries: PageSummaries, *, m
                           ) -> SparseRuntimeParams:
     """:func:`select_pages` of a step whose generation rows are one token per request (decode
     steps; no sliding window, fixed budget): each row's candidates are every page of its request,
-    so no masks, and a selection cannot run short of pages, so no padding. Each row's pages are
-    picked by :func:`~kvsieve.kernels.cpu.page_topk` (native on the CPU), reading the pool in place;
-    the rows' selections are concatenated (row ``i`` keeps ``min(topk, its pages)``)."""
+    so no masks, and a selection cannot run short of pages, so no padding. The rows' pages are
+    picked by :func:`~kvsieve.kernels.cpu.page_topk.page_topk_rows` (one native call for every row on
+    the CPU), reading the pool in place; row ``i`` keeps ``min(topk, its pages)``."""
     md = inputs.metadata
     c, ps = md.num_contexts, summaries.page_size
     pool = summaries.pools[inputs.layer_idx]  # [num_blocks, Hkv, S, 2, D]
@@ -231,16 +233,13 @@ def _select_pages_per_row(inputs: SelectorInputs, summaries: PageSummaries, *, m
     q = inputs.q[g0: md.num_tokens]  # [T', Hq, D]
     if topr < q.shape[-1]:
         q = keep_top_channels(q.float().view(q.shape[0], pool.shape[1], -1, q.shape[-1]), topr).flatten(1, 2)
-    sels, offsets = [], [0] * (g0 - inputs.rows.start + 1)  # context rows: empty segments
-    for row, i in enumerate(range(c, md.num_seqs)):
-        n_pages = -(-int(md.kv_lens_host[i]) // ps)
-        blocks = summaries.cache.block_table[md.slots[i], : -(-n_pages // pool.shape[2])]
-        ids = torch.from_numpy(blocks.astype(np.int64))
-        sels.append(page_topk(pool, ids, n_pages, q[row], sm_scale=inputs.sm_scale, mode=mode,
-                              k=min(topk, n_pages)).indices)
-        offsets.append(offsets[-1] + sels[-1].shape[1])
-    return SparseRuntimeParams(sparse_attn_indices=sels[0] if len(sels) == 1 else torch.cat(sels, dim=1),
-                               sparse_attn_offsets=torch.tensor(offsets, dtype=torch.int32, device=sels[0].device),
+    n_pages = -(-md.kv_lens_host[c: md.num_seqs].astype(np.int64) // ps)
+    table = summaries.cache.block_table[md.slots[c: md.num_seqs], : -(-int(n_pages.max()) // pool.shape[2])]
+    ks = np.minimum(topk, n_pages)
+    sel = page_topk_rows(pool, table, n_pages, q, sm_scale=inputs.sm_scale, mode=mode, ks=ks)
+    offsets = [0] * (g0 - inputs.rows.start + 1) + list(accumulate(ks.tolist()))  # context rows: empty segments
+    return SparseRuntimeParams(sparse_attn_indices=sel.to(inputs.q.device),
+                               sparse_attn_offsets=torch.tensor(offsets, dtype=torch.int32, device=inputs.q.device),
                                sparse_attn_indices_block_size=ps, selected_phases=frozenset({"generation"}))
 
 

@@ -22,18 +22,24 @@ place (no gather, no fp32 copy); its fp32 sums run in another order and its ``ex
 (~1 ulp), so its scores match the naive ones to the fp32 rounding of the logits and the pages are
 the same unless two scores are that close. It runs for CPU tensors, bf16/fp32 pools, ``D <= 256``, ``G <= 16``
 when its library builds (:mod:`..build`); otherwise the naive path runs.
+
+:func:`page_topk_rows` does the same for the decode tokens of many requests in one native call
+(their block tables as rows of one table) and returns their indices side by side; without the
+library it runs :func:`page_topk` per row.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..build import NativeUnavailable
 from .naive import page_topk_naive
-from .native import MAX_D, MAX_G, SOURCE, page_topk_native
+from .native import MAX_D, MAX_G, SOURCE, page_topk_native, page_topk_rows_native
 
-__all__ = ["PageTopK", "SOURCE", "page_topk", "page_topk_naive", "page_topk_native", "supports_native"]
+__all__ = ["PageTopK", "SOURCE", "page_topk", "page_topk_naive", "page_topk_native", "page_topk_rows",
+           "page_topk_rows_native", "supports_native"]
 
 MODES = ("bound", "sign")
 
@@ -71,3 +77,30 @@ def page_topk(pool: torch.Tensor, block_ids: torch.Tensor, n_pages: int, q: torc
             pass
     sel, scores = page_topk_naive(pool, block_ids, n_pages, q, sm_scale=sm_scale, mode=mode, k=k)
     return PageTopK(sel, scores, "naive")
+
+
+def page_topk_rows(pool: torch.Tensor, table: np.ndarray, n_pages: np.ndarray, q: torch.Tensor, *, sm_scale: float,
+                   mode: str, ks: np.ndarray) -> torch.Tensor:
+    """:func:`page_topk` of ``N`` decode tokens: ``q [N, Hq, D]``, token ``n``'s blocks in
+    ``table[n]`` (``[N, W]`` block ids), its ``n_pages[n]`` pages, ``ks[n]`` kept per head ->
+    ``indices [Hkv, sum(ks)]`` int32, token ``n``'s (ascending) after those of the tokens before it.
+    One native call for two tokens or more (same pages as :func:`page_topk` per token), else
+    :func:`page_topk` per token (one token: its own call has less set-up; or where the native kernel
+    does not take the inputs)."""
+    n_pages, ks = np.ascontiguousarray(n_pages, dtype=np.int64), np.ascontiguousarray(ks, dtype=np.int64)
+    if q.dim() != 3 or not q.shape[0] == table.shape[0] == n_pages.size == ks.size:
+        raise ValueError(f"page_topk_rows: q [N, Hq, D], table [N, W], n_pages and ks [N] must agree, got "
+                         f"{tuple(q.shape)}, {table.shape}, {n_pages.size}, {ks.size}")
+    if not q.shape[0]:
+        return torch.empty(pool.shape[1], 0, dtype=torch.int32)
+    if q.shape[0] > 1 and mode in MODES and supports_native(pool, q[0]) and q.shape[2] == pool.shape[4] and q.shape[1] % pool.shape[1] == 0:
+        try:  # None: a k or page count the kernel refuses; page_topk below names it
+            sel = page_topk_rows_native(pool, np.ascontiguousarray(table, dtype=np.int64), n_pages, q,
+                                        sm_scale=sm_scale, mode=mode, ks=ks)
+        except NativeUnavailable:
+            sel = None
+        if sel is not None:
+            return sel
+    sels = [page_topk(pool, torch.from_numpy(table[n].astype(np.int64)), int(n_pages[n]), q[n], sm_scale=sm_scale,
+                      mode=mode, k=int(ks[n])).indices for n in range(q.shape[0])]
+    return sels[0] if len(sels) == 1 else torch.cat(sels, dim=1)

@@ -47,11 +47,15 @@ def trainable_layers(model_config: Any, layers: list[int] | None) -> list[int]:
     return chosen
 
 
-def sample_rows(seq_len: int, rows: int, gen: torch.Generator) -> torch.Tensor:
-    """``rows`` distinct positions from the last 7/8 of the window, the last position always among them."""
+def sample_rows(seq_len: int, rows: int, gen: torch.Generator, tail: int = 1) -> torch.Tensor:
+    """``rows`` distinct positions (int64, ascending): the last ``tail`` positions of the window
+    (at least the last one) and the others drawn from its last 7/8 before them."""
+    tail = max(tail, 1)
+    if tail > rows:
+        raise ValueError(f"sample_rows: the window's last {tail} rows must all be sampled, but only {rows} rows are")
     lo = min(seq_len // 8, seq_len - rows)
-    pick = torch.randperm(seq_len - 1 - lo, generator=gen)[: rows - 1] + lo
-    return torch.cat([pick, torch.tensor([seq_len - 1])]).sort().values
+    pick = torch.randperm(seq_len - tail - lo, generator=gen)[: rows - tail] + lo
+    return torch.cat([pick, torch.arange(seq_len - tail, seq_len)]).sort().values
 
 
 @dataclass(frozen=True)

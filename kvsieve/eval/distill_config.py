@@ -14,7 +14,10 @@ class DistillConfig:
     """Indexer geometry (``n_heads x head_dim``, RoPE on ``rope_dim`` channels) and training:
     ``num_seqs`` training windows and ``heldout_seqs`` held-out windows of ``seq_len`` tokens,
     ``rows`` query rows sampled per window, ``epochs`` passes with Adam (``lr``, cosine decay),
-    ``seed``; ``holdout_every``: every so many essays are held out."""
+    ``seed``; ``holdout_every``: every so many essays are held out; ``retrieval_seqs`` more
+    training windows of training essays with ``retrieval_facts`` synthetic facts inserted and a
+    question and its answer per fact at the end, whose sampled rows include every row of that
+    tail (:mod:`.distill_retrieval`)."""
 
     n_heads: int = knob(8, ge=1, doc="indexer heads")
     head_dim: int = knob(32, ge=1, doc="indexer head dim")
@@ -27,6 +30,8 @@ class DistillConfig:
     lr: float = knob(3e-3, gt=0)
     seed: int = 0
     holdout_every: int = knob(2, ge=1, doc="every so many essays held out")
+    retrieval_seqs: int = knob(0, ge=0, doc="extra training windows of essays with facts asked at the end")
+    retrieval_facts: int = knob(8, ge=1, doc="facts (each asked once) per retrieval window")
 
     def __post_init__(self) -> None:
         check_knobs(self, "DistillConfig")

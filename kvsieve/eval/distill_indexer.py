@@ -40,6 +40,7 @@ from .distill_capture import (WindowTargets, cached_capture, capture_targets, sa
                               trainable_layers)
 from .distill_config import DistillConfig
 from .distill_corpus import corpus_documents, special_prefix, split_documents, token_windows
+from .distill_retrieval import retrieval_windows
 
 __all__ = ["DistillConfig", "Checkpoint", "DistillResult", "Corpus", "DENSITIES", "collect", "fit", "distill",
            "indexer_row_logits", "row_kl", "row_recall",
@@ -153,7 +154,8 @@ class Corpus:
 
 def collect(model: torch.nn.Module, tokenizer: Any, cfg: DistillConfig, layers: list[int] | None = None, *,
             progress: bool = True, captures: Path | None = None) -> Corpus:
-    """Capture the training and held-out windows of ``cfg`` (the expensive, geometry-free part);
+    """Capture the training and held-out windows of ``cfg`` (the expensive, geometry-free part),
+    the training windows followed by ``cfg.retrieval_seqs`` retrieval windows (:mod:`.distill_retrieval`);
     with ``captures`` (a folder) each window's targets are kept there (:func:`cached_capture`,
     keyed by the model's weights, the tokens, the layers and the rows) and reused by a rerun."""
     start = time.perf_counter(), time.process_time()
@@ -182,6 +184,11 @@ def collect(model: torch.nn.Module, tokenizer: Any, cfg: DistillConfig, layers: 
 
     train = targets(train_docs, cfg.num_seqs, "train targets", "train")
     held = targets(held_docs, cfg.heldout_seqs, "held out", "held")
+    if cfg.retrieval_seqs:  # from the training essays only; every row of the question/answer tail is sampled
+        made = retrieval_windows(tokenizer, train_docs, cfg.seq_len, cfg.retrieval_seqs, cfg.retrieval_facts, cfg.seed)
+        train += [window(w.ids, sample_rows(cfg.seq_len, cfg.rows, gen, cfg.seq_len - w.tail_start),
+                         captures and Path(captures) / f"retrieval-{j}.pt")
+                  for j, w in enumerate(tqdm(made, desc="retrieval targets", disable=not progress))]
     text = getattr(model.config, "text_config", model.config)
     split = {"train": [f"{d.source}/{d.name}" for d in train_docs], "held_out": [f"{d.source}/{d.name}" for d in held_docs]}
     return Corpus(train, held, layers, text.hidden_size, _rope_theta(text), split, start)

@@ -48,9 +48,10 @@ def trainable_layers(model_config: Any, layers: list[int] | None) -> list[int]:
 
 
 def sample_rows(seq_len: int, rows: int, gen: torch.Generator, tail: int = 1) -> torch.Tensor:
-    """``rows`` distinct positions (int64, ascending): the last ``tail`` positions of the window
-    (at least the last one) and the others drawn from its last 7/8 before them."""
-    tail = max(tail, 1)
+    """``rows`` distinct positions (int64, ascending): the last ``tail`` (>= 1) positions of the
+    window and the others drawn from its last 7/8 before them."""
+    if tail < 1:
+        raise ValueError(f"sample_rows: tail must be >= 1 (the last position is always sampled), got {tail}")
     if tail > rows:
         raise ValueError(f"sample_rows: the window's last {tail} rows must all be sampled, but only {rows} rows are")
     lo = min(seq_len // 8, seq_len - rows)

@@ -88,6 +88,8 @@ def test_sample_rows_with_a_tail_keeps_every_tail_row_and_the_former_draw_withou
     assert torch.equal(sample_rows(400, 100, torch.Generator().manual_seed(5)), want)
     with pytest.raises(ValueError, match="last 120 rows must all be sampled, but only 100"):
         sample_rows(400, 100, gen, tail=120)
+    with pytest.raises(ValueError, match="tail must be >= 1"):
+        sample_rows(400, 100, gen, tail=0)
 
 
 def test_collect_samples_the_tail_rows_and_never_trains_on_held_out_essays(monkeypatch):

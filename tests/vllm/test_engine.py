@@ -48,10 +48,14 @@ def model_dir() -> Path:
 
 
 def _env(**extra: str | None) -> dict[str, str]:
-    """The engine's environment: this one without kvsieve's settings, plus ``extra`` (``None`` removes)."""
+    """The engine's environment: this one without kvsieve's settings, plus ``extra`` (``None`` removes).
+    One OpenMP thread unless the caller's environment says otherwise: vLLM's CPU worker binds its
+    threads to cores and spin-waits at every op's barrier, so with two threads on a 2-core machine
+    any other process on either core stalls every step (a 300-token, 16-step generate took 33 s
+    with two threads beside another job, 2.7 s with one; docs/vllm.md, "CI time")."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSIEVE_") or k == "KVSIEVE_CACHE"}
     env.pop("TRITON_INTERPRET", None)
-    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "2"), **extra})
+    env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), **extra})
     return {k: v for k, v in env.items() if v is not None}
 
 

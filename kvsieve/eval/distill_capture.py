@@ -103,7 +103,8 @@ def capture_attention(model: torch.nn.Module, ids: torch.Tensor, layers: list[in
     """Run the frozen model once over ``ids [1, S]``; per layer of ``layers`` its
     :class:`LayerCapture` at query ``rows``. Refuses a layer whose attention is not plain causal
     softmax (logit soft-capping, a sliding window). The other sliding-window layers run
-    :func:`windowed_attention`."""
+    :func:`windowed_attention`. The forward pass's freed C heap goes back to the OS before
+    returning (:func:`release_free_heap`), so that repeated captures stay at what they keep."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -142,6 +143,7 @@ def capture_attention(model: torch.nn.Module, ids: torch.Tensor, layers: list[in
         model.set_attn_implementation(previous)
         for h in hooks:
             h.remove()
+    release_free_heap()
     return {i: found[i] for i in layers}
 
 
@@ -149,11 +151,8 @@ def capture_targets(model: torch.nn.Module, ids: torch.Tensor, layers: list[int]
     """Run the frozen model once over ``ids [1, S]`` and keep, for ``layers``, the targets of
     ``rows`` (:class:`WindowTargets`)."""
     caps = capture_attention(model, ids, layers, rows)
-    out = WindowTargets(rows, {i: c.hidden for i, c in caps.items()},
-                        {i: c.dense_attention(rows).mean(1).half() for i, c in caps.items()})
-    del caps
-    release_free_heap()
-    return out
+    return WindowTargets(rows, {i: c.hidden for i, c in caps.items()},
+                         {i: c.dense_attention(rows).mean(1).half() for i, c in caps.items()})
 
 
 def release_free_heap() -> bool:

@@ -179,16 +179,20 @@ def test_release_free_heap_gives_freed_heap_pages_back():
     assert len(keep) == 256
 
 
-def test_capture_targets_releases_the_forward_passes_free_heap(monkeypatch):
+def test_every_capture_releases_the_forward_passes_free_heap(monkeypatch):
     """Each capture hands its forward pass's freed heap back (docs/results/dsa.md, 8.1: 9.3 GB
-    resident after 25 SmolLM2 2K captures without it)."""
+    resident after 25 SmolLM2 2K captures without it): the distillation's (capture_targets) and
+    the mass-recall measurement's (capture_attention, kvsieve.eval.mass_recall) alike."""
     from kvsieve.eval import distill_capture
 
     calls = []
     monkeypatch.setattr(distill_capture, "release_free_heap", lambda: calls.append(1) or True)
     ids = torch.tensor([ByteTokenizer().encode("a short window of text to capture")])
-    distill_capture.capture_targets(tiny_random_llama(), ids, [0, 1], torch.tensor([5, ids.shape[1] - 1]))
+    model, rows = tiny_random_llama(), torch.tensor([5, ids.shape[1] - 1])
+    distill_capture.capture_targets(model, ids, [0, 1], rows)
     assert calls == [1]
+    distill_capture.capture_attention(model, ids, [0], rows)
+    assert calls == [1, 1]
 
 
 def test_sliding_layers_and_short_corpora_are_refused():

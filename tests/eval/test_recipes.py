@@ -19,11 +19,11 @@ from kvsieve.integrations.transformers import KvsieveSession
 from kvsieve.selectors.dsa.projections import load_projections
 from kvsieve.selectors.skip_softmax.selector import interpolate_factor
 
-TINY = ["model=tiny-random",
-        # the preset's retrieval windows, shrunk: one fact (its question-and-answer tail: 80 byte
-        # tokens, every one of them a sampled row) in a 512-token window
-        "selectors.dsa.prepare_params={seq_len: 512, num_seqs: 2, heldout_seqs: 1, rows: 96, retrieval_seqs: 1, "
-        "retrieval_facts: 1, epochs: 1}",
+# the preset's dsa distillation shrunk for the tiny model; one retrieval window keeps that path in:
+# one fact (its question-and-answer tail: 80 byte tokens, every one of them a sampled row) in 512 tokens
+TINY_DSA = {"seq_len": 512, "num_seqs": 2, "heldout_seqs": 1, "rows": 96, "retrieval_seqs": 1, "retrieval_facts": 1,
+            "epochs": 1}
+TINY = ["model=tiny-random", f"selectors.dsa.prepare_params={json.dumps(TINY_DSA)}",
         # the tiny random model's attention is nearly flat: tiles start to be skipped near factor = kv_len,
         # and at 512 tokens (8 tiles of 64) at most 7 of 8 are skipped
         "selectors.skip_softmax.prepare_params={length: 512, num_texts: 1, factors: [490, 500, 520, 560, 1000]}",
@@ -120,8 +120,7 @@ def test_a_sweep_runs_prepared_dsa_and_skip_softmax(cache, tiny, tmp_path):
     entries = {k: recipes["selectors"][k] for k in ("dsa", "skip_softmax")}
     for e in entries.values():
         e["sparsities"] = [0.75]
-    entries["dsa"]["prepare_params"] |= {"seq_len": 512, "num_seqs": 2, "heldout_seqs": 1, "rows": 96,
-                                         "retrieval_seqs": 1, "retrieval_facts": 1, "epochs": 1}
+    entries["dsa"]["prepare_params"] |= TINY_DSA
     entries["skip_softmax"]["prepare_params"] = {"length": 512, "num_texts": 1, "factors": [490, 500, 520, 560]}
     raw = {"model": "tiny-random", "output_dir": str(tmp_path / "out"),
            "tasks": {"passkey": {"lengths": [300], "depths": [50], "samples": 1}}, "selectors": entries}

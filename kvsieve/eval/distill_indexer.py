@@ -177,18 +177,22 @@ def collect(model: torch.nn.Module, tokenizer: Any, cfg: DistillConfig, layers: 
         return WindowTargets(rows, {int(i): h for i, h in saved["hidden"].items()},
                              {int(i): p for i, p in saved["p"].items()})
 
-    def targets(docs, count, desc, name):
-        windows = tqdm(token_windows(tokenizer, docs, cfg.seq_len, count), desc=desc, disable=not progress)
+    def targets(windows, desc, name):
         return [window(ids, sample_rows(cfg.seq_len, cfg.rows, gen), captures and Path(captures) / f"{name}-{j}.pt")
-                for j, ids in enumerate(windows)]
+                for j, ids in enumerate(tqdm(windows, desc=desc, disable=not progress))]
 
-    train = targets(train_docs, cfg.num_seqs, "train targets", "train")
-    held = targets(held_docs, cfg.heldout_seqs, "held out", "held")
-    if cfg.retrieval_seqs:  # from the training essays only; every row of the question/answer tail is sampled
-        made = retrieval_windows(tokenizer, train_docs, cfg.seq_len, cfg.retrieval_seqs, cfg.retrieval_facts, cfg.seed)
-        train += [window(w.ids, sample_rows(cfg.seq_len, cfg.rows, gen, cfg.seq_len - w.tail_start),
-                         captures and Path(captures) / f"retrieval-{j}.pt")
-                  for j, w in enumerate(tqdm(made, desc="retrieval targets", disable=not progress))]
+    # every window is cut before the first capture, so a corpus too short for them is refused at
+    # once, not after the captures (an hour of CPU for Gemma 3 at 16K)
+    prose = token_windows(tokenizer, train_docs, cfg.seq_len, cfg.num_seqs)
+    held_out = token_windows(tokenizer, held_docs, cfg.seq_len, cfg.heldout_seqs)
+    # from the training essays only; every row of the question/answer tail is sampled
+    made = (retrieval_windows(tokenizer, train_docs, cfg.seq_len, cfg.retrieval_seqs, cfg.retrieval_facts, cfg.seed)
+            if cfg.retrieval_seqs else [])
+    train = targets(prose, "train targets", "train")
+    held = targets(held_out, "held out", "held")
+    train += [window(w.ids, sample_rows(cfg.seq_len, cfg.rows, gen, cfg.seq_len - w.tail_start),
+                     captures and Path(captures) / f"retrieval-{j}.pt")
+              for j, w in enumerate(tqdm(made, desc="retrieval targets", disable=not progress))]
     text = getattr(model.config, "text_config", model.config)
     split = {"train": [f"{d.source}/{d.name}" for d in train_docs], "held_out": [f"{d.source}/{d.name}" for d in held_docs]}
     return Corpus(train, held, layers, text.hidden_size, _rope_theta(text), split, start)

@@ -177,9 +177,9 @@ def collect(model: torch.nn.Module, tokenizer: Any, cfg: DistillConfig, layers: 
         return WindowTargets(rows, {int(i): h for i, h in saved["hidden"].items()},
                              {int(i): p for i, p in saved["p"].items()})
 
-    def targets(windows, desc, name):
-        return [window(ids, sample_rows(cfg.seq_len, cfg.rows, gen), captures and Path(captures) / f"{name}-{j}.pt")
-                for j, ids in enumerate(tqdm(windows, desc=desc, disable=not progress))]
+    def targets(windows, desc, name):  # windows: (ids [1, seq_len], rows always sampled at the end)
+        return [window(ids, sample_rows(cfg.seq_len, cfg.rows, gen, tail), captures and Path(captures) / f"{name}-{j}.pt")
+                for j, (ids, tail) in enumerate(tqdm(windows, desc=desc, disable=not progress))]
 
     # every window is cut before the first capture, so a corpus too short for them is refused at
     # once, not after the captures (an hour of CPU for Gemma 3 at 16K)
@@ -188,11 +188,9 @@ def collect(model: torch.nn.Module, tokenizer: Any, cfg: DistillConfig, layers: 
     # from the training essays only; every row of the question/answer tail is sampled
     made = (retrieval_windows(tokenizer, train_docs, cfg.seq_len, cfg.retrieval_seqs, cfg.retrieval_facts, cfg.seed)
             if cfg.retrieval_seqs else [])
-    train = targets(prose, "train targets", "train")
-    held = targets(held_out, "held out", "held")
-    train += [window(w.ids, sample_rows(cfg.seq_len, cfg.rows, gen, cfg.seq_len - w.tail_start),
-                     captures and Path(captures) / f"retrieval-{j}.pt")
-              for j, w in enumerate(tqdm(made, desc="retrieval targets", disable=not progress))]
+    train = targets([(ids, 1) for ids in prose], "train targets", "train")
+    held = targets([(ids, 1) for ids in held_out], "held out", "held")
+    train += targets([(w.ids, cfg.seq_len - w.tail_start) for w in made], "retrieval targets", "retrieval")
     text = getattr(model.config, "text_config", model.config)
     split = {"train": [f"{d.source}/{d.name}" for d in train_docs], "held_out": [f"{d.source}/{d.name}" for d in held_docs]}
     return Corpus(train, held, layers, text.hidden_size, _rope_theta(text), split, start)

@@ -8,7 +8,7 @@ timer is inclusive; the exclusive stages are differences:
 stage                     what (kvsieve)
 ========================  =====================================================================
 ``selector``              ``on_append`` + ``predict_kv`` + ``predict_attn`` of every layer's selector
-``place+validate``        :func:`kvsieve.sparse.attention.place_rows` + ``SparseRuntimeParams.validate``
+``place+validate``        :func:`kvsieve.sparse.selector_step.place_rows` + ``SparseRuntimeParams.validate``
 ``gather``                the backend's K/V copies (torch backend ``_rows``, the SDPA fast path's
                           ``gather_blocks``); the index arithmetic around them counts as attention
 ``attention``             the backend's ``forward`` minus its gather
@@ -90,7 +90,7 @@ def _model_parts(model: torch.nn.Module, timers: StageTimers) -> None:
 def profile_kvsieve(session, tok: torch.Tensor, steps: int) -> dict[str, float]:
     """``steps`` greedy decode steps of ``session`` under the timers; ms per step per :data:`STAGES`."""
     import kvsieve.integrations.feature_backend as fb
-    import kvsieve.sparse.attention as sa
+    import kvsieve.sparse.selector_step as sa
     from kvsieve.sparse.params import SparseRuntimeParams
 
     t = StageTimers()

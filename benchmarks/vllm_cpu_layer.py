@@ -57,6 +57,7 @@ def main() -> None:
     from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
     from kvsieve.metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
     from kvsieve.sparse import AttentionGeometry, get_backend
+    from kvsieve.sparse.selector_step import selector_inputs
 
     hkv, g, d, bs, dtype, b, length = 3, 3, 64, args.block_size, torch.bfloat16, args.requests, args.kv_len
     per_req = -(-length // bs)
@@ -100,9 +101,9 @@ def main() -> None:
     prep()
     md = tr.metadata
     sel = plan.selector
-    inputs = runner._inputs.selector_inputs(q, k, v, md)
+    inputs = selector_inputs(q, k, v, md, layer_idx=0, geometry=geometry, plan=plan)
     sel.on_attach(inputs, np.arange(b))  # the prompt's page summaries, as the prompt step writes them
-    params = runner._select(q, k, v, md)
+    params = runner.select(q, k, v, md)
     tables = per_head_block_tables(params, md, view)
     q_heads = q.reshape(-1, g, d).contiguous()
     if tables is not None:  # whole vLLM blocks: vLLM's paged kernel

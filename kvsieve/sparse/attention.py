@@ -27,7 +27,7 @@ observers of a model integration that cannot pass results through the model's co
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,7 +37,8 @@ from .selector_base import SelectorInputs, attach_refusal
 from .backends import AttentionBackend, AttentionGeometry, default_backend, get_backend
 from .config import LayerPlan
 from .knobs import check_value
-from .params import PHASES, SparseRuntimeParams
+from .params import SparseRuntimeParams
+from .selector_step import check_model_inputs, run_selector, selector_inputs
 from .window import window_params
 
 __all__ = ["SparseAttention", "LayerOutput", "LayerStats", "SelectorRecord", "commit_evictions"]
@@ -167,17 +168,10 @@ class SparseAttention:
 
     def selector_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                         metadata: AttentionMetadata, model_inputs: object = None) -> SelectorInputs:
-        """The hooks' inputs for this step: ``phases`` = the plan's phases present this step, ``rows``
-        their query rows (context rows first, so one contiguous slice); ``model_inputs`` as given
-        to :meth:`forward`."""
-        g = self.geometry
-        plan_phases = self.plan.phases if self.plan is not None else frozenset()
-        phases = tuple(p for p in metadata.phases() if p in plan_phases)
-        rows = slice(metadata.phase_rows(phases[0]).start, metadata.phase_rows(phases[-1]).stop) if phases \
-            else slice(0, 0)
-        return SelectorInputs(q=q, k=k, v=v, metadata=metadata, layer_idx=self.layer_idx,
-                              num_kv_heads=g.num_kv_heads, sm_scale=g.sm_scale, attention_kind=g.kind,
-                              rows=rows, phases=frozenset(phases), model_inputs=model_inputs, window=self.window)
+        """The hooks' inputs for this step (:func:`~kvsieve.sparse.selector_step.selector_inputs` with
+        the layer's index, geometry, plan and window); ``model_inputs`` as given to :meth:`forward`."""
+        return selector_inputs(q, k, v, metadata, layer_idx=self.layer_idx, geometry=self.geometry, plan=self.plan,
+                               window=self.window, model_inputs=model_inputs)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                 metadata: AttentionMetadata, *, model_inputs: object = None) -> LayerOutput:
@@ -192,7 +186,7 @@ class SparseAttention:
         if q.dim() != 3 or q.shape[0] != metadata.num_tokens or q.shape[1] != g.num_q_heads or q.shape[2] != g.head_dim:
             raise ValueError(f"layer {self.layer_idx}: q must be [num_tokens={metadata.num_tokens}, num_q_heads="
                              f"{g.num_q_heads}, head_dim={g.head_dim}], got {tuple(q.shape)}")
-        self._check_model_inputs(model_inputs)
+        check_model_inputs(self.layer_idx, self.plan, model_inputs)
         mgr = metadata.kv_cache_manager
         params = kept = inputs = None
         if self.plan is not None:
@@ -201,20 +195,8 @@ class SparseAttention:
         slots = metadata.slots[metadata.token_to_req_host]
         mgr.write(self.layer_idx, slots, metadata.positions_host, k, v)
         if inputs is not None:
-            sel = self.plan.selector
-            sel.on_append(inputs)
-            if "context" in inputs.phases:
-                kept = _checked_kept(sel.name, sel.predict_kv(inputs))
-            if inputs.phases:
-                params = place_rows(_checked_params(sel.name, sel.predict_attn(inputs)), inputs, sel.name)
-            if kept is not None:
-                base = params if params is not None else SparseRuntimeParams()
-                params = replace(base, sparse_kv_indices=kept[0], sparse_kv_offsets=kept[1])
-            if params is not None and self.debug:
-                prompt_lens = torch.as_tensor(metadata.kv_lens_host[: metadata.num_contexts])
-                params.validate(num_kv_heads=g.num_kv_heads, num_query_tokens=metadata.num_tokens,
-                                num_contexts=metadata.num_contexts, kv_lens=metadata.token_kv_lens,
-                                prompt_lens=prompt_lens)
+            selection = run_selector(self.plan, inputs, validate=self.debug)
+            params, kept = selection.params, selection.kept
         attend = params
         if self.window is not None and not self.backend.capabilities.window:
             attend = window_params(params, metadata, g.num_kv_heads, self.window)
@@ -271,20 +253,6 @@ class SparseAttention:
         for s, a, b in zip(md.slots, first, -(-md.kv_lens_host // p)):
             self._seen_blocks[mgr.block_table[s, a:b]] = True
 
-    def _check_model_inputs(self, model_inputs: object) -> None:
-        """Refuse model inputs the plan's selector does not declare, and a missing or mistyped one it needs."""
-        sel = self.plan.selector if self.plan is not None else None
-        wanted = sel.model_inputs_type if sel is not None else None
-        if wanted is None:
-            if model_inputs is not None:
-                who = "the layer is dense" if sel is None else f"selector {sel.name!r} reads none"
-                raise ValueError(f"layer {self.layer_idx}: model_inputs ({type(model_inputs).__name__}) were given "
-                                 f"but {who}")
-        elif not isinstance(model_inputs, wanted):
-            got = "none" if model_inputs is None else type(model_inputs).__name__
-            raise ValueError(f"layer {self.layer_idx}: selector {sel.name!r} needs this step's {wanted.__name__} "
-                             f"(SparseAttention.forward(..., model_inputs=...), every step), got {got}")
-
     def _compact(self, metadata: AttentionMetadata, inputs: SelectorInputs, indices: torch.Tensor,
                  offsets: torch.Tensor) -> int:
         mgr = metadata.kv_cache_manager
@@ -301,51 +269,6 @@ class SparseAttention:
                                  f"earlier layer kept {prev}; all layers must keep the same number")
         self.plan.selector.on_compacted(inputs, kept_per_req)
         return sum(s.shape[1] for s in kept_per_req)
-
-
-def place_rows(params: SparseRuntimeParams | None, inputs: SelectorInputs, selector: str
-               ) -> SparseRuntimeParams | None:
-    """A selector's answer for ``inputs.rows`` placed in the step's rows: the offsets grow to
-    ``num_tokens + 1`` (rows outside get empty segments), ``selected_phases`` is narrowed to the
-    phases asked, and the skip-softmax factor of a phase not asked is 0."""
-    if params is None:
-        return None
-    md, rows = inputs.metadata, inputs.rows
-    fields: dict[str, object] = {f"threshold_scale_factor_{p}": 0.0 for p in PHASES
-                                 if p not in inputs.phases and params.threshold_scale_factor(p) != 0.0}
-    if params.sparse_attn_indices is not None:
-        off = params.sparse_attn_offsets
-        if off is None or off.dim() != 1 or off.numel() != inputs.num_rows + 1:
-            got = None if off is None else tuple(off.shape)
-            raise ValueError(f"selector {selector!r}: predict_attn was asked about rows [{rows.start}, {rows.stop}) "
-                             f"({inputs.num_rows} rows) and must return sparse_attn_offsets with "
-                             f"{inputs.num_rows + 1} entries, got shape {got}")
-        if inputs.num_rows != md.num_tokens:
-            end = off[-1:]
-            fields["sparse_attn_offsets"] = torch.cat([off.new_zeros(rows.start), off,
-                                                       end.expand(md.num_tokens - rows.stop)])
-        phases = params.selected_phases & inputs.phases
-        if not phases:  # the selector selects in none of the phases it was asked about: dense rows
-            fields.update(sparse_attn_indices=None, sparse_attn_offsets=None, selected_phases=frozenset(PHASES))
-        elif phases != params.selected_phases:
-            fields["selected_phases"] = phases
-    return replace(params, **fields) if fields else params  # a carrier already in place is returned as is
-
-
-def _checked_params(selector: str, params: object) -> SparseRuntimeParams | None:
-    if params is not None and not isinstance(params, SparseRuntimeParams):
-        raise TypeError(f"selector {selector!r}: predict_attn must return SparseRuntimeParams or None, "
-                        f"got {type(params).__name__}")
-    return params
-
-
-def _checked_kept(selector: str, kept: object) -> tuple[torch.Tensor, torch.Tensor] | None:
-    if kept is None:
-        return None
-    if not (isinstance(kept, tuple) and len(kept) == 2 and all(isinstance(t, torch.Tensor) for t in kept)):
-        raise TypeError(f"selector {selector!r}: predict_kv must return (sparse_kv_indices, sparse_kv_offsets) "
-                        f"tensors or None, got {type(kept).__name__}")
-    return kept
 
 
 def commit_evictions(metadata: AttentionMetadata) -> dict[int, int]:

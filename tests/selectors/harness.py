@@ -5,7 +5,7 @@ import torch
 
 from kvsieve import Engine, KVCacheManager, KVCacheSpec, SelectorInputs, SparseAttention, lower_config
 from kvsieve.sparse import SparseAttentionConfig, selection_mask
-from kvsieve.sparse.attention import place_rows
+from kvsieve.sparse.selector_step import place_rows
 from kvsieve.sparse.backends.vanilla import masked_attention
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from harness import Harness, overlap, reference_params, selection_sets
-from kvsieve.sparse.attention import place_rows
+from kvsieve.sparse.selector_step import place_rows
 
 PROMPTS = [300, 170, 41]  # one below every prompt budget used here
 

@@ -11,7 +11,7 @@ import torch
 from default_selectors import DEFAULT_SELECTORS
 from harness import Harness, reference_params
 from kvsieve.sparse import available_selectors, get_selector_class
-from kvsieve.sparse.attention import place_rows
+from kvsieve.sparse.selector_step import place_rows
 
 WITH_REFERENCE = sorted(n for n in available_selectors()
                         if get_selector_class(n).predict_attn_naive is not None)

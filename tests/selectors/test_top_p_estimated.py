@@ -20,7 +20,7 @@ from kvsieve.selectors.block_select.selector import BlockSelectConfig
 from kvsieve.selectors.dsa.selector import DSAConfig
 from kvsieve.selectors.quest.selector import QuestConfig
 
-from kvsieve.sparse.attention import place_rows
+from kvsieve.sparse.selector_step import place_rows
 
 from harness import Harness, reference_params, selection_sets
 

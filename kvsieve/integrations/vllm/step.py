@@ -30,9 +30,8 @@ import torch
 
 from ...metadata import AttentionMetadata
 from ...metadata.foreign_paged import ForeignPagedKV
-from ...sparse import (AttentionBackend, AttentionGeometry, LayerPlan, SparseAttention, SparseRuntimeParams,
-                       get_backend)
-from ...sparse.attention import _checked_kept, _checked_params, place_rows
+from ...sparse import AttentionBackend, AttentionGeometry, LayerPlan, SparseRuntimeParams, get_backend
+from ...sparse.selector_step import check_model_inputs, run_selector, selector_inputs
 from ...sparse.backends import AttentionResult, VanillaBackend, default_backend
 from ...sparse.backends.sdpa import causal_sdpa
 from ...sparse.params import is_dense
@@ -157,10 +156,6 @@ class LayerRunner:
         self.layer_idx, self.geometry, self.plan, self.backend = layer_idx, geometry, plan, backend
         self.capture_dir, self.ranks = capture_dir, ranks
         self.golden = VanillaBackend() if capture_dir is not None else None
-        # the selector inputs and row placement of kvsieve's own layer (which also writes K/V; vLLM did that)
-        self._inputs = SparseAttention(layer_idx=layer_idx, num_q_heads=geometry.num_q_heads,
-                                       num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim, plan=plan,
-                                       backend=backend, kind=geometry.kind, sm_scale=geometry.sm_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepTranslator,
                 host: HostAttention | None = None) -> AttentionResult:
@@ -181,7 +176,7 @@ class LayerRunner:
         skip-softmax, a cache or shape the native kernel does not take) as without ``host``; the capture also compares dense layer
         calls with the host's own attention."""
         md = step.metadata
-        params = self._select(q, k, v, md)
+        params = self.select(q, k, v, md)
         res = None if host is None else self._on_host(q, step, params, host)
         if res is None and "context" in md.phases() and is_dense(params, "context"):
             res = self._dense_context_first(q, step, params)
@@ -237,26 +232,23 @@ class LayerRunner:
         out = None if runs is None else native_runs_attention(q, runs, step.view, self.layer_idx, g)
         return None if out is None else (out, torch.from_numpy(runs.attended), "native_runs")
 
-    def _select(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata
-                ) -> SparseRuntimeParams | None:
-        """The plan's selector hooks on this step -> its validated answer placed in the step's rows."""
+    def select(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
+               model_inputs: object = None) -> SparseRuntimeParams | None:
+        """The plan's selector on this step (:func:`~kvsieve.sparse.selector_step.run_selector`, the
+        steps kvsieve's own layer runs after its K/V write; vLLM wrote the K/V) -> its validated answer
+        placed in the step's rows, ``None`` = dense. ``model_inputs``: what the selector declares it
+        reads per step (checked as kvsieve's layer checks them). A selector that evicts is refused."""
+        check_model_inputs(self.layer_idx, self.plan, model_inputs)
         if self.plan is None:
             return None
-        g = self.geometry
-        inputs = self._inputs.selector_inputs(q, k, v, md)
-        sel = self.plan.selector
-        sel.on_append(inputs)
-        params = None
-        if "context" in inputs.phases and _checked_kept(sel.name, sel.predict_kv(inputs)) is not None:
-            raise _eviction_refused(sel.name, "predict_kv")
-        if inputs.phases:
-            params = place_rows(_checked_params(sel.name, sel.predict_attn(inputs)), inputs, sel.name)
-        if params is not None and params.sparse_kv_indices is not None:
-            raise _eviction_refused(sel.name, "sparse_kv_indices from predict_attn")
-        if params is not None:
-            params.validate(num_kv_heads=g.num_kv_heads, num_query_tokens=md.num_tokens,
-                            num_contexts=md.num_contexts, kv_lens=md.token_kv_lens)
-        return params
+        inputs = selector_inputs(q, k, v, md, layer_idx=self.layer_idx, geometry=self.geometry, plan=self.plan,
+                                 model_inputs=model_inputs)
+        selection = run_selector(self.plan, inputs)
+        if selection.kept is not None:
+            raise _eviction_refused(self.plan.selector.name, "predict_kv")
+        if selection.params is not None and selection.params.sparse_kv_indices is not None:
+            raise _eviction_refused(self.plan.selector.name, "sparse_kv_indices from predict_attn")
+        return selection.params
 
     def _dense_context_first(self, q: torch.Tensor, step: StepTranslator, params: SparseRuntimeParams | None
                              ) -> AttentionResult:

@@ -134,6 +134,44 @@ def test_third_party_selector_runs_inside_vllm(model_dir, tmp_path):
     assert all(r["attended"] < r["dense"] for r in decode)
 
 
+def random_indexer(path: Path, hidden_size: int, num_layers: int) -> Path:
+    """DSA index projections with random weights (seed 0; 4 heads x 32, RoPE on 16 channels) for every
+    layer, saved as ``kvsieve distill-indexer`` saves them: enough to check the plumbing and the
+    arithmetic (which positions are read and what they give), not the indexer's quality."""
+    import torch
+
+    from kvsieve.selectors.dsa.projections import IndexerProjections, save_projections
+
+    torch.manual_seed(0)
+    save_projections(str(path), {i: IndexerProjections(hidden_size, 4, 32, 16) for i in range(num_layers)})
+    return path
+
+
+def dsa_spec(projections: Path, index_topk: int = 128) -> str:
+    return f"dsa:index_topk={index_topk},n_heads=4,head_dim=32,rope_dim=16,projections={projections}"
+
+
+def test_dsa_served_equals_vanilla_golden_on_its_selection(model_dir, tmp_path):
+    """DSA inside vLLM (fp32, three requests, a 700-token prompt): each layer's indexer is fed its
+    hidden state through the model's attention module; every layer call equals the Vanilla golden on
+    the selection it made; the long prompt's rows and every decode step read fewer positions than
+    dense; decode steps run kvsieve's native kernel on runs of vLLM's cache (no copy), prompts with
+    selecting rows the kvsieve backend."""
+    proj = random_indexer(tmp_path / "indexer.pt", 576, NUM_LAYERS)
+    cap = tmp_path / "capture"
+    res = _run_engine(model_dir, tmp_path / "plug.json", "--prompt-tokens", "700", "--max-tokens", "6",
+                      "--dtype", "float32", KVSIEVE_SELECTOR=dsa_spec(proj), KVSIEVE_CAPTURE=str(cap))
+    assert all(len(t) == 6 for t in res["tokens"])
+    records = _captured(cap)
+    _check_golden(records)
+    assert all(r["selector"] == "dsa" for r in records)
+    long_prompt = [r for r in records if r["num_contexts"] > 0 and r["num_tokens"] > 128]
+    assert long_prompt and all(r["sparse"] and r["attended"] < r["dense"] for r in long_prompt)
+    decode = [r for r in records if r["num_contexts"] == 0 and r["num_tokens"] > 0]
+    assert decode and all(r["sparse"] and r["attended"] < r["dense"] for r in decode)
+    assert all(r["paths"] == {"generation": "native_runs"} for r in decode)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -120,3 +120,29 @@ def test_selector_equals_vanilla_golden_in_each_parallel_worker(model, spec, tmp
         assert decode and all(r["sparse"] and r["attended"] < r["dense"] for r in decode)
         if name == "quest":  # pages of one vLLM block: vLLM's paged kernel on per-head block tables
             assert all(r["paths"] == {"generation": "host_paged"} for r in decode)
+
+
+def test_dsa_on_two_tensor_parallel_workers_equals_one_process(model, tmp_path):
+    """DSA under tensor parallelism (2 workers, eager; pipeline stages need a traced model, which the
+    indexer's feed refuses): each worker feeds its shard's layers the (replicated) hidden state, runs
+    the indexer on the full-attention layers, and each call equals the Vanilla golden on its
+    selection; the greedy tokens equal DSA in one process."""
+    from test_engine import dsa_spec, random_indexer
+
+    cfg = _config(model)
+    full = {i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"}
+    spec = dsa_spec(random_indexer(tmp_path / "indexer.pt", cfg["hidden_size"], cfg["num_hidden_layers"]))
+    one = _run_engine(model, tmp_path / "one.json", *ARGS, KVSIEVE_SELECTOR=spec, **SMALL)
+    cap = tmp_path / "capture"
+    two = _run_engine(model, tmp_path / "two.json", *ARGS, "--tensor-parallel-size", str(TP),
+                      KVSIEVE_SELECTOR=spec, KVSIEVE_CAPTURE=str(cap), VLLM_CPU_OMP_THREADS_BIND="0|1", **SMALL)
+    assert two["tokens"] == one["tokens"]
+    records = _captured(cap)
+    assert {r["tp_rank"] for r in records} == set(range(TP))
+    for rank in range(TP):
+        recs = [r for r in records if r["tp_rank"] == rank]
+        _check_golden(recs, full)
+        assert {(r["num_q_heads"], r["num_kv_heads"]) for r in recs} == {
+            (cfg["num_attention_heads"] // TP, max(cfg["num_key_value_heads"] // TP, 1))}
+        decode = [r for r in recs if r["num_contexts"] == 0 and r["num_tokens"] > 0]
+        assert decode and all(r["selector"] == "dsa" and r["sparse"] and r["attended"] < r["dense"] for r in decode)

@@ -110,8 +110,41 @@ def test_host_paths_match_kvsieve_engine(selector):
         torch.set_num_threads(threads)
 
 
+HIDDEN = 48  # the DSA cases' hidden size
+
+
+def _dsa_projections(path) -> str:  # noqa: ANN001
+    """Random index projections (2 heads x 16, RoPE on 8 channels) for every layer, saved as
+    ``kvsieve distill-indexer`` saves them."""
+    from kvsieve.selectors.dsa.projections import IndexerProjections, save_projections
+
+    torch.manual_seed(3)
+    save_projections(str(path), {i: IndexerProjections(HIDDEN, 2, 16, 8) for i in range(LAYERS)})
+    return str(path)
+
+
+@pytest.mark.parametrize("phases", [None, ("generation",)], ids=["all", "generation"])
+@pytest.mark.parametrize("host", [False, True], ids=["backend", "host"])
+def test_dsa_view_matches_kvsieve_engine(tmp_path, host, phases):
+    """DSA served by the plug-in: each layer call, fed the layer's hidden state as the plug-in feeds
+    it (vLLM's token order, reordered like q), selects what kvsieve's own DSA layer selects on the
+    same cache (the same positions attended) and gives its output; its index keys live in the
+    view's auxiliary pool at vLLM's physical block ids."""
+    params = {"index_topk": 24, "n_heads": 2, "head_dim": 16, "rope_dim": 8,
+              "projections": _dsa_projections(tmp_path / "indexer.pt")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _check_view_matches_engine("vllm-cpu", "torch", ("dsa", params, phases), host=host)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _check_view_matches_engine(layout, backend, selector, host=False):
+    from kvsieve.selectors.dsa import IndexerInputs
+
     gen = torch.Generator().manual_seed(0)
+    reads_hidden = selector is not None and selector[0] == "dsa"
     cfg = None if selector is None else SparseAttentionConfig(selector[0], selector[1], phases=(
         selector[2] if len(selector) > 2 else None))
     spec = KVCacheSpec(num_layers=LAYERS, num_blocks=BLOCKS, tokens_per_block=P, num_kv_heads=HKV, head_dim=D,
@@ -137,7 +170,9 @@ def _check_view_matches_engine(layout, backend, selector, host=False):
         t = md.num_tokens
         qkv = [(torch.randn(t, HKV * G, D, generator=gen), torch.randn(t, HKV, D, generator=gen),
                 torch.randn(t, HKV, D, generator=gen)) for _ in range(LAYERS)]
-        ref = [layer.forward(q, k, v, md).out for layer, (q, k, v) in zip(layers, qkv)]
+        hidden = [torch.randn(t, HIDDEN, generator=gen) if reads_hidden else None for _ in range(LAYERS)]
+        ref = [layer.forward(q, k, v, md, model_inputs=None if h is None else IndexerInputs(hidden=h)).out
+               for layer, (q, k, v), h in zip(layers, qkv, hidden)]
         engine.end_step()
         # the owner's cache: the same K/V at the same physical blocks, written through the views
         blk, off = cache.physical(md.slots[md.token_to_req_host], md.positions_host)
@@ -156,8 +191,9 @@ def _check_view_matches_engine(layout, backend, selector, host=False):
         assert translator.prepare(step) is kmd  # once per step, shared by the layers
         for i, (q, k, v) in enumerate(qkv):
             on_host = _TorchHost(translator, raw[i], i, q[tok], geometry) if host else None
+            fed = None if hidden[i] is None else IndexerInputs(hidden=translator.to_kvsieve(hidden[i][tok]))
             res = runners[i].forward(translator.to_kvsieve(q[tok]), translator.to_kvsieve(k[tok]),
-                                     translator.to_kvsieve(v[tok]), translator, on_host)
+                                     translator.to_kvsieve(v[tok]), translator, on_host, model_inputs=fed)
             out = res.out
             got = torch.empty_like(out)
             translator.to_vllm(out, got)
@@ -179,6 +215,8 @@ def _check_view_matches_engine(layout, backend, selector, host=False):
                     continue
                 # prompt rows the plan does not select took the block-wise SDPA path, the others the backend
                 assert (res.paths[phase] == "sdpa_dense") == (phase == "context" and not selects), (phase, res.paths)
+            if reads_hidden:  # token selections: both sides count exactly the positions selected
+                assert int(res.attended.sum()) == last.stats.attended
             if last.params is not None and last.params.sparse_attn_indices is not None:
                 sparse_seen |= last.stats.attended < last.stats.dense
                 # the plug-in's backend read fewer positions than dense too (page-granular backends round up)
@@ -223,7 +261,6 @@ def test_cpu_layout_view_reads_transposed_k():
 @pytest.mark.parametrize("spec,message", [
     ("snapkv", "evicts prompt tokens"),
     ("rocketkv", "evicts prompt tokens"),
-    ("dsa:index_topk=8", "'dsa' needs per-step model inputs \\(IndexerInputs"),
     ("skip_softmax:threshold_scale_factor_generation=1.0", "only the 'triton' backend"),
 ])
 def test_refused_selectors(spec, message):

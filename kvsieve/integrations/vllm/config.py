@@ -14,8 +14,9 @@
   selection and appends the largest difference to ``/dir/capture-<pid>.jsonl``.
 
 The plug-in is active only when ``KVSIEVE_SELECTOR`` or ``KVSIEVE_CONFIG`` is set; setting both
-is an error. Selectors that evict prompt tokens (``snapkv``, ``rocketkv`` stage 1) and ``dsa``
-(it needs the model's own indexer, which vLLM's attention layer does not receive) are refused.
+is an error. Selectors that evict prompt tokens (``snapkv``, ``rocketkv`` stage 1) are refused.
+``dsa`` is served on CPU: its indexer's hidden state is taken from the model's attention modules
+(:mod:`.indexer_feed`); any other per-step model input is refused.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from ...selectors.dsa import IndexerInputs
 from ...sparse import LayerPlan, SparseAttentionConfig, lower_config
 
 __all__ = ["PluginConfig", "WorkerRanks", "read_plugin_config", "lower_plans", "parse_selector_spec", "DENSE", "ENV_SELECTOR", "ENV_CONFIG",
@@ -38,11 +40,6 @@ ENV_BACKEND = "KVSIEVE_BACKEND"
 ENV_CAPTURE = "KVSIEVE_CAPTURE"
 DENSE = "dense"
 _FILE_KEYS = ("selector", "params", "dense_layers", "phases", "backend")
-# selectors whose output vLLM's attention layer cannot serve, and why
-_REFUSED = {
-    "dsa": "it needs the model's own lightning indexer (DeepSeek-V3.2 style) fed per layer, and vLLM's "
-           "attention backend receives only q, k, v and the cache",
-}
 
 
 @dataclass(frozen=True)
@@ -140,9 +137,6 @@ def read_plugin_config(environ: dict[str, str] | None = None) -> PluginConfig | 
     env_backend = env.get(ENV_BACKEND)
     if env_backend and backend and env_backend != backend:
         raise ValueError(f"{ENV_BACKEND}={env_backend!r} contradicts backend {backend!r} in {path}")
-    if sparse is not None and sparse.selector in _REFUSED:
-        raise ValueError(f"kvsieve vLLM plug-in: selector {sparse.selector!r} is not supported: "
-                         f"{_REFUSED[sparse.selector]}")
     capture = env.get(ENV_CAPTURE)
     return PluginConfig(sparse=sparse, backend=env_backend or backend, capture_dir=Path(capture) if capture else None,
                         source=source)
@@ -155,7 +149,9 @@ def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, dev
     selectors that need per-step model inputs (``model_inputs_type``; vLLM hands the attention
     backend only q, k, v and the cache), kernel hints the chosen kvsieve backend does not implement,
     and, with ``tensor_parallel_size > 1`` (each worker holds a shard of every layer's heads),
-    selectors that do not declare ``Capabilities(per_kv_head=True)``."""
+    selectors that do not declare ``Capabilities(per_kv_head=True)``. Of per-step model inputs
+    (``model_inputs_type``) the plug-in feeds only :class:`~kvsieve.selectors.dsa.IndexerInputs`
+    (the layer's hidden state, :mod:`.indexer_feed`), on CPU; any other type is refused."""
     plans = lower_config(config.sparse, num_layers=num_layers, attention_kind="gqa", device=device)
     plan = next((p for p in plans if p is not None), None)
     if plan is None:
@@ -166,11 +162,16 @@ def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, dev
             f"kvsieve vLLM plug-in: selector {sel.name!r} evicts prompt tokens (predict_kv), which vLLM's block "
             "manager cannot be told about (it owns the blocks and the sequence lengths); use a selection-only "
             "selector (streaming, oracle_topk, quest, block_select or a third-party one without evicts=True)")
-    if sel.model_inputs_type is not None:
+    wanted = sel.model_inputs_type
+    if wanted is not None and wanted is not IndexerInputs:
         raise ValueError(
             f"kvsieve vLLM plug-in: selector {sel.name!r} needs per-step model inputs "
-            f"({sel.model_inputs_type.__name__}, its model_inputs_type), which vLLM's attention backend never "
-            "receives (only q, k, v and the cache)")
+            f"({wanted.__name__}, its model_inputs_type), which vLLM's attention backend never receives (only q, "
+            "k, v and the cache); the plug-in feeds IndexerInputs (the layer's hidden state) alone")
+    if wanted is IndexerInputs and device != "cpu":
+        raise ValueError(
+            f"kvsieve vLLM plug-in: selector {sel.name!r} reads the layer's hidden state (IndexerInputs), which the "
+            f"plug-in feeds on vLLM's CPU platform only, not on {device!r}")
     if tensor_parallel_size > 1 and not sel.capabilities.per_kv_head:
         raise ValueError(
             f"kvsieve vLLM plug-in: selector {sel.name!r} cannot run under tensor parallelism (tensor_parallel_size="

@@ -108,6 +108,7 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
                          logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
         self.state: PluginState = plugin_state(get_current_vllm_config(), device=torch.device("cpu"),
                                                ranks=worker_ranks())
+        self.state.start_indexer_feed(_selecting_layer, lambda module: extract_layer_index(module.layer_name))
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # noqa: ANN001
                 kv_cache: torch.Tensor, attn_metadata: KvsieveCPUAttentionMetadata | None, output: torch.Tensor,
@@ -123,6 +124,9 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
         layer_idx = extract_layer_index(layer.layer_name)
         if self.sliding_window != -1 or self.state.host_only(layer_idx):  # vLLM's own attention, nothing else
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        hidden = None
+        if layer_idx in self.state.indexer_layers:  # DSA: the layer's hidden state, kept by its attention module
+            hidden = self.state.feed.take(layer_idx, n, query.shape[0])
         host = VllmHostAttention(self, layer, query, key, value, kv_cache, attn_metadata)
         step = getattr(attn_metadata, "step", None)  # None: metadata vLLM built without the plug-in's builder
         if step is None:
@@ -131,8 +135,15 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
         self.state.run_layer(
             layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n], step=step,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size, scale=self.scale,
-            host=host)
+            host=host, indexer_hidden=hidden)
         return output
+
+
+def _selecting_layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a vLLM attention layer whose selector the plug-in runs (its impl is the
+    plug-in's and it has no sliding window: those layers are vLLM's own attention, whole)."""
+    impl = getattr(module, "impl", None)
+    return isinstance(impl, KvsieveCPUAttentionImpl) and impl.sliding_window == -1
 
 
 class VllmHostAttention:

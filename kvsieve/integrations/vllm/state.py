@@ -5,14 +5,18 @@ the first attention layer (``get_current_vllm_config()`` is set then); reads the
 only through plain attributes, so it imports nothing from vLLM."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from ...metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
+from ...selectors.dsa import DSASelector, IndexerInputs
 from ...sparse import AttentionGeometry
 from .config import PluginConfig, WorkerRanks, lower_plans, read_plugin_config
 from .host import HostAttention
+from .indexer_feed import IndexerFeed
 from .layouts import kv_views
 from .step import LayerRunner, StepTranslator, VllmStep, make_backend
 
@@ -23,8 +27,13 @@ _STATE: PluginState | None = None
 
 class PluginState:
     """``vllm_config`` fields read: ``model_config.max_model_len``, ``model_config.hf_config
-    .num_hidden_layers``, ``scheduler_config.max_num_seqs`` / ``max_num_batched_tokens``,
-    ``parallel_config.decode_context_parallel_size`` / ``prefill_context_parallel_size``.
+    .num_hidden_layers`` (and ``.hidden_size`` for a selector reading the indexer),
+    ``scheduler_config.max_num_seqs`` / ``max_num_batched_tokens``,
+    ``parallel_config.decode_context_parallel_size`` / ``prefill_context_parallel_size``,
+    ``compilation_config.mode`` (a selector reading the indexer needs the eager model, mode 0).
+
+    ``indexer_layers``: the layers whose plan reads :class:`IndexerInputs` (DSA); their hidden
+    states come through :attr:`feed` (:meth:`start_indexer_feed`, :mod:`.indexer_feed`).
 
     Under tensor / pipeline parallelism each worker process has its own state: its layers see
     their shard of the heads (the geometry comes from the layer, never from the model config) and,
@@ -52,6 +61,47 @@ class PluginState:
         self.max_num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
         self.translators: dict[tuple, StepTranslator] = {}
         self.runners: dict[int, LayerRunner] = {}
+        self.indexer_layers = frozenset(i for i, p in enumerate(self.plans)
+                                        if p is not None and p.selector.model_inputs_type is IndexerInputs)
+        self.feed: IndexerFeed | None = None
+        if self.indexer_layers:
+            self._check_indexer_model(vllm_config)
+
+    def _check_indexer_model(self, vllm_config: Any) -> None:
+        """Refuse, at start-up, what the indexer's hidden-state feed cannot serve exactly."""
+        sel = self.plans[min(self.indexer_layers)].selector
+        mode = int(vllm_config.compilation_config.mode)
+        if mode != 0:
+            raise NotImplementedError(
+                f"kvsieve vLLM plug-in: selector {sel.name!r} reads each layer's hidden state from the model's "
+                f"attention modules, which is right only when the model runs eagerly; compilation mode {mode} "
+                "traces it (run with enforce_eager=True / --enforce-eager; pipeline parallelism on CPU needs a "
+                "traced model, so it cannot serve this selector)")
+        hidden = int(vllm_config.model_config.hf_config.hidden_size)
+        if isinstance(sel, DSASelector):
+            sizes = {i: p.hidden_size for i, p in sel.projections.items() if p.hidden_size != hidden}
+            if sizes:
+                raise ValueError(f"kvsieve vLLM plug-in: dsa projections of layers {sorted(sizes)} take hidden "
+                                 f"size {sorted(set(sizes.values()))}, the model's is {hidden} (projections "
+                                 "distilled for another model?)")
+
+    def start_indexer_feed(self, is_plugin_layer: Callable[[nn.Module], bool],
+                           layer_index: Callable[[nn.Module], int]) -> None:
+        """Start feeding :attr:`indexer_layers` their hidden states (once per process; nothing without
+        such layers). ``is_plugin_layer``: whether a module is an attention layer the plug-in's selector
+        runs on (not a sliding-window one left to vLLM); ``layer_index``: its global index."""
+        if self.indexer_layers and self.feed is None:
+            self.feed = IndexerFeed(set(self.indexer_layers), is_plugin_layer, layer_index,
+                                    on_found=self._check_projections)
+
+    def _check_projections(self, layers: frozenset[int]) -> None:
+        """The feed found the selecting layers' modules: each must have its DSA projections."""
+        sel = self.plans[min(self.indexer_layers)].selector
+        missing = sorted(i for i in layers if isinstance(sel, DSASelector) and i not in sel.projections)
+        if missing:
+            raise ValueError(f"kvsieve vLLM plug-in: dsa has no indexer projections for layers {missing} (config "
+                             "'projections': a file from kvsieve distill-indexer for this model; or list those "
+                             "layers in dense_layers)")
 
     def translator(self, layout: str, raw: torch.Tensor, k: torch.Tensor) -> StepTranslator:
         n, h, p, d = k.shape
@@ -85,19 +135,23 @@ class PluginState:
 
     def run_layer(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, output: torch.Tensor, *, step: VllmStep, num_heads: int, num_kv_heads: int,
-                  head_size: int, scale: float, host: HostAttention | None = None) -> torch.Tensor:
+                  head_size: int, scale: float, host: HostAttention | None = None,
+                  indexer_hidden: torch.Tensor | None = None) -> torch.Tensor:
         """One layer of one step: q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (vLLM's token order, K/V
         already in ``kv_cache``), ``step`` vLLM's step tables (read once per step, by the caller);
         writes ``output [T, H, D]`` (or ``[T, H*D]``) and returns it.
-        ``host``: vLLM's own kernels on this layer call (:meth:`.step.LayerRunner.forward`)."""
+        ``host``: vLLM's own kernels on this layer call (:meth:`.step.LayerRunner.forward`);
+        ``indexer_hidden [T, hidden_size]``: the layer's hidden state (vLLM's token order) for a
+        layer in :attr:`indexer_layers`, handed to its selector as :class:`IndexerInputs`."""
         k_view, v_view = kv_views(layout, kv_cache)
         tr = self.translator(layout, kv_cache, k_view)
         tr.view.bind_layer(layer_idx, kv_cache, k_view, v_view)
         if step.num_tokens != query.shape[0]:
             raise ValueError(f"vLLM step of {step.num_tokens} tokens, layer call of {query.shape[0]}")
         tr.prepare(step)
+        model_inputs = None if indexer_hidden is None else IndexerInputs(hidden=tr.to_kvsieve(indexer_hidden))
         out = self.runner(layer_idx, num_heads, num_kv_heads, head_size, scale).forward(
-            tr.to_kvsieve(query), tr.to_kvsieve(key), tr.to_kvsieve(value), tr, host).out
+            tr.to_kvsieve(query), tr.to_kvsieve(key), tr.to_kvsieve(value), tr, host, model_inputs=model_inputs).out
         tr.to_vllm(out.to(output.dtype), output.view(query.shape[0], num_heads, head_size))
         return output
 

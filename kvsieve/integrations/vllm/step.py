@@ -158,9 +158,10 @@ class LayerRunner:
         self.golden = VanillaBackend() if capture_dir is not None else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepTranslator,
-                host: HostAttention | None = None) -> AttentionResult:
+                host: HostAttention | None = None, *, model_inputs: object = None) -> AttentionResult:
         """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (kvsieve order, already in the cache), ``step`` the
-        translator holding the step's prepared metadata -> an
+        translator holding the step's prepared metadata, ``model_inputs`` what the selector reads per
+        step (:class:`~kvsieve.selectors.dsa.IndexerInputs`, kvsieve order) -> an
         :class:`~kvsieve.sparse.backends.AttentionResult` (``out [T, Hq, D]``, ``attended [T, Hkv]``, ...).
         The selector is asked only about the rows of its plan's phases present this step, exactly as
         :meth:`SparseAttention.forward` asks it (same inputs, same placement of its answer). Dense
@@ -176,7 +177,7 @@ class LayerRunner:
         skip-softmax, a cache or shape the native kernel does not take) as without ``host``; the capture also compares dense layer
         calls with the host's own attention."""
         md = step.metadata
-        params = self.select(q, k, v, md)
+        params = self.select(q, k, v, md, model_inputs)
         res = None if host is None else self._on_host(q, step, params, host)
         if res is None and "context" in md.phases() and is_dense(params, "context"):
             res = self._dense_context_first(q, step, params)

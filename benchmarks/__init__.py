@@ -1,6 +1,6 @@
 """kvsieve performance benchmarks (``python -m benchmarks``; not part of the installed package).
 
-``performance.json`` (in ``--out``, default ``bench_out/``; ``docs/`` only with ``--update-docs``;
+``performance.json`` (in ``--out``, default ``bench_out/``; ``docs/results/`` only with ``--update-docs``;
 schema_version 2):
 
 * ``meta``: ``command`` (the command line that ran), ``date`` (UTC), torch/python versions,

@@ -1,7 +1,7 @@
 """``python -m benchmarks``: the CPU suite (metadata prepare, CPU attention, selector overhead), then —
 on a CUDA machine — the kernel benchmark scripts that exist (``triton_kernels``, ``cute_kernels``,
 ``topk``). Writes ``performance.json`` and the Markdown tables ``performance.md`` into ``--out``
-(default ``bench_out/``, gitignored); the tracked ``docs/performance.{json,md}`` are rewritten only
+(default ``bench_out/``, gitignored); the tracked ``docs/results/performance.{json,md}`` are rewritten only
 with ``--update-docs``. Both carry the exact command, date, torch threads and the machine's load
 (``os.getloadavg``: 1, 5 and 15 minutes) at the start and the end of the run.
 
@@ -45,7 +45,7 @@ SELECTOR_OVERHEAD_EXEMPT = {
     "block_select (exact)": "an option that reads every key by definition; the summary mode is the practical one",
 }
 DECODE_SPARSEST, DECODE_MIN_OF_IDEAL = 64, 0.6  # issue #17 target 4: sparse decode at 1/64 >= 60% of 64x
-DOCS_DIR = Path(__file__).resolve().parents[1] / "docs"
+DOCS_DIR = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 def _gpu_suites(quick: bool) -> dict:
@@ -136,12 +136,12 @@ def run(quick: bool = False, threads: int = 1, sections: tuple[str, ...] = SECTI
 
 def _read_spec(spec: str) -> str:
     """The text of ``spec``: a file path, or ``git:<rev>:<path>`` (that file at that commit of this
-    repository, e.g. ``git:HEAD~3:docs/performance.json``)."""
+    repository, e.g. ``git:HEAD~3:docs/results/performance.json``)."""
     if not spec.startswith("git:"):
         return Path(spec).read_text()
     rev, _, path = spec[4:].partition(":")
     if not rev or not path:
-        raise ValueError(f"{spec}: expected git:<rev>:<path>, e.g. git:HEAD~3:docs/performance.json")
+        raise ValueError(f"{spec}: expected git:<rev>:<path>, e.g. git:HEAD~3:docs/results/performance.json")
     proc = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=DOCS_DIR.parent, capture_output=True, text=True)
     if proc.returncode:
         raise ValueError(f"{spec}: git show failed: {proc.stderr.strip()}")
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=DEFAULT_OUT,
                     help=f"folder for performance.json / performance.md (default {DEFAULT_OUT}/, gitignored)")
     ap.add_argument("--update-docs", action="store_true",
-                    help="also rewrite the tracked docs/performance.json and docs/performance.md")
+                    help="also rewrite the tracked docs/results/performance.json and docs/results/performance.md")
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="run these sections only")
     ap.add_argument("--no-compile", action="store_true", help="FlexAttention eager only")
     ap.add_argument("--no-gpu", action="store_true", help="do not call the GPU kernel scripts")

@@ -245,7 +245,7 @@ def test_e2e_baseline_shows_before_and_after(quick_run, tmp_path):
     with pytest.raises(ValueError, match="needs the e2e section"):
         run(True, sections=("prepare",), gpu=False, e2e_baseline=str(tmp_path / "empty.json"))
     from benchmarks.__main__ import _read_spec
-    assert json.loads(_read_spec("git:HEAD:docs/performance.json"))["meta"]["command"].startswith("python -m benchmarks")
+    assert json.loads(_read_spec("git:HEAD:docs/results/performance.json"))["meta"]["command"].startswith("python -m benchmarks")
     with pytest.raises(ValueError, match="git show failed"):
         _read_spec("git:HEAD:no/such/file.json")
     with pytest.raises(ValueError, match="expected git:<rev>:<path>"):
@@ -298,7 +298,7 @@ def test_update_docs_with_some_sections_keeps_the_others(tmp_path, monkeypatch):
     md1 = entry.render_markdown(entry.merge_into_docs({"meta": _META, "targets": []}, {"meta": old_v1, "selector_overhead": overhead}))
     assert "(command not recorded) on old-date" in md1 and "0.50 (1 min) at start" in md1
     assert md.index("earlier run") < md.index("## Selector host overhead")
-    assert all(t["section"] in entry.SECTIONS for t in entry._targets(json.loads((ROOT / "docs" / "performance.json").read_text())))
+    assert all(t["section"] in entry.SECTIONS for t in entry._targets(json.loads((ROOT / "docs" / "results" / "performance.json").read_text())))
 
 
 def test_e2e_tiles_a_context_longer_than_its_prefill():

@@ -179,3 +179,26 @@ def test_model_inputs_for_a_selector_that_reads_none_are_refused():
         assert cache.request_ids == []  # the refused step left no request behind
     with pytest.raises(ValueError, match="expected model_inputs for 1 layers"):
         engine.step([0], [4], 1, qkv, [None, None])
+
+
+def test_geometry_comes_from_the_projections_file(tmp_path):
+    """``dsa:projections=FILE,index_topk=K`` needs nothing else: the geometry fields left unset are
+    the file's (every layer's), a field given that contradicts the file is refused naming both, and
+    without a file the fields are DeepSeek-V3.2's."""
+    from kvsieve.selectors.dsa import DSAConfig
+    from kvsieve.selectors.dsa.projections import IndexerProjections, save_projections
+    from kvsieve.sparse.knobs import KnobError
+
+    path = tmp_path / "indexer.pt"
+    save_projections(str(path), {i: IndexerProjections(24, 3, 16, 6, rope_theta=1e6, rope_interleave=True)
+                                 for i in (2, 5)})
+    c = DSAConfig(projections=str(path), index_topk=64)
+    assert (c.n_heads, c.head_dim, c.rope_dim, c.rope_interleave, c.rope_theta) == (3, 16, 6, True, 1e6)
+    assert DSAConfig(projections=str(path), head_dim=16).n_heads == 3  # agreeing fields are fine
+    with pytest.raises(KnobError, match=r"dsa.n_heads=4 contradicts the projections file .*indexer.pt \(n_heads=3\)"):
+        DSAConfig(projections=str(path), n_heads=4)
+    d = DSAConfig()
+    assert (d.n_heads, d.head_dim, d.rope_dim, d.rope_interleave, d.rope_theta) == (64, 128, 64, False, 10000.0)
+    save_projections(str(path), {0: IndexerProjections(24, 3, 16, 6), 1: IndexerProjections(24, 2, 16, 6)})
+    with pytest.raises(ValueError, match="layers have different indexer geometries"):
+        DSAConfig(projections=str(path))

@@ -148,7 +148,8 @@ def random_indexer(path: Path, hidden_size: int, num_layers: int) -> Path:
 
 
 def dsa_spec(projections: Path, index_topk: int = 128) -> str:
-    return f"dsa:index_topk={index_topk},n_heads=4,head_dim=32,rope_dim=16,projections={projections}"
+    """The plug-in's selector string: the indexer geometry comes from the file."""
+    return f"dsa:projections={projections},index_topk={index_topk}"
 
 
 def test_dsa_served_equals_vanilla_golden_on_its_selection(model_dir, tmp_path):

@@ -134,8 +134,7 @@ def _vllm_config(hidden: int = HIDDEN, mode: int = 0) -> SimpleNamespace:
 def _dsa_config(tmp_path, layers=range(LAYERS)) -> PluginConfig:  # noqa: ANN001
     path = tmp_path / "indexer.pt"
     save_projections(str(path), {i: IndexerProjections(HIDDEN, 2, 8, 4) for i in layers})
-    return PluginConfig(sparse=parse_selector_spec(f"dsa:index_topk=16,n_heads=2,head_dim=8,rope_dim=4,"
-                                                   f"projections={path}"))
+    return PluginConfig(sparse=parse_selector_spec(f"dsa:projections={path},index_topk=16"))
 
 
 def test_dsa_plugin_start_up_checks(tmp_path):

@@ -130,8 +130,7 @@ def test_dsa_view_matches_kvsieve_engine(tmp_path, host, phases):
     it (vLLM's token order, reordered like q), selects what kvsieve's own DSA layer selects on the
     same cache (the same positions attended) and gives its output; its index keys live in the
     view's auxiliary pool at vLLM's physical block ids."""
-    params = {"index_topk": 24, "n_heads": 2, "head_dim": 16, "rope_dim": 8,
-              "projections": _dsa_projections(tmp_path / "indexer.pt")}
+    params = {"index_topk": 24, "projections": _dsa_projections(tmp_path / "indexer.pt")}  # geometry: the file's
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 __all__ = ["IndexerInputs", "IndexerProjections", "apply_rope", "rope_cos_sin", "save_projections",
-           "load_projections"]
+           "load_projections", "projections_geometry"]
 
 
 @dataclass
@@ -145,6 +145,20 @@ def save_projections(path: str, layers: dict[int, IndexerProjections], meta: dic
                 "layers": {int(i): {"geometry": p.geometry(), "state": {k: v.float().cpu() for k, v in
                                                                          p.state_dict().items()}}
                            for i, p in layers.items()}}, path)
+
+
+def projections_geometry(path: str) -> dict:
+    """The indexer geometry every layer of a :func:`save_projections` file shares: ``n_heads``,
+    ``head_dim``, ``rope_dim``, ``rope_interleave``, ``rope_theta`` (``ValueError`` when its layers
+    disagree, naming them)."""
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(blob, dict) or blob.get("format") != "kvsieve-dsa-indexer-v1":
+        raise ValueError(f"{path}: not a kvsieve DSA indexer file (format 'kvsieve-dsa-indexer-v1')")
+    keys = ("n_heads", "head_dim", "rope_dim", "rope_interleave", "rope_theta")
+    found = {int(i): tuple(e["geometry"][k] for k in keys) for i, e in blob["layers"].items()}
+    if len(set(found.values())) > 1:
+        raise ValueError(f"{path}: its layers have different indexer geometries ({keys}): {found}")
+    return dict(zip(keys, next(iter(found.values())))) if found else {}
 
 
 def load_projections(path: str, device: torch.device | str = "cpu") -> tuple[dict[int, IndexerProjections], dict]:

@@ -38,7 +38,7 @@ import torch
 from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.paged import drop_empty_columns, top_p_cut, top_p_knob
-from .projections import IndexerInputs, IndexerProjections, load_projections, rope_cos_sin
+from .projections import IndexerInputs, IndexerProjections, load_projections, projections_geometry, rope_cos_sin
 
 __all__ = ["DSAConfig", "DSASelector", "IndexerInputs", "INDEX_K_POOL", "INDEX_K_SCALE_POOL"]
 
@@ -47,13 +47,18 @@ INDEX_K_SCALE_POOL = "dsa_index_k_scale"
 _K_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
              "float8_e4m3": torch.float8_e4m3fn}
 _LOGITS = ("auto", "triton", "reference")
+# the indexer geometry of DeepSeek-V3.2, the fields' values without a projections file
+_DEEPSEEK_GEOMETRY = {"n_heads": 64, "head_dim": 128, "rope_dim": 64, "rope_interleave": False, "rope_theta": 10000.0}
 
 
 @dataclass(frozen=True)
 class DSAConfig:
     """``index_topk`` tokens per query; indexer geometry ``n_heads x head_dim`` with RoPE on the
     first ``rope_dim`` channels (``rope_interleave``: pairs instead of halves; ``rope_theta`` for
-    the default RoPE); ``index_k_dtype`` of the aux pool (FP8 also quantizes the queries, their
+    the default RoPE): a geometry field left ``None`` is the ``projections`` file's (so
+    ``dsa:projections=FILE,index_topk=512`` needs nothing else), without a file DeepSeek-V3.2's
+    (64 x 128, RoPE on 64, neox halves, theta 10000); a field given that contradicts the file is
+    refused, naming both; ``index_k_dtype`` of the aux pool (FP8 also quantizes the queries, their
     per-(token, head) scale folded into the weights); ``topk_engine`` (``auto``, ``torch``,
     ``radix``, ``gvr``, ``cute_gvr``) and ``logits_kernel`` (``auto``: Triton on CUDA, reference
     on CPU) are decided for ``device``; ``projections``: a file from ``kvsieve distill-indexer``;
@@ -61,11 +66,11 @@ class DSAConfig:
     ``index_topk`` into a cap (module docstring)."""
 
     index_topk: int = knob(2048, ge=1)
-    n_heads: int = knob(64, ge=1)
-    head_dim: int = knob(128, ge=1)
-    rope_dim: int = knob(64, ge=0)
-    rope_interleave: bool = False
-    rope_theta: float = knob(10000.0, gt=0)
+    n_heads: int | None = knob(None, ge=1)
+    head_dim: int | None = knob(None, ge=1)
+    rope_dim: int | None = knob(None, ge=0)
+    rope_interleave: bool | None = None
+    rope_theta: float | None = knob(None, gt=0)
     index_k_dtype: str = knob("bfloat16", choices=_K_DTYPES)
     topk_engine: str = "auto"
     logits_kernel: str = knob("auto", choices=_LOGITS)
@@ -77,6 +82,14 @@ class DSAConfig:
 
     def __post_init__(self) -> None:
         check_knobs(self, "dsa")
+        from_file = projections_geometry(self.projections) if self.projections is not None else {}
+        for name, default in _DEEPSEEK_GEOMETRY.items():
+            value, stored = getattr(self, name), from_file.get(name)
+            if value is None:
+                object.__setattr__(self, name, type(default)(stored if stored is not None else default))
+            elif stored is not None and value != stored:
+                raise KnobError(f"dsa.{name}={value!r} contradicts the projections file {self.projections} "
+                                f"({name}={stored!r}); leave it unset to take the file's")
         if self.rope_dim > self.head_dim or self.rope_dim % 2:
             raise KnobError(f"dsa.rope_dim must be even and <= head_dim={self.head_dim}, got {self.rope_dim}")
         if self.compress_ratio != 1:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-__all__ = ["Timing", "measure", "load_average", "load_averages", "fmt_ms"]
+__all__ = ["Timing", "measure", "load_average", "load_averages", "fmt_ms", "cpu_isa"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,29 @@ def load_averages() -> list[float]:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:  # pragma: no cover - not on Linux/macOS
         return [float("nan")] * 3
+
+
+# the CPU features that decide kernel speed here, widest first (bf16 is emulated without avx512_bf16/amx_bf16)
+_ISA_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f", "avx2", "fma", "neon", "asimd", "sve")
+
+
+def cpu_isa() -> str:
+    """The CPU model and the instruction-set features of :data:`_ISA_FLAGS` it has, e.g.
+    ``"Intel(R) Xeon(R) Processor: amx_bf16 amx_tile avx512_bf16 avx512_fp16 avx512f avx2 fma"``
+    (printed beside every timing: figures are not comparable across CPUs)."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return f"{model}: " + " ".join(f for f in _ISA_FLAGS if f in flags)
 
 
 def load_average() -> float:

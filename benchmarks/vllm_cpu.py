@@ -49,6 +49,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
+
+from benchmarks._timing import cpu_isa  # noqa: E402
+
 FILLER = ("The archive kept letters from sailors, merchants and clerks; each described the weather, the cargo, "
           "the price of grain and the names of the harbours they passed. ")
 KV_ELEMENTS_PER_TOKEN = {"smollm2": 30 * 2 * 3 * 64, "gemma3-270m": 18 * 2 * 1 * 256}  # K+V, all layers
@@ -150,7 +154,9 @@ def _load() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
 
 
-def _model_dir(name: str) -> str:
+def model_dir(name: str) -> str:
+    """The checkpoint folder of ``--model``: ``smollm2`` (converted once), ``gemma3-270m`` (kvsieve's
+    converted folder) or a folder with ``config.json``."""
     if name == "smollm2":
         from kvsieve.eval.model import smollm2_gguf_path
         from kvsieve.integrations.vllm.convert import converted_checkpoint
@@ -191,8 +197,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    args.model_name, args.model = args.model, _model_dir(args.model)
-    modes = args.modes.split(";") if ";" in args.modes else _split_modes(args.modes)
+    args.model_name, args.model = args.model, model_dir(args.model)
+    modes = parse_modes(args.modes)
+    isa = cpu_isa()
+    print(f"CPU {isa}", flush=True)
     logs = Path(tempfile.mkdtemp(prefix="vllm_cpu_"))
     procs, log = {}, {m: logs / f"engine-{i}.log" for i, m in enumerate(modes)}
     started = datetime.now(timezone.utc)
@@ -218,16 +226,19 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"vllm_cpu-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
-    path.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "worker"},
+    path.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "cpu": isa,
                                 "started_utc": started.isoformat(timespec="seconds"),
                                 "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                 "rows": rows, "table": table}, indent=1))
     print(f"\nwritten: {path}")
 
 
-def _split_modes(text: str) -> list[str]:
+def parse_modes(text: str) -> list[str]:
     """``own,dense,quest:budget=256,page_size=128`` -> modes: a comma starts a new mode unless the
-    next item is a ``key=value`` of the current selector (use ``;`` between modes to be explicit)."""
+    next item is a ``key=value`` of the current selector; with a ``;`` anywhere, ``;`` alone
+    separates the modes."""
+    if ";" in text:
+        return text.split(";")
     modes: list[str] = []
     for item in text.split(","):
         if "=" in item and ":" not in item and modes and ":" in modes[-1]:

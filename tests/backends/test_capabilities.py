@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, SparseAttentionConfig, lower_config
-from kvsieve.integrations.attention_features import LayerFeatures
-from kvsieve.integrations.feature_backend import FeatureBackend
+from kvsieve.integrations.transformers.attention_features import LayerFeatures
+from kvsieve.integrations.transformers.feature_backend import FeatureBackend
 from kvsieve.sparse.backends import BackendCapabilities, VanillaBackend, available_backends, get_backend
 from kvsieve.sparse.backends.triton_backend import TritonBackend
 from kvsieve.sparse.backends.vanilla import masked_attention

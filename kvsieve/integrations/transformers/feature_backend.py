@@ -26,12 +26,12 @@ import dataclasses
 
 import torch
 
-from ..metadata import AttentionMetadata, KVCacheManager
-from ..sparse.backends import AttentionBackend, AttentionGeometry, AttentionResult, BackendCapabilities
-from ..sparse.backends.sdpa import causal_sdpa, gather_blocks, native_dense_decode, sdpa_gqa
-from ..sparse.params import SparseRuntimeParams, is_dense
-from ..sparse.selection import selection_mask
-from ..sparse.window import window_counts, window_params
+from ...metadata import AttentionMetadata, KVCacheManager
+from ...sparse.backends import AttentionBackend, AttentionGeometry, AttentionResult, BackendCapabilities
+from ...sparse.backends.sdpa import causal_sdpa, gather_blocks, native_dense_decode, sdpa_gqa
+from ...sparse.params import SparseRuntimeParams, is_dense
+from ...sparse.selection import selection_mask
+from ...sparse.window import window_counts, window_params
 from .attention_features import LayerFeatures
 
 __all__ = ["FeatureBackend", "apply_sinks", "softcapped_attention", "check_backend",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..sparse import Engine
+    from ...sparse import Engine
 
 __all__ = ["SessionSteps"]
 

@@ -157,14 +157,9 @@ class AttentionBackend(ABC):
 
 
 BACKEND_ENTRY_POINT_GROUP = "kvsieve.backends"
-_PKG = __name__.rsplit(".", 1)[0]
-BACKENDS: Registry[type[AttentionBackend]] = Registry(
-    "backend", AttentionBackend, BACKEND_ENTRY_POINT_GROUP,
-    # built-ins import lazily: a backend's kernels load only when it is chosen
-    builtin={"vanilla": f"{_PKG}.vanilla:VanillaBackend", "torch": f"{_PKG}.torch_backend:TorchBackend",
-             "triton": f"{_PKG}.triton_backend:TritonBackend", "cute": f"{_PKG}.cute:CuteBackend",
-             "sdpa": f"{_PKG}.sdpa:SdpaBackend"},
-)
+# the built-ins' "module:class" table is filled by the package (kvsieve/sparse/backends/__init__.py),
+# which sits above the backend modules: this module, which they all import, names none of them
+BACKENDS: Registry[type[AttentionBackend]] = Registry("backend", AttentionBackend, BACKEND_ENTRY_POINT_GROUP)
 B = TypeVar("B", bound=type[AttentionBackend])
 
 

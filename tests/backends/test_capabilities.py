@@ -91,6 +91,31 @@ def test_the_feature_backend_declares_gqa_sinks_window_and_softcap_only_over_pla
                         backend=fb)
 
 
+def test_softcap_is_decided_by_the_declared_capability_and_a_backend_without_it_is_refused_by_name():
+    feats = [LayerFeatures(layer_type="full_attention", window=None, softcap=30.0, sinks=None, scaling=0.25)]
+
+    class Declares(VanillaBackend):
+        name = "vanilla_declares_softcap"
+        capabilities = BackendCapabilities(torch_softcap=True)
+
+    class Undeclared(VanillaBackend):
+        name = "vanilla_without_softcap"
+        capabilities = BackendCapabilities()
+
+    assert FeatureBackend(Declares(), feats, dense_fast_path=False).capabilities.softcap
+    with pytest.raises(ValueError, match=r"backend 'vanilla_without_softcap' cannot apply attention logit "
+                                         r"soft-capping \(attn_logit_softcapping=30.0\): its capabilities do not "
+                                         "declare torch_softcap"):
+        FeatureBackend(Undeclared(), feats, dense_fast_path=False)
+    # the built-ins, by what each declares: the plain-PyTorch ones yes, the kernel and SDPA ones no
+    assert {name for name in ("vanilla", "torch", "triton", "cute", "sdpa")
+            if get_backend(name).capabilities.torch_softcap} == {"vanilla", "torch"}
+    for name in ("triton", "sdpa"):
+        with pytest.raises(ValueError, match=f"backend '{name}' cannot apply attention logit soft-capping"):
+            FeatureBackend(get_backend(name), feats, dense_fast_path=False)
+    assert FeatureBackend(get_backend("torch"), feats, dense_fast_path=False).capabilities.softcap
+
+
 @pytest.mark.parametrize("backend", CORE)
 @pytest.mark.parametrize("selector", [None, "oracle_topk"])
 def test_a_core_backend_alone_on_a_windowed_layer_equals_attention_inside_the_window(backend, selector):

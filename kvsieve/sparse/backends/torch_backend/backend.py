@@ -50,8 +50,9 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
     required_translations = ("ragged_page_table",)
-    # skip-softmax rebuilds the Triton kernels' CPU launch table (skip_tiling): CPU only
-    capabilities = BackendCapabilities(skip_softmax_devices=frozenset({"cpu"}))
+    # skip-softmax rebuilds the Triton kernels' CPU launch table (skip_tiling): CPU only;
+    # plain PyTorch: a soft-capped layer may run the plain-PyTorch softcapped attention instead
+    capabilities = BackendCapabilities(skip_softmax_devices=frozenset({"cpu"}), torch_softcap=True)
 
     def __init__(self, max_gather_bytes: int = 256 << 20) -> None:
         self.max_gather_bytes = max_gather_bytes

@@ -80,7 +80,7 @@ def _steps(step: Callable[[torch.Tensor], torch.Tensor], tok: torch.Tensor, step
 
 
 def _model_parts(model: torch.nn.Module, timers: StageTimers) -> None:
-    from kvsieve.integrations.transformers_hooks import attention_modules
+    from kvsieve.integrations.transformers.hooks import attention_modules
 
     for m in attention_modules(model):
         timers.wrap(m, "forward", "attn_module")
@@ -89,7 +89,7 @@ def _model_parts(model: torch.nn.Module, timers: StageTimers) -> None:
 
 def profile_kvsieve(session, tok: torch.Tensor, steps: int) -> dict[str, float]:
     """``steps`` greedy decode steps of ``session`` under the timers; ms per step per :data:`STAGES`."""
-    import kvsieve.integrations.feature_backend as fb
+    import kvsieve.integrations.transformers.feature_backend as fb
     import kvsieve.sparse.selector_step as sa
     from kvsieve.sparse.params import SparseRuntimeParams
 

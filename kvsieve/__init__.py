@@ -5,6 +5,10 @@ on a paged GQA/MLA cache. Importing ``kvsieve`` registers the built-in selectors
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+import torch
+
 from . import selectors as _builtin_selectors  # noqa: F401  (registers the built-ins)
 from .selectors import DSAConfig, DSASelector, IndexerInputs
 from .metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
@@ -16,11 +20,15 @@ from .sparse import (
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from .integrations.transformers import KvsieveSession
 
-def apply(model, selector=None, **kwargs):  # noqa: ANN001, ANN201  (transformers is imported lazily)
+
+def apply(model: torch.nn.Module, selector: str | None = None, **kwargs: Any) -> KvsieveSession:
     """``with kvsieve.apply(model, "quest", budget=256): model.generate(...)`` — see
-    :func:`kvsieve.integrations.transformers.apply`."""
-    from .integrations.transformers_apply import apply as _apply
+    :func:`kvsieve.integrations.transformers.apply` (imported on the first call: the bridge loads
+    only when used)."""
+    from .integrations.transformers import apply as _apply
 
     return _apply(model, selector, **kwargs)
 

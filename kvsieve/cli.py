@@ -1,32 +1,53 @@
 """The ``kvsieve`` command: a thin dispatcher to one function per subcommand.
 
-Errors are one line (``kvsieve <command>: error: ...``, exit status 2 for bad input, 1 otherwise);
-``--debug`` anywhere on the command line prints the traceback as well.
+It sits on top of the package: it imports each subcommand's module (when that subcommand runs),
+and none of them imports it. Errors are one line (``kvsieve <command>: error: ...``, exit status 2
+for bad input, 1 otherwise; :func:`kvsieve.terminal.run_command`); ``--debug`` anywhere on the
+command line prints the traceback as well.
 """
 from __future__ import annotations
 
-import importlib
-import re
 import sys
-import traceback
+from collections.abc import Callable
 
-__all__ = ["main", "plain", "SUBCOMMANDS"]
+from .terminal import run_command
 
-# subcommand -> ("module:function" taking argv and returning an exit status, one-line description)
-SUBCOMMANDS = {
-    "eval": ("kvsieve.eval.cli:main", "accuracy-vs-sparsity sweep on a model: resumable, one folder per run, "
-                                      "summary.csv, plots and report.md"),
-    "list": ("kvsieve.eval.cli:list_main", "list selectors, backends, models or tasks, each with a description "
-                                           "and its defaults"),
-    "demo": ("kvsieve.demo:main", "one selector through the paged cache against the dense golden (about a minute)"),
-    "distill-indexer": ("kvsieve.eval.distill_indexer:main", "train a DSA indexer for a GQA model"),
+__all__ = ["main", "SUBCOMMANDS"]
+
+
+# each subcommand's module is imported only when it runs (``kvsieve --help`` loads none of them)
+def _eval(argv: list[str]) -> int:
+    from .eval.cli import main as eval_main
+
+    return eval_main(argv)
+
+
+def _list(argv: list[str]) -> int:
+    from .eval.cli import list_main
+
+    return list_main(argv)
+
+
+def _demo(argv: list[str]) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(argv)
+
+
+def _distill_indexer(argv: list[str]) -> int:
+    from .eval.distill_indexer import main as distill_main
+
+    return distill_main(argv)
+
+
+# subcommand -> (function taking argv and returning an exit status, one-line description)
+SUBCOMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "eval": (_eval, "accuracy-vs-sparsity sweep on a model: resumable, one folder per run, summary.csv, plots "
+                    "and report.md"),
+    "list": (_list, "list selectors, backends, models or tasks, each with a description and its defaults"),
+    "demo": (_demo, "one selector through the paged cache against the dense golden (about a minute)"),
+    "distill-indexer": (_distill_indexer, "train a DSA indexer for a GQA model"),
 }
-
-
-def plain(doc: str) -> str:
-    """A docstring for a terminal: RST roles and literals (``x``, :class:`~a.b.C`) as plain text."""
-    doc = re.sub(r":\w+:`~?(?:[\w.]+\.)?([^`]+)`", r"\1", doc)
-    return doc.replace("``", "")
 
 
 def _help() -> str:
@@ -38,11 +59,6 @@ def _help() -> str:
     lines += [f"  {name:<{width}}  {desc}" for name, (_, desc) in SUBCOMMANDS.items()]
     lines += ["", "kvsieve COMMAND --help shows a command's options; --debug shows tracebacks of errors."]
     return "\n".join(lines)
-
-
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or "(no message)"
-    return text if isinstance(err, ValueError) else f"{type(err).__name__}: {text}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,19 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvsieve: error: unknown command {argv[0]!r}; commands: {', '.join(SUBCOMMANDS)} "
               "(kvsieve --help)", file=sys.stderr)
         return 2
-    prog = f"kvsieve {argv[0]}"
-    module, func = SUBCOMMANDS[argv[0]][0].split(":")
-    try:
-        return getattr(importlib.import_module(module), func)(argv[1:])
-    except KeyboardInterrupt:
-        print(f"\n{prog}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as err:  # every error: one line, the traceback on request
-        if debug:
-            traceback.print_exc()
-        hint = "" if debug else " (--debug shows the traceback)"
-        print(f"{prog}: error: {_one_line(err)}{hint}", file=sys.stderr)
-        return 2 if isinstance(err, ValueError) else 1
+    return run_command(f"kvsieve {argv[0]}", SUBCOMMANDS[argv[0]][0], argv[1:], debug=debug)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ import json
 
 import torch
 
-from .cli import plain
 from .metadata import KVCacheManager, KVCacheSpec
 from .selectors.dsa import IndexerInputs
 from .sparse import Engine, SparseAttention, SparseAttentionConfig, lower_config
+from .terminal import plain
 
 __all__ = ["run_demo", "demo_params", "main"]
 

@@ -1,8 +1,11 @@
-"""``python -m kvsieve.eval`` is ``kvsieve eval``."""
+"""``python -m kvsieve.eval`` is ``kvsieve eval`` (the same one-line errors; ``--debug`` shows the
+traceback)."""
 from __future__ import annotations
 
 import sys
 
-from ..cli import main
+from ..terminal import run_command
+from .cli import main
 
-sys.exit(main(["eval", *sys.argv[1:]]))
+_argv = sys.argv[1:]
+sys.exit(run_command("kvsieve eval", main, [a for a in _argv if a != "--debug"], debug="--debug" in _argv))

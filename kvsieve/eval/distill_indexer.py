@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..cli import plain
 from ..integrations.transformers import MODEL_INPUTS_KWARG
 from ..selectors.dsa.projections import IndexerInputs, IndexerProjections, save_projections
+from ..terminal import plain
 from .distill_capture import (WindowTargets, cached_capture, capture_targets, sample_rows,
                               trainable_layers)
 from .distill_config import DistillConfig

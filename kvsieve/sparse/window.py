@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..metadata import PHASES, AttentionMetadata
-from .backends._torch_selection import selected_positions
+from .backends.torch_backend.selection import selected_positions
 from .params import SparseRuntimeParams
 
 __all__ = ["window_counts", "window_params"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, SparseAttentionConfig, lower_config
-from kvsieve.integrations.attention_features import LayerFeatures
-from kvsieve.integrations.feature_backend import FeatureBackend
+from kvsieve.integrations.transformers.attention_features import LayerFeatures
+from kvsieve.integrations.transformers.feature_backend import FeatureBackend
 from kvsieve.sparse.backends import BackendCapabilities, VanillaBackend, available_backends, get_backend
 from kvsieve.sparse.backends.triton_backend import TritonBackend
 from kvsieve.sparse.backends.vanilla import masked_attention
@@ -89,6 +89,31 @@ def test_the_feature_backend_declares_gqa_sinks_window_and_softcap_only_over_pla
     with pytest.raises(ValueError, match="layer 0: backend 'torch' does not support attention kind 'mla'"):
         SparseAttention(layer_idx=0, num_q_heads=4, num_kv_heads=1, head_dim=80, kind="mla", kv_lora_rank=64,
                         backend=fb)
+
+
+def test_softcap_is_decided_by_the_declared_capability_and_a_backend_without_it_is_refused_by_name():
+    feats = [LayerFeatures(layer_type="full_attention", window=None, softcap=30.0, sinks=None, scaling=0.25)]
+
+    class Declares(VanillaBackend):
+        name = "vanilla_declares_softcap"
+        capabilities = BackendCapabilities(torch_softcap=True)
+
+    class Undeclared(VanillaBackend):
+        name = "vanilla_without_softcap"
+        capabilities = BackendCapabilities()
+
+    assert FeatureBackend(Declares(), feats, dense_fast_path=False).capabilities.softcap
+    with pytest.raises(ValueError, match=r"backend 'vanilla_without_softcap' cannot apply attention logit "
+                                         r"soft-capping \(attn_logit_softcapping=30.0\): its capabilities do not "
+                                         "declare torch_softcap"):
+        FeatureBackend(Undeclared(), feats, dense_fast_path=False)
+    # the built-ins, by what each declares: the plain-PyTorch ones yes, the kernel and SDPA ones no
+    assert {name for name in ("vanilla", "torch", "triton", "cute", "sdpa")
+            if get_backend(name).capabilities.torch_softcap} == {"vanilla", "torch"}
+    for name in ("triton", "sdpa"):
+        with pytest.raises(ValueError, match=f"backend '{name}' cannot apply attention logit soft-capping"):
+            FeatureBackend(get_backend(name), feats, dense_fast_path=False)
+    assert FeatureBackend(get_backend("torch"), feats, dense_fast_path=False).capabilities.softcap
 
 
 @pytest.mark.parametrize("backend", CORE)

@@ -93,7 +93,7 @@ def test_shared_groups_long_prefill_and_an_empty_group():
     """A prompt longer than one chunk of rows (MAX_CHUNK_ROWS), dense and block-sparse, with one
     query block whose selection is all padding: the fused group path must give that block's
     tokens out 0 and lse +inf, as the golden does, and agree everywhere else."""
-    from kvsieve.sparse.backends.torch_backend import MAX_CHUNK_ROWS
+    from kvsieve.sparse.backends.torch_backend.backend import MAX_CHUNK_ROWS
 
     n = MAX_CHUNK_ROWS * 2 + 37
     md, q, geo = build(page=16, hq=4, hkv=1, d=16, ctx_lens=[n], gen_hist=[], seed=5)

@@ -93,18 +93,18 @@ def test_unmasked_prefix_only_when_every_head_reads_a_same_length_prefix(monkeyp
     """The one-token path skips the mask only when each head's valid positions are the first
     ``width`` of its gathered runs (the same for every head); otherwise the mask holds them
     apart. Both against the golden, with the kernel call observed."""
-    from kvsieve.sparse.backends import _torch_token
+    from kvsieve.sparse.backends.torch_backend import token as torch_token
 
     monkeypatch.setenv("KVSIEVE_NATIVE", "0")  # the PyTorch flash path's mask choice
     md, q, geo = build(page=16, hq=4, hkv=2, d=16, ctx_lens=[], gen_hist=[150], seed=2)  # kv_len 151: page 9 partial
     biases = []
-    flash = _torch_token.flash_cpu
+    flash = torch_token.flash_cpu
 
     def spy(q_, k_, v_, bias, scale):
         biases.append(bias)
         return flash(q_, k_, v_, bias, scale)
 
-    monkeypatch.setattr(_torch_token, "flash_cpu", spy)
+    monkeypatch.setattr(torch_token, "flash_cpu", spy)
     sel = SparseRuntimeParams(sparse_attn_indices=torch.tensor(rows, dtype=torch.int32),
                               sparse_attn_offsets=torch.tensor([0, 3], dtype=torch.int32),
                               sparse_attn_indices_block_size=16)

@@ -1,4 +1,4 @@
-"""The torch backend's split prefill (:mod:`kvsieve.sparse.backends._torch_prefill`) against Vanilla.
+"""The torch backend's split prefill (:mod:`kvsieve.sparse.backends.torch_backend.prefill`) against Vanilla.
 
 Tokens of a group (a query block of a block-sparse prefill, a prefill's dense rows) attend the
 runs every member reads whole with no mask and the rest under a mask, merged by log-sum-exp.
@@ -12,7 +12,9 @@ import torch
 
 from kvsieve import AttentionMetadata, KVCacheManager, KVCacheSpec, SparseRuntimeParams
 from kvsieve.metadata import TRANSLATIONS
-from kvsieve.sparse.backends import AttentionGeometry, TorchBackend, _torch_prefill, get_backend, torch_backend
+from kvsieve.sparse.backends import AttentionGeometry, TorchBackend, get_backend
+from kvsieve.sparse.backends.torch_backend import backend as torch_backend
+from kvsieve.sparse.backends.torch_backend import prefill as torch_prefill
 
 from .harness import build, random_selection
 
@@ -21,7 +23,7 @@ from .harness import build, random_selection
 def calls(monkeypatch):
     """Counts split-path chunks and, within them, flash calls with and without a mask."""
     seen = {"split": 0, "unmasked": 0, "masked": 0}
-    split, flash = torch_backend.split_prefill, _torch_prefill.flash_cpu
+    split, flash = torch_backend.split_prefill, torch_prefill.flash_cpu
 
     def split_spy(*args, **kwargs):
         seen["split"] += 1
@@ -32,7 +34,7 @@ def calls(monkeypatch):
         return flash(q, k, v, bias, scale)
 
     monkeypatch.setattr(torch_backend, "split_prefill", split_spy)
-    monkeypatch.setattr(_torch_prefill, "flash_cpu", flash_spy)
+    monkeypatch.setattr(torch_prefill, "flash_cpu", flash_spy)
     return seen
 
 

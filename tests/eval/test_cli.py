@@ -2,6 +2,11 @@
 config validation that names key, expected type and valid values, --no-progress."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from kvsieve import __version__, available_selectors
@@ -110,3 +115,15 @@ def test_no_progress_silences_transformers_bars(monkeypatch):
         bar.close()
     finally:
         hf_logging.enable_progress_bar()
+
+
+def test_python_m_kvsieve_eval_is_kvsieve_eval():
+    """``python -m kvsieve.eval`` runs eval's own command (not through ``kvsieve.cli``, which eval
+    never imports) with the same one-line errors."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "kvsieve.eval", "--quick", "--set", "seed=zero"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().splitlines() == [
+        "kvsieve eval: error: config.seed: expected int, got str 'zero' (--debug shows the traceback)"]

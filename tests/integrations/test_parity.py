@@ -97,7 +97,7 @@ def test_transformers_driven_generate_matches() -> None:
 def test_windowed_prefill_in_query_chunks(family: str, monkeypatch) -> None:
     """The SDPA fast path runs a windowed prefill in chunks of query rows (each against its band of
     keys); forced to chunks of one window (8 rows), parity holds across chunk borders."""
-    from kvsieve.integrations import feature_backend
+    from kvsieve.integrations.transformers import feature_backend
 
     monkeypatch.setattr(feature_backend, "_WINDOW_CHUNK", 1)
     model, ref = build(family)

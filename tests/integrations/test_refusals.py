@@ -8,7 +8,7 @@ from families import build
 
 from kvsieve import SparseAttentionConfig
 from kvsieve.integrations.transformers import KvsieveSession
-from kvsieve.integrations.transformers_hooks import ATTN_IMPLEMENTATION, attention_forward
+from kvsieve.integrations.transformers.hooks import ATTN_IMPLEMENTATION, attention_forward
 
 
 def _call(session: KvsieveSession, layer: int, **kwargs):

@@ -16,6 +16,15 @@ __all__ = ["AttentionBackend", "AttentionGeometry", "AttentionResult", "BackendC
            "TorchBackend", "masked_attention", "get_backend", "available_backends", "default_backend",
            "register_backend", "BACKEND_ENTRY_POINT_GROUP"]
 
+# built-ins import lazily: a backend's kernels load only when it is chosen
+BACKENDS.builtin.update({
+    "vanilla": "kvsieve.sparse.backends.vanilla:VanillaBackend",
+    "torch": "kvsieve.sparse.backends.torch_backend:TorchBackend",
+    "triton": "kvsieve.sparse.backends.triton_backend:TritonBackend",
+    "cute": "kvsieve.sparse.backends.cute:CuteBackend",
+    "sdpa": "kvsieve.sparse.backends.sdpa:SdpaBackend",
+})
+
 # the fast path per device type; "vanilla" is the golden, never a default
 _DEFAULTS = {"cpu": "torch", "cuda": "triton"}
 

@@ -35,7 +35,12 @@ class BackendCapabilities:
     * ``dtypes``: query/cache dtypes;
     * ``devices``: device types (``"cpu"``, ``"cuda"``) its kernels run on;
     * ``skip_softmax_devices``: device types on which it runs skip-softmax thresholds (empty: none);
-    * ``softcap``: attention-logit soft-capping; ``sinks``: learned attention sinks;
+    * ``softcap``: it applies attention-logit soft-capping itself; ``sinks``: learned attention sinks;
+    * ``torch_softcap``: its math is plain PyTorch over the selection, so a soft-capped layer may
+      run plain-PyTorch softcapped attention over the same selection in its place and still be
+      what this backend computes, with the cap (the transformers bridge's
+      :class:`~kvsieve.integrations.transformers.feature_backend.FeatureBackend` does; a backend
+      without it, e.g. a kernel backend, is refused on a soft-capped model, by name);
     * ``window``: it applies a sliding-window layer's window itself. A backend without it gets
       the window applied to its selection by :class:`~kvsieve.sparse.SparseAttention`
       (:func:`kvsieve.sparse.window.window_params`), so every backend honours windows.
@@ -46,6 +51,7 @@ class BackendCapabilities:
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     skip_softmax_devices: frozenset[str] = frozenset()
     softcap: bool = False
+    torch_softcap: bool = False
     sinks: bool = False
     window: bool = False
 
@@ -157,14 +163,9 @@ class AttentionBackend(ABC):
 
 
 BACKEND_ENTRY_POINT_GROUP = "kvsieve.backends"
-_PKG = __name__.rsplit(".", 1)[0]
-BACKENDS: Registry[type[AttentionBackend]] = Registry(
-    "backend", AttentionBackend, BACKEND_ENTRY_POINT_GROUP,
-    # built-ins import lazily: a backend's kernels load only when it is chosen
-    builtin={"vanilla": f"{_PKG}.vanilla:VanillaBackend", "torch": f"{_PKG}.torch_backend:TorchBackend",
-             "triton": f"{_PKG}.triton_backend:TritonBackend", "cute": f"{_PKG}.cute:CuteBackend",
-             "sdpa": f"{_PKG}.sdpa:SdpaBackend"},
-)
+# the built-ins' "module:class" table is filled by the package (kvsieve/sparse/backends/__init__.py),
+# which sits above the backend modules: this module, which they all import, names none of them
+BACKENDS: Registry[type[AttentionBackend]] = Registry("backend", AttentionBackend, BACKEND_ENTRY_POINT_GROUP)
 B = TypeVar("B", bound=type[AttentionBackend])
 
 

@@ -11,6 +11,8 @@ scores per layer; SDPA is the same math, fused. SDPA computes no LSE: a step it 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -33,7 +35,9 @@ class SdpaBackend(AttentionBackend):
             raise ValueError("the sdpa backend's inner backend cannot be sdpa itself")
         self.required_translations = tuple(sorted({"block_lists", *self.inner.required_translations}))
         self.kv_page_granular = self.inner.kv_page_granular
-        self.capabilities = self.inner.capabilities  # SDPA serves dense GQA steps, any dtype and device
+        # SDPA serves dense GQA steps, any dtype and device; its fused kernel is not the inner
+        # backend's math, so no plain-PyTorch softcap stands in for it
+        self.capabilities = dataclasses.replace(self.inner.capabilities, torch_softcap=False)
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                 params: SparseRuntimeParams | None) -> AttentionResult:

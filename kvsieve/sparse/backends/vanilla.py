@@ -54,8 +54,9 @@ def gather_nhd(mgr: KVCacheManager, layer_idx: int, block_ids: list[int], kv_len
 @register_backend
 class VanillaBackend(AttentionBackend):
     name = "vanilla"
-    # skip-softmax rebuilds the Triton kernels' CPU launch table (skip_tiling): CPU only
-    capabilities = BackendCapabilities(skip_softmax_devices=frozenset({"cpu"}))
+    # skip-softmax rebuilds the Triton kernels' CPU launch table (skip_tiling): CPU only;
+    # plain PyTorch: a soft-capped layer may run the plain-PyTorch softcapped attention instead
+    capabilities = BackendCapabilities(skip_softmax_devices=frozenset({"cpu"}), torch_softcap=True)
     required_translations = ("block_lists",)
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,

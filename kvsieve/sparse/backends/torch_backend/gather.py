@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ._torch_prefill import Groups
-from ._torch_scratch import ScratchPool
-from .base import AttentionGeometry
+from ..base import AttentionGeometry
+from .prefill import Groups
+from .scratch import ScratchPool
 
 __all__ = ["gather_positions", "gather_runs"]
 
@@ -36,7 +36,7 @@ def gather_runs(pool: torch.Tensor, geometry: AttentionGeometry, ragged: tuple[t
     or MLA latent ``[blocks, P, R+rope]``, contiguous.
 
     ``req`` int64 ``[n]`` and ``lens`` int64 ``[n]`` are the tokens' requests and kv lengths,
-    ``starts``/``ok`` (``[Hkv, n, U]``, as :func:`~._torch_selection.unit_starts`) their runs. A group of tokens
+    ``starts``/``ok`` (``[Hkv, n, U]``, as :func:`~.selection.unit_starts`) their runs. A group of tokens
     shares one gather, made for the group's last token (the longest causal range, so a superset
     of the others' valid runs). Returns K ``[Hkv, G, K, D]``, V ``[Hkv, G, K, Dv]`` (fp32;
     ``G`` = groups, or tokens when ``groups`` is ``None``) and the per-token valid mask

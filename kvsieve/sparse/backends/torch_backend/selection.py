@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..params import SparseRuntimeParams
+from ...params import SparseRuntimeParams
 
 __all__ = ["selected_positions", "unit_starts"]
 

@@ -10,7 +10,7 @@ rows are gathered in one advanced-indexing op, and attention runs in fp32. Query
 processed per phase, in chunks sized so the gathered tile stays under ``max_gather_bytes``.
 Tokens that share one gather (a prefill's dense rows, a block-sparse prefill's query blocks)
 form groups; on a GQA HND cache on CPU each group's attention is split into the runs every
-member reads whole and the few it reads in part (:mod:`._torch_prefill`, no per-position tensors),
+member reads whole and the few it reads in part (:mod:`.prefill`, no per-position tensors),
 both through PyTorch's fused CPU flash-attention kernel; a chunk ends early when its gathers would
 pass ``max_gather_bytes``. A phase or chunk of a single token on CPU (the decode step of one
 request) takes a short path: its runs computed on the host, then the native kernel
@@ -27,15 +27,15 @@ import math
 
 import torch
 
-from ...metadata import AttentionMetadata
-from ..params import SparseRuntimeParams
-from ._torch_gather import gather_positions, gather_runs
-from ._torch_prefill import Groups, group_tokens, split_prefill
-from ._torch_scratch import ScratchPool
-from ._torch_selection import selected_positions, unit_starts
-from ._torch_token import attend_token, token_path
-from .base import AttentionBackend, AttentionGeometry, AttentionResult, BackendCapabilities, register_backend
-from .skip_tiling import RequestRows, WalkedRows, skip_softmax_phase
+from ....metadata import AttentionMetadata
+from ...params import SparseRuntimeParams
+from ..base import AttentionBackend, AttentionGeometry, AttentionResult, BackendCapabilities, register_backend
+from ..skip_tiling import RequestRows, WalkedRows, skip_softmax_phase
+from .gather import gather_positions, gather_runs
+from .prefill import Groups, group_tokens, split_prefill
+from .scratch import ScratchPool
+from .selection import selected_positions, unit_starts
+from .token import attend_token, token_path
 
 __all__ = ["TorchBackend"]
 
@@ -50,8 +50,9 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
     required_translations = ("ragged_page_table",)
-    # skip-softmax rebuilds the Triton kernels' CPU launch table (skip_tiling): CPU only
-    capabilities = BackendCapabilities(skip_softmax_devices=frozenset({"cpu"}))
+    # skip-softmax rebuilds the Triton kernels' CPU launch table (skip_tiling): CPU only;
+    # plain PyTorch: a soft-capped layer may run the plain-PyTorch softcapped attention instead
+    capabilities = BackendCapabilities(skip_softmax_devices=frozenset({"cpu"}), torch_softcap=True)
 
     def __init__(self, max_gather_bytes: int = 256 << 20) -> None:
         self.max_gather_bytes = max_gather_bytes
@@ -91,7 +92,7 @@ class TorchBackend(AttentionBackend):
     def _skip_softmax(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int, geometry: AttentionGeometry,
                       params: SparseRuntimeParams, phase: str, rows: slice
                       ) -> tuple[torch.Tensor, torch.Tensor, int, int, str]:
-        """Skip-softmax rows of ``phase``: the Triton kernels' tile walk (:mod:`.skip_softmax`) over K/V
+        """Skip-softmax rows of ``phase``: the Triton kernels' tile walk (:mod:`..skip_tiling`) over K/V
         gathered through the ragged page table."""
         mgr = metadata.kv_cache_manager
         if geometry.kind == "mla":

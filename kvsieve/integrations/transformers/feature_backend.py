@@ -12,8 +12,9 @@
   (:func:`apply_sinks`). This needs a real LSE, so sink layers never take the SDPA fast path.
 * **Logit soft-capping** changes the scores inside the softmax; no kvsieve kernel implements it.
   Softcap layers run :func:`softcapped_attention` (plain PyTorch over the selection mask, the
-  Vanilla golden's math with the cap) for the plain-PyTorch backends ``vanilla`` and ``torch``;
-  the kernel backends refuse softcap models by name (:func:`check_backend`).
+  Vanilla golden's math with the cap) in place of a backend that declares its math plain PyTorch
+  (``BackendCapabilities.torch_softcap``: ``vanilla`` and ``torch``); a backend that does not (the
+  kernel backends) is refused on a softcap model, by name (:func:`check_backend`).
 * **Dense fast path.** A step with no selection (only the window, if any) runs torch SDPA over
   each request's K/V gathered from the paged cache, with a banded causal mask for windows; a
   request's lone decode token whose keys all lie in its window is read in place by the native CPU
@@ -26,27 +27,27 @@ import dataclasses
 
 import torch
 
-from ..metadata import AttentionMetadata, KVCacheManager
-from ..sparse.backends import AttentionBackend, AttentionGeometry, AttentionResult, BackendCapabilities
-from ..sparse.backends.sdpa import causal_sdpa, gather_blocks, native_dense_decode, sdpa_gqa
-from ..sparse.params import SparseRuntimeParams, is_dense
-from ..sparse.selection import selection_mask
-from ..sparse.window import window_counts, window_params
+from ...metadata import AttentionMetadata, KVCacheManager
+from ...sparse.backends import AttentionBackend, AttentionGeometry, AttentionResult, BackendCapabilities
+from ...sparse.backends.sdpa import causal_sdpa, gather_blocks, native_dense_decode, sdpa_gqa
+from ...sparse.params import SparseRuntimeParams, is_dense
+from ...sparse.selection import selection_mask
+from ...sparse.window import window_counts, window_params
 from .attention_features import LayerFeatures
 
-__all__ = ["FeatureBackend", "apply_sinks", "softcapped_attention", "check_backend",
-           "gather_request_kv", "SOFTCAP_BACKENDS"]
-
-#: backends whose math is plain PyTorch, for which :func:`softcapped_attention` stands in
-SOFTCAP_BACKENDS = ("vanilla", "torch")
+__all__ = ["FeatureBackend", "apply_sinks", "softcapped_attention", "check_backend", "gather_request_kv"]
 
 
-def check_backend(backend: str, features: list[LayerFeatures]) -> None:
-    """Refuse a backend that cannot honour a feature some layer uses, naming both."""
+def check_backend(backend: AttentionBackend, features: list[LayerFeatures]) -> None:
+    """Refuse a backend that cannot honour a feature some layer uses, naming both: soft-capping
+    needs a backend whose capabilities declare ``torch_softcap`` (:func:`softcapped_attention`
+    stands in for its math)."""
     caps = sorted({f.softcap for f in features if f.softcap is not None})
-    if caps and backend not in SOFTCAP_BACKENDS:
-        raise ValueError(f"backend {backend!r} cannot apply attention logit soft-capping "
-                         f"(attn_logit_softcapping={caps[0]}); use one of {list(SOFTCAP_BACKENDS)}")
+    if caps and not backend.capabilities.torch_softcap:
+        raise ValueError(f"backend {backend.name!r} cannot apply attention logit soft-capping "
+                         f"(attn_logit_softcapping={caps[0]}): its capabilities do not declare torch_softcap "
+                         "(plain-PyTorch math, for which softcapped attention stands in); the built-in "
+                         "backends 'vanilla' and 'torch' do")
 
 
 def gather_request_kv(cache: KVCacheManager, layer_idx: int, request_id: int, *, head_major: bool = False,
@@ -99,13 +100,13 @@ class FeatureBackend(AttentionBackend):
     """
 
     def __init__(self, inner: AttentionBackend, features: list[LayerFeatures], *, dense_fast_path: bool) -> None:
-        check_backend(inner.name, features)
+        check_backend(inner, features)
         inner_caps = inner.capabilities
         # GQA only; the window (its banded SDPA fast path), sinks and, over plain-PyTorch inner
         # backends, softcap are applied here
         self.capabilities = BackendCapabilities(
             attention_kinds=frozenset({"gqa"}), dtypes=inner_caps.dtypes, devices=inner_caps.devices,
-            skip_softmax_devices=inner_caps.skip_softmax_devices, softcap=inner.name in SOFTCAP_BACKENDS, sinks=True,
+            skip_softmax_devices=inner_caps.skip_softmax_devices, softcap=inner_caps.torch_softcap, sinks=True,
             window=True)
         self.inner = inner
         self.features = features

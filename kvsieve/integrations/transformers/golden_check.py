@@ -13,9 +13,9 @@ import random
 
 import torch
 
-from ..metadata import AttentionMetadata
-from ..sparse import SparseAttention
-from ..sparse.backends import VanillaBackend
+from ...metadata import AttentionMetadata
+from ...sparse import SparseAttention
+from ...sparse.backends import VanillaBackend
 from .attention_features import LayerFeatures
 from .feature_backend import FeatureBackend
 

@@ -13,13 +13,13 @@ import math
 import numpy as np
 import torch
 
-from ...kernels.cpu import NativeUnavailable
-from ...kernels.cpu.sparse_decode import sparse_decode_native, supports_native
-from ...metadata import AttentionMetadata
-from ..params import SparseRuntimeParams
-from ._torch_prefill import flash_cpu
-from ._torch_scratch import ScratchPool
-from .base import AttentionGeometry
+from ....kernels.cpu import NativeUnavailable
+from ....kernels.cpu.sparse_decode import sparse_decode_native, supports_native
+from ....metadata import AttentionMetadata
+from ...params import SparseRuntimeParams
+from ..base import AttentionGeometry
+from .prefill import flash_cpu
+from .scratch import ScratchPool
 
 __all__ = ["attend_token", "token_path"]
 

@@ -2,7 +2,7 @@
 
 ::
 
-    with kvsieve.apply(model, "quest", budget=256):      # one line (:mod:`.transformers_apply`); restores the model on exit
+    with kvsieve.apply(model, "quest", budget=256):      # one line (:mod:`.apply_model`); restores the model on exit
         model.generate(input_ids, max_new_tokens=32)
 
     from kvsieve import SparseAttentionConfig
@@ -13,7 +13,7 @@
     new_tokens = session.generate(input_ids, max_new_tokens=8)        # [B, n]
     session.attended_fraction("generation")                          # per layer
 
-Constructing a session registers (:mod:`.transformers_hooks`) the attention function ``"kvsieve"``
+Constructing a session registers (:mod:`.hooks`) the attention function ``"kvsieve"``
 with transformers' ``AttentionInterface`` and a mask function under the same name with ``AttentionMaskInterface``
 (it returns ``None``: kvsieve applies causality from its own ledger, so transformers never builds
 an ``[S, L]`` mask), then calls ``model.set_attn_implementation("kvsieve")``. Every attention
@@ -23,7 +23,7 @@ kvsieve's token-major ``[B*S, H, D]`` and runs that layer's :class:`SparseAttent
 
 A selector that reads per-step model inputs (DSA's ``IndexerInputs``) gets them through the
 attention call itself: a forward pre-hook on the attention module puts them in the keyword
-argument :data:`MODEL_INPUTS_KWARG`, the module's own code passes its keyword arguments on to the
+argument :data:`~.hooks.MODEL_INPUTS_KWARG`, the module's own code passes its keyword arguments on to the
 attention function, and that hands them to the layer's ``forward(..., model_inputs=)``
 (:func:`kvsieve.eval.distill_indexer.attach_dsa_indexer` is such a hook).
 
@@ -43,7 +43,7 @@ Two ways to drive it:
   length starts new requests (the previous ones are freed). Beam search works: transformers'
   ``_reorder_cache`` hook reorders the paged cache's rows with its own (blocks shared, copied on
   write); a ``past_key_values`` the session did not build, and ``generate(use_cache=False)`` under
-  a decode-phase selector, are refused (:mod:`.transformers_cache`).
+  a decode-phase selector, are refused (:mod:`.generate_link`).
 
 Batches are ``B`` equal-length rows without padding (request ids ``0..B-1``). Without
 ``max_batch`` the session sizes its paged cache for the batch of the first step (and grows it at
@@ -57,19 +57,17 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
-from ..sparse import Engine, SparseAttention, SparseAttentionConfig, get_backend, lower_config
-from ..sparse.backends import default_backend
+from ...metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
+from ...sparse import Engine, SparseAttention, SparseAttentionConfig, get_backend, lower_config
+from ...sparse.backends import default_backend
 from .attention_features import LayerFeatures, read_layer_features
-from .feature_backend import FeatureBackend, gather_request_kv
+from .feature_backend import FeatureBackend
+from .generate_link import GenerateLink
 from .golden_check import GOLDEN_TRANSLATIONS, GoldenCheck
-from .transformers_cache import GenerateLink
-from .transformers_steps import SessionSteps
-from .transformers_hooks import (ATTN_IMPLEMENTATION, MODEL_INPUTS_KWARG, SESSION_ATTR, attention_modules, head_dims,
-                                 register_attention)
+from .hooks import ATTN_IMPLEMENTATION, SESSION_ATTR, attention_modules, head_dims, register_attention
+from .steps import SessionSteps
 
-__all__ = ["KvsieveSession", "ATTN_IMPLEMENTATION", "MODEL_INPUTS_KWARG", "register_attention", "LayerObserver",
-           "gather_request_kv"]
+__all__ = ["KvsieveSession", "LayerObserver"]
 
 #: ``observer(layer_idx, q [T, Hq, D], out [T, Hq, D], metadata, layer)`` after each layer forward.
 LayerObserver = Callable[[int, torch.Tensor, torch.Tensor, AttentionMetadata, SparseAttention], None]
@@ -85,7 +83,8 @@ class KvsieveSession(SessionSteps):
 
     ``config``: the selector (``None`` = dense everywhere); ``backend``: a kvsieve backend name;
     ``dense_fast_path``: run steps without a selection through torch SDPA over the paged KV
-    (see :class:`~kvsieve.integrations.feature_backend.FeatureBackend`); ``max_tokens``: per-request capacity of the paged cache;
+    (see :class:`~kvsieve.integrations.transformers.feature_backend.FeatureBackend`); ``max_tokens``:
+    per-request capacity of the paged cache;
     ``max_batch``: rows (requests, beams) the paged cache holds; ``None`` sizes it for the first
     step's batch and grows it when a later step starts more new requests;
     ``decode_threads``: torch intra-op threads during :meth:`decode` (on a CPU, one thread is
@@ -95,7 +94,7 @@ class KvsieveSession(SessionSteps):
     drops blocks wholly out of the window after each step (held blocks stay bounded, and
     :meth:`rewind` refuses a length whose window was dropped); ``False`` keeps them.
     ``check_steps``: compare that many random generation steps with the Vanilla golden
-    (:class:`~kvsieve.integrations.golden_check.GoldenCheck`, kept as :attr:`golden_check`).
+    (:class:`~kvsieve.integrations.transformers.golden_check.GoldenCheck`, kept as :attr:`golden_check`).
     ``prefix_caching``: :meth:`prefill` adds its rows with their token ids, so a prompt whose
     leading whole blocks an earlier prompt computed (the blocks stay cached after their requests
     end, until the allocator needs them) holds those blocks by reference and the model runs only

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ..sparse import SparseAttentionConfig
-from .transformers import KvsieveSession
+from ...sparse import SparseAttentionConfig
+from .session import KvsieveSession
 
 __all__ = ["apply"]
 

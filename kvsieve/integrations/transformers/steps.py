@@ -10,16 +10,17 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..sparse import Engine
+    from ...sparse import Engine
 
 __all__ = ["SessionSteps"]
 
 
 class SessionSteps:
     """Step methods of a session; the session sets the attributes they use (``engine``, ``model``,
-    ``device``, ``max_batch``, ``prefix_caching``, ``beam_width`` and the step state)."""
+    ``device``, ``max_batch``, ``max_tokens``, ``prefix_caching``, ``beam_width`` and the step state)."""
 
     engine: Engine
+    max_tokens: int
 
     def rewind(self, length: int) -> None:
         """Drop every position ``>= length`` of the live requests (e.g. to reuse a prompt's cache
@@ -62,6 +63,11 @@ class SessionSteps:
         prefix cache (the model runs on the rest)."""
         if self.max_batch is not None and batch > self.max_batch:
             raise ValueError(f"batch of {batch} rows exceeds max_batch={self.max_batch}")
+        if num_new > self.max_tokens:  # refused by the user's knob, before anything changes
+            raise ValueError(f"{'a prompt' if new_requests else 'a step'} of {num_new} tokens per row exceeds "
+                             f"max_tokens={self.max_tokens}, the per-request capacity of the session's paged cache "
+                             "(kvsieve.apply(..., max_tokens=...) or KvsieveSession(max_tokens=...)); the session "
+                             "is unchanged")
         reused = 0
         if new_requests:
             for rid in self.engine.request_ids:

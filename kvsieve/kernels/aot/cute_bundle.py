@@ -5,10 +5,10 @@ DSL's runtime wheel is 92 MB. The DSL's own export (``JitCompiledFunction.export
 per compiled kernel, a C header (the host launch wrapper) and an object file (host launch code +
 the embedded sm_90a cubin). ``build`` links those objects, one generated C shim per kernel, the
 DSL's 52 KB ``libcuda_dialect_runtime_static.a`` and CUDA's static runtime into **one shared
-library that needs only the driver (libcuda)** — no Python DSL, no MLIR runtime. ``AotBundle``
-loads it with ctypes; ``KVSIEVE_CUTE_AOT=<bundle dir>`` makes the CuTe host code
-(``kvsieve.kernels.common.gather.cute.host``, ``kvsieve.kernels.topk.cute.host``) launch from it
-instead of compiling.
+library that needs only the driver (libcuda)** — no Python DSL, no MLIR runtime.
+:class:`kvsieve.kernels.common.cute_bundle.AotBundle` loads it with ctypes; ``KVSIEVE_CUTE_AOT=<bundle
+dir>`` makes the CuTe host code (``kvsieve.kernels.common.gather.cute.host``,
+``kvsieve.kernels.topk.cute.host``) launch from it instead of compiling.
 
     python -m kvsieve.kernels.aot.cute_bundle build --out .cute_aot/sm90   # here: DSL + gcc + CUDA static runtime
     KVSIEVE_CUTE_AOT=.cute_aot/sm90 python ...                              # there: only torch and the driver
@@ -35,9 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..common.cute import ARCH_FLAGS
-from ..common.cute_bundle import ENV_VAR, AotBundle, AotKernel, bundle_from_env, key_of, sha256_of
+from ..common.cute_bundle import key_of, sha256_of
 
-__all__ = ["BUNDLE_VARIANTS", "AotBundle", "AotKernel", "key_of", "build", "bundle_from_env", "ENV_VAR"]
+__all__ = ["BUNDLE_VARIANTS", "LIB_NAME", "build"]
 
 LIB_NAME = "libkvsieve_cute.so"
 # attention: MLA 128 heads (bf16 and FP8 rows), GQA 2 KV heads x group 8 at head_dim 128; top-k k=512/2048

@@ -5,7 +5,7 @@ decode (bf16 and FP8 cache) and block-sparse GQA decode beside the Triton kernel
 (when ``flash_mla`` is installed, FP8 cache), and prints TFLOP/s and GB/s against the device
 peak. On a machine without such a GPU it says so and exits 0. Where nvidia-cutlass-dsl is not
 installed, ``KVSIEVE_CUTE_AOT=<bundle>`` times the kernels of an ahead-of-time bundle
-(``kvsieve.kernels.cute.aot``; its MLA variants are built for these default shapes). ``--json PATH``
+(``kvsieve.kernels.aot.cute_bundle``; its MLA variants are built for these default shapes). ``--json PATH``
 writes the rows.
 """
 from __future__ import annotations
@@ -43,15 +43,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     import torch
-    from kvsieve.kernels.cute._common import cute_available, detect_arch
+    from kvsieve.kernels.common.cute import cute_available, detect_arch
     arch = detect_arch("cuda") if torch.cuda.is_available() else None
     ok, why = cute_available()
     if arch is None or not (ok or os.environ.get("KVSIEVE_CUTE_AOT")):
         print(f"cute_kernels benchmark needs an SM90/SM100 GPU and nvidia-cutlass-dsl "
               f"({why or 'no such GPU here'}); nothing to do.")
         return 0
-    from kvsieve.kernels.cute.sparse_mla_decode import quantize_fp8_mla, sparse_mla_decode_slots
-    from kvsieve.kernels import triton as tk
+    from kvsieve.kernels.sparse_mla_decode.cute import sparse_mla_decode_slots
+    from kvsieve.kernels.sparse_mla_decode.fp8 import quantize_fp8_mla
+    from kvsieve.kernels.sparse_mla_decode.triton import sparse_mla_decode
     peak_flops, peak_bw = PEAKS[arch]
     b, h, k, page = a.batch, a.heads, a.topk, a.page
     pages = -(-a.kv_len // page)
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     lens = torch.full((b,), a.kv_len, device="cuda", dtype=torch.int32)
     off = (torch.arange(b + 1, device="cuda") * k).int()
     idx = local.reshape(1, -1).contiguous()
-    rows.append(("triton mla bf16", lambda: tk.sparse_mla_decode(q, latent, bt, t2r, lens, idx,
-                                                                 off, 512), b * k * 1152))
+    rows.append(("triton mla bf16", lambda: sparse_mla_decode(q, latent, bt, t2r, lens, idx,
+                                                              off, 512), b * k * 1152))
     try:
         import flash_mla
         meta = flash_mla.get_mla_metadata()[0]

@@ -258,13 +258,26 @@ def _load(cfg: E2EConfig):
     return model, model.config.vocab_size, loaded.name
 
 
+def native_kernels_status() -> dict[str, str]:
+    """Per native CPU kernel, what this process runs: ``"native"`` or ``"torch (<why>)"``."""
+    from kvsieve.kernels.common.native import native_status
+    from kvsieve.kernels.head_tables import native as head_tables
+    from kvsieve.kernels.page_minmax import native as page_minmax
+    from kvsieve.kernels.page_topk import native as page_topk
+    from kvsieve.kernels.segment_check import native as segment_check
+    from kvsieve.kernels.sparse_gqa_decode import native as sparse_decode
+
+    return {"page_topk": native_status(page_topk.SOURCE), "sparse_decode": native_status(sparse_decode.SOURCE),
+            "segment_check": native_status(segment_check.SOURCE), "head_tables": native_status(head_tables.SOURCE),
+            "page_minmax": native_status(page_minmax.SOURCE)}
+
+
 def run(cfg: E2EConfig, profile: bool = True) -> dict:
     """Every length of ``cfg`` and the floor from one prefill of the longest (lengths descending, each
     a rewind); ratios of each configuration to plain transformers at the same length, to the floor
     and to kvsieve dense."""
     from kvsieve import SparseAttentionConfig
     from kvsieve.integrations.transformers import KvsieveSession
-    from kvsieve.kernels.cpu import native_kernels_status
 
     model, vocab, name = _load(cfg)
     lengths = sorted({cfg.floor_length, *cfg.lengths}, reverse=True)

@@ -14,7 +14,7 @@ import importlib.util
 
 import torch
 
-from kvsieve.kernels.triton.topk import dispatch, naive
+from kvsieve.kernels.topk import dispatch, naive
 
 from ._timing import fmt_ms, measure
 

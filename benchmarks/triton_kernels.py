@@ -67,7 +67,7 @@ def _topk(batch: int, heads: int, ctx: int, topk: int, dev) -> tuple:
 
 
 def bench_gqa(batches, contexts, topks, bw_peak, fl_peak, dev) -> list[dict]:
-    from kvsieve.kernels.triton import sparse_gqa_decode
+    from kvsieve.kernels.sparse_gqa_decode.triton import sparse_gqa_decode
     hkv, group, dim, page = 8, 4, 128, 64
     print(f"GQA decode ({hkv} KV heads x {group}, D={dim}, bf16, page {page}); "
           f"target >= {GQA_TARGET_BW:.0%} HBM on gathered bytes")
@@ -91,7 +91,7 @@ def bench_gqa(batches, contexts, topks, bw_peak, fl_peak, dev) -> list[dict]:
 
 
 def bench_mla(batches, contexts, bw_peak, fl_peak, dev) -> list[dict]:
-    from kvsieve.kernels.triton import sparse_mla_decode
+    from kvsieve.kernels.sparse_mla_decode.triton import sparse_mla_decode
     heads, topk, page = 128, 2048, 64
     print(f"MLA decode ({heads} heads, 512+64, topk {topk}, bf16); "
           f"target >= {MLA_TARGET_TFLOPS:.0f} TFLOP/s")

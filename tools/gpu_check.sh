@@ -4,7 +4,7 @@
 # (no pip install: kvsieve's pins need not match the image). Writes gpu_check.json/.md into $OUT
 # (or ./gpu_check_out) and exits non-zero on any mismatch. Pass --dry-run on a machine without a GPU.
 # The CuTe-DSL kernels are checked from .cute_aot/sm90 when it was built and carried
-# (python -m kvsieve.kernels.cute.aot build --out .cute_aot/sm90; docs/kernels.md, "GPU verification").
+# (python -m kvsieve.kernels.aot.cute_bundle build --out .cute_aot/sm90; docs/kernels.md, "GPU verification").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -109,7 +109,7 @@ def _attention(env: Env, fn, ref, args: tuple, kwargs: dict) -> tuple[float, str
 
 
 def gqa_decode(env: Env, small: bool) -> tuple[str, float, str]:
-    from ..kernels.triton.sparse_gqa_decode import kernel, naive
+    from ..kernels.sparse_gqa_decode import naive, triton as kernel
     kv, hkv, group, page, d = ([1, 77], 2, 7, 53, 96) if small else ([1, 333, 1000], 2, 7, 53, 96)
     bt, k, v = _paged(env, kv, hkv, page, d, d)
     q = env.randn(len(kv), hkv * group, d)
@@ -121,7 +121,7 @@ def gqa_decode(env: Env, small: bool) -> tuple[str, float, str]:
 
 
 def gqa_decode_blocks(env: Env, small: bool) -> tuple[str, float, str]:
-    from ..kernels.triton.sparse_gqa_decode import kernel, naive
+    from ..kernels.sparse_gqa_decode import naive, triton as kernel
     kv, hkv, group, page, d, bs = [5, 300], 1, 4, 1, 128, 16
     if small:
         kv = [5, 40]
@@ -134,7 +134,7 @@ def gqa_decode_blocks(env: Env, small: bool) -> tuple[str, float, str]:
 
 
 def gqa_skip_softmax(env: Env, small: bool) -> tuple[str, float, str]:
-    from ..kernels.triton.sparse_gqa_decode import kernel, naive
+    from ..kernels.sparse_gqa_decode import naive, triton as kernel
     kv, hkv, group, page, d = ([700], 2, 4, 16, 64) if small else ([256, 700], 2, 4, 16, 64)
     bt, k, v = _paged(env, kv, hkv, page, d, d)
     q = env.randn(len(kv), hkv * group, d).float()
@@ -156,7 +156,7 @@ def gqa_skip_softmax(env: Env, small: bool) -> tuple[str, float, str]:
 
 
 def prefill(env: Env, small: bool) -> tuple[str, float, str]:
-    from ..kernels.triton.paged_prefill import kernel, naive
+    from ..kernels.paged_prefill import naive, triton as kernel
     hkv, group, page, d = 2, 3, 16, 64
     n = 20 if small else 70
     kv = [30, 30 + n]
@@ -169,7 +169,7 @@ def prefill(env: Env, small: bool) -> tuple[str, float, str]:
 
 
 def prefill_sparse(env: Env, small: bool) -> tuple[str, float, str]:
-    from ..kernels.triton.paged_prefill import kernel, naive
+    from ..kernels.paged_prefill import naive, triton as kernel
     hkv, group, page, d = 1, 5, 8, 64
     kv = [9, 10, 11] if small else [9, 10, 11, 200]
     bt, k, v = _paged(env, kv, hkv, page, d, d)
@@ -181,7 +181,7 @@ def prefill_sparse(env: Env, small: bool) -> tuple[str, float, str]:
 
 
 def mla_decode(env: Env, small: bool) -> tuple[str, float, str]:
-    from ..kernels.triton.sparse_mla_decode import kernel, naive
+    from ..kernels.sparse_mla_decode import naive, triton as kernel
     heads = 16 if small else 128
     kv, page = [1, 300], 64
     bt, lat, _ = _paged(env, kv, 1, page, 576, 1)
@@ -194,7 +194,7 @@ def mla_decode(env: Env, small: bool) -> tuple[str, float, str]:
 
 
 def merge(env: Env, small: bool) -> tuple[str, float, str]:
-    from ..kernels.triton.merge_states import kernel, naive
+    from ..kernels.common.merge_states import naive, triton as kernel
     t, h, s, d = (3, 2, 5, 40) if small else (17, 8, 33, 128)
     v = env.randn(t, h, s, d)
     lse = torch.randn(t, h, s, generator=torch.Generator().manual_seed(1)).to(env.device)
@@ -206,7 +206,7 @@ def merge(env: Env, small: bool) -> tuple[str, float, str]:
 
 
 def compact(env: Env, small: bool) -> tuple[str, float, str]:
-    from ..kernels.triton.kv_helpers import kernel, naive
+    from ..kernels.compact_kv import naive, triton as kernel
     hkv, page, d, n = 2, 16, 64, 100 if not small else 40
     bt, k, v = _paged(env, [n], hkv, page, d, d)
     g = torch.Generator().manual_seed(3)
@@ -228,7 +228,7 @@ def _topk_rows(n: int, rows: int, device: torch.device) -> tuple[torch.Tensor, t
 
 
 def topk(env: Env, small: bool) -> tuple[str, float, str]:
-    from ..kernels.triton.topk import dispatch, naive
+    from ..kernels.topk import dispatch, naive
     widths, k = ((700,), 128) if small else ((1, 2049, 9295), 512)
     bad = []
     for width in widths:
@@ -243,7 +243,7 @@ def topk(env: Env, small: bool) -> tuple[str, float, str]:
 
 
 def indexer(env: Env, small: bool) -> tuple[str, float, str]:
-    from ..kernels.triton.dsa_indexer import kernel, naive
+    from ..kernels.dsa_indexer import naive, triton as kernel
     t, h, d, page = (2, 4, 64, 16) if small else (3, 16, 128, 64)
     kv = [5, 130] if small else [5, 130, 1000]
     bt, kc, _ = _paged(env, kv, 1, page, d, 1)

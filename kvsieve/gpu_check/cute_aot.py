@@ -1,4 +1,4 @@
-"""Verify the CuTe-DSL kernels from their ahead-of-time bundle (``kvsieve.kernels.cute.aot``).
+"""Verify the CuTe-DSL kernels from their ahead-of-time bundle (``kvsieve.kernels.aot.cute_bundle``).
 
 ``python -m kvsieve.gpu_check.cute_aot check --bundle DIR [--json PATH]`` (no GPU needed): the
 manifest is read, the library's checksum verified, the library loaded with ctypes and every
@@ -29,7 +29,7 @@ __all__ = ["check", "run", "main"]
 
 def check(bundle_dir: Path) -> dict:
     """Structural check of a bundle on any machine; the per-kernel load result is recorded."""
-    from ..kernels.cute.aot import AotBundle
+    from ..kernels.common.cute_bundle import AotBundle
     b = AotBundle(bundle_dir)
     kernels = {}
     for key in b.keys:
@@ -59,8 +59,10 @@ def _selection(batch: int, page: int, topk: int, kv_len: int, heads: int = 1, bl
 
 
 def _mla(fp8: bool) -> float:
-    from ..kernels.cute.sparse_mla_decode import quantize_fp8_mla, sparse_mla_decode, sparse_mla_decode_fp8_reference
-    from ..kernels.triton.sparse_mla_decode.naive import sparse_mla_decode as ref
+    from ..kernels.sparse_mla_decode.cute import sparse_mla_decode
+    from ..kernels.sparse_mla_decode.fp8 import quantize_fp8_mla
+    from ..kernels.sparse_mla_decode.naive import sparse_mla_decode as ref
+    from ..kernels.sparse_mla_decode.naive import sparse_mla_decode_fp8_reference
     batch, page, heads = 3, 53, 128
     nb, bt, lens, idx, off = _selection(batch, page, 300, 2500)
     g = torch.Generator().manual_seed(3)
@@ -77,8 +79,8 @@ def _mla(fp8: bool) -> float:
 
 
 def _gqa() -> float:
-    from ..kernels.cute.sparse_gqa_decode import sparse_gqa_decode
-    from ..kernels.triton.sparse_gqa_decode.naive import sparse_gqa_decode as ref
+    from ..kernels.sparse_gqa_decode.cute import sparse_gqa_decode
+    from ..kernels.sparse_gqa_decode.naive import sparse_gqa_decode as ref
     hkv, group, d, page, block = 2, 8, 128, 53, 53
     nb, bt, lens, idx, off = _selection(3, page, 7, 1000, hkv, block)
     g = torch.Generator().manual_seed(5)
@@ -91,8 +93,8 @@ def _gqa() -> float:
 
 
 def _topk(k: int) -> float:
-    from ..kernels.cute.topk_gvr import gvr_topk
-    from ..kernels.triton.topk.naive import radix_topk
+    from ..kernels.topk.cute.host import gvr_topk
+    from ..kernels.topk.naive import radix_topk
     g = torch.Generator().manual_seed(k)
     s = torch.randn(4, 9295, generator=g)
     s[1] = torch.randint(0, 5, (9295,), generator=g).float()
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     bundle = Path(a.bundle)
     if not (bundle / "manifest.json").exists():
-        print(f"no CuTe AOT bundle at {bundle} (build: python -m kvsieve.kernels.cute.aot build --out {bundle})")
+        print(f"no CuTe AOT bundle at {bundle} (build: python -m kvsieve.kernels.aot.cute_bundle build --out {bundle})")
         return 3
     res = check(bundle) if a.action == "check" else run(bundle)
     print(json.dumps(res, indent=1))

@@ -1,1 +1,15 @@
-from __future__ import annotations
+"""kvsieve kernels, one folder per operation (as flash-linear-attention's ``ops/<op>/``).
+
+An op folder holds its implementations beside one plain-PyTorch reference, ``naive.py`` (same
+signatures): ``triton.py`` (Triton, any CUDA GPU; CPU under ``TRITON_INTERPRET=1``), ``cute.py``
+or ``cute/`` (CuTe-DSL, SM90/SM100), ``native.py`` + ``<op>.c`` (C for the host CPU, built on
+first use), ``plan.py`` (validation and launch planning shared by an implementation and its
+reference), ``dispatch.py`` (where the op picks an implementation at run time). A package's
+``__init__`` only describes it: every implementation is imported by its module path, so nothing
+loads Triton or CuTe until it is named.
+
+Ops: ``sparse_gqa_decode``, ``sparse_mla_decode``, ``paged_prefill``, ``compact_kv``, ``topk``,
+``dsa_indexer``, ``page_topk``, ``page_minmax``, ``head_tables``, ``segment_check``. Pieces several
+ops share are in ``common`` (an op imports no other op); ahead-of-time compile reports and the
+CuTe bundle builder are in ``aot``.
+"""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.common.indexing import effective_attended_tokens
 from .params import SparseRuntimeParams
 
 __all__ = ["selection_mask", "attended_counts", "unique_sorted_segments"]
@@ -46,7 +47,7 @@ def attended_counts(params: SparseRuntimeParams | None, token_kv_lens: torch.Ten
     ``params`` has attention indices); all other rows are dense and read ``token_kv_lens``.
     ``page_size=1`` counts exact tokens (what the Vanilla golden reads). With ``page_size > 1``
     every touched page counts whole (clipped to the query's valid length), which is what a
-    page-gathering kernel pays (``kvsieve.kernels.triton.effective_attended_tokens``).
+    page-gathering kernel pays (``kvsieve.kernels.common.indexing.effective_attended_tokens``).
     """
     lens = token_kv_lens.to(torch.int64)
     counts = lens.unsqueeze(1).expand(lens.numel(), num_kv_heads).cpu().clone()
@@ -56,8 +57,6 @@ def attended_counts(params: SparseRuntimeParams | None, token_kv_lens: torch.Ten
         selected_rows = [slice(0, lens.numel())]
     if not any(r.stop > r.start for r in selected_rows):
         return counts
-    from ..kernels.triton.kv_helpers.indexing import effective_attended_tokens  # lazy: imports triton
-
     sparse = effective_attended_tokens(params.sparse_attn_indices, params.sparse_attn_offsets,
                                        token_kv_lens.to(torch.int32), params.sparse_attn_indices_block_size, page_size)
     sparse = sparse.to(torch.int64).cpu()

@@ -1,7 +1,7 @@
 """The torch backend's one-token path (a phase or chunk of a single query row: the decode step of
 one request) against the Vanilla golden: out, LSE and attended counts, on dense rows, padded and
 overshooting selections, repeated units, empty rows, every block size against the page — through
-the native kernel (``kvsieve.kernels.cpu.sparse_decode``) and, with ``KVSIEVE_NATIVE=0``, through
+the native kernel (``kvsieve.kernels.sparse_gqa_decode.native``) and, with ``KVSIEVE_NATIVE=0``, through
 PyTorch's flash kernel."""
 from __future__ import annotations
 

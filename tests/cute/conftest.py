@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsieve.kernels.cute._common import cute_available
+from kvsieve.kernels.common.cute import cute_available
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +16,7 @@ def compiled_variants(tmp_path_factory):
     ok, why = cute_available()
     if not ok:
         pytest.skip(f"compile checks need nvidia-cutlass-dsl: {why}")
-    from kvsieve.kernels.cute.report import compile_all, variants
+    from kvsieve.kernels.aot.cute_report import compile_all, variants
 
     reports = compile_all(str(tmp_path_factory.mktemp("cute_compile")), jobs=2, specs=variants())
     return {(r.name.rsplit("_", 1)[0], r.arch): r for r in reports}
@@ -29,7 +29,7 @@ def compiled_topk(tmp_path_factory):
     ok, why = cute_available()
     if not ok:
         pytest.skip(f"compile checks need nvidia-cutlass-dsl: {why}")
-    from kvsieve.kernels.cute.report import compile_all, topk_variants
+    from kvsieve.kernels.aot.cute_report import compile_all, topk_variants
 
     specs = topk_variants()
     reports = compile_all(str(tmp_path_factory.mktemp("cute_topk_compile")), jobs=2, specs=specs)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsieve.kernels.cute._common import SMEM_LIMIT
+from kvsieve.kernels.common.cute import SMEM_LIMIT
 
 KINDS = ("mla", "mla_fp8", "gqa")
 ARCHS = ("sm90", "sm100")

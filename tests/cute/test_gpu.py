@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.kernels.cute._common import cute_available, detect_arch
+from kvsieve.kernels.common.cute import cute_available, detect_arch
 
 
 def _arch() -> str | None:
@@ -43,9 +43,10 @@ def _selection(batch, page, topk, kv_len, heads=1, block=1, seed=0, all_invalid=
                                                    (64, 17, 2048, 128)])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_mla_decode_matches_reference(page, batch, topk, heads, fp8):
-    from kvsieve.kernels.cute.sparse_mla_decode import (quantize_fp8_mla, sparse_mla_decode,
-                                                        sparse_mla_decode_fp8_reference)
-    from kvsieve.kernels.triton.sparse_mla_decode.naive import sparse_mla_decode as ref
+    from kvsieve.kernels.sparse_mla_decode.cute import sparse_mla_decode
+    from kvsieve.kernels.sparse_mla_decode.fp8 import quantize_fp8_mla
+    from kvsieve.kernels.sparse_mla_decode.naive import sparse_mla_decode as ref
+    from kvsieve.kernels.sparse_mla_decode.naive import sparse_mla_decode_fp8_reference
     nb, bt, lens, idx, off = _selection(batch, page, topk, 2500, all_invalid=(0,) if batch > 1 else ())
     g = torch.Generator().manual_seed(3)
     latent = torch.randn(nb, page, 576, generator=g).bfloat16()
@@ -67,8 +68,8 @@ def test_mla_decode_matches_reference(page, batch, topk, heads, fp8):
 @pytest.mark.parametrize("page,batch,group,block", [(1, 1, 4, 1), (53, 3, 8, 53),
                                                     (64, 17, 16, 64)])
 def test_gqa_decode_matches_reference(page, batch, group, block):
-    from kvsieve.kernels.cute.sparse_gqa_decode import sparse_gqa_decode
-    from kvsieve.kernels.cute.sparse_gqa_decode.naive import sparse_gqa_decode as ref
+    from kvsieve.kernels.sparse_gqa_decode.cute import sparse_gqa_decode
+    from kvsieve.kernels.sparse_gqa_decode.naive import sparse_gqa_decode as ref
     hkv, d = 2, 128
     nb, bt, lens, idx, off = _selection(batch, page, 7 if block > 1 else 300, 1000, hkv, block,
                                         all_invalid=(1,) if batch > 1 else ())

@@ -7,11 +7,10 @@ import math
 import pytest
 import torch
 
-from kvsieve.kernels.cute.sparse_mla_decode.host import (merge_splits, pad_rows,
-                                                         request_local_to_rows)
-from kvsieve.kernels.cute.sparse_mla_decode.naive import (dequantize_fp8_mla, quantize_fp8_mla,
-                                                          sparse_mla_decode_fp8_reference)
-from kvsieve.kernels.triton.sparse_mla_decode.naive import sparse_mla_decode as bf16_reference
+from kvsieve.kernels.common.gather.cute.host import merge_splits, pad_rows, request_local_to_rows
+from kvsieve.kernels.sparse_mla_decode.fp8 import dequantize_fp8_mla, quantize_fp8_mla
+from kvsieve.kernels.sparse_mla_decode.naive import sparse_mla_decode as bf16_reference
+from kvsieve.kernels.sparse_mla_decode.naive import sparse_mla_decode_fp8_reference
 
 
 def test_request_local_to_rows_tokens_and_blocks():
@@ -87,8 +86,8 @@ def test_merge_splits_matches_single_softmax():
 
 
 def test_cute_entry_points_refuse_cpu():
-    from kvsieve.kernels.cute.sparse_gqa_decode import sparse_gqa_decode
-    from kvsieve.kernels.cute.sparse_mla_decode import sparse_mla_decode_slots
+    from kvsieve.kernels.sparse_gqa_decode.cute import sparse_gqa_decode
+    from kvsieve.kernels.sparse_mla_decode.cute import sparse_mla_decode_slots
 
     q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
     cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)

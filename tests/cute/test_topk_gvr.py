@@ -1,4 +1,4 @@
-"""CuTe-DSL GVR top-k (``kvsieve.kernels.cute.topk_gvr``).
+"""CuTe-DSL GVR top-k (``kvsieve.kernels.topk.cute``).
 
 CPU (always): every variant (k 512/1024/2048) compiles for sm_90a and sm_100a, with no spills or
 local memory and shared memory within 227 KiB, and the PTX holds the shared-memory histogram
@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsieve.kernels.cute._common import SMEM_LIMIT, cute_available
-from kvsieve.kernels.cute.topk_gvr import kernel as cute_topk
-from kvsieve.kernels.cute.topk_gvr import naive as cute_naive
-from kvsieve.kernels.cute.topk_gvr.mirror import gvr_topk_mirror
-from kvsieve.kernels.cute.topk_gvr.params import capacity_for, smem_bytes
-from kvsieve.kernels.triton.topk import dispatch, naive
+from kvsieve.kernels.common.cute import SMEM_LIMIT, cute_available
+from kvsieve.kernels.topk import dispatch, naive
+from kvsieve.kernels.topk.cute import host as cute_topk
+from kvsieve.kernels.topk.cute.mirror import gvr_topk_mirror
+from kvsieve.kernels.topk.cute.params import capacity_for, smem_bytes
 
 KS = (512, 1024, 2048)
 ARCHS = ("sm90", "sm100")
@@ -75,11 +74,11 @@ def test_ptx_evidence(compiled_topk, arch):
 
 
 def test_report_lists_topk_rows():
-    from kvsieve.kernels.cute.report import table, topk_variants
+    from kvsieve.kernels.aot.cute_report import table, topk_variants
 
     specs = topk_variants()
     assert {(s["k"], s["arch"]) for s in specs} == {(k, a) for k in KS for a in ARCHS}
-    from kvsieve.kernels.cute._common import CompileReport
+    from kvsieve.kernels.aot.cute_compile import CompileReport
 
     fake = CompileReport("topk_gvr_k512_sm90", "sm90", 40, 0, 0, smem_bytes(512), {},
                          {"atom.shared.add": 20}, 1.0, "", "")
@@ -91,9 +90,9 @@ def test_report_lists_topk_rows():
 def test_import_without_cutlass_and_auto_on_cpu():
     code = (
         "import sys; sys.modules['cutlass'] = None\n"  # any import of cutlass now fails
-        "import kvsieve.kernels.cute.topk_gvr as m\n"
-        "from kvsieve.kernels.cute.topk_gvr import kernel, mirror\n"
-        "from kvsieve.kernels.triton.topk import dispatch\n"
+        "import kvsieve.kernels.topk.cute as m\n"
+        "from kvsieve.kernels.topk.cute import host, mirror\n"
+        "from kvsieve.kernels.topk import dispatch\n"
         "d = dispatch.choose_topk_engine('auto', device='cpu', index_topk=2048)\n"
         "assert d.engine == 'torch', d\n"
         "print('ok')\n")
@@ -139,7 +138,7 @@ def test_mirror_equals_reference(k):
         s = _rows(n, seed=i)
         lens = torch.tensor([n, n, n, max(0, n - 5)], dtype=torch.int32)
         got, fb = gvr_topk_mirror(s, lens, k)
-        ref = cute_naive.gvr_topk(s, lens, k)
+        ref = naive.radix_topk(s, lens, k)
         assert torch.equal(got, ref), (n, k)
         if n > capacity_for(k):
             assert fb[2] == 1  # all-equal row: the in-kernel fallback, still exact
@@ -154,7 +153,7 @@ def test_mirror_guess_rarely_falls_back():
     for k in KS:
         got, fb = gvr_topk_mirror(s, lens, k)
         assert int(fb.sum()) == 0
-        assert torch.equal(got, cute_naive.gvr_topk(s, lens, k))
+        assert torch.equal(got, naive.radix_topk(s, lens, k))
 
 
 # ---------------------------------------------------------------- GPU
@@ -185,7 +184,7 @@ def _values_match_torch(s, lens, got, k):
 @needs_gpu
 @pytest.mark.parametrize("k", KS)
 def test_gpu_matches_reference_and_triton(k):
-    from kvsieve.kernels.triton.topk import kernel as triton_topk
+    from kvsieve.kernels.topk import triton as triton_topk
 
     for i, n in enumerate(LENGTHS):
         s = _rows(n, seed=i)

@@ -14,7 +14,7 @@ import pytest
 @pytest.fixture(scope="module")
 def rows():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "kvsieve.kernels.triton.dsa_indexer.report", "--json"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "kvsieve.kernels.aot.dsa_report", "--json"], env=env,
                           capture_output=True, text=True, timeout=600, check=False)
     if proc.returncode != 0:
         pytest.fail(f"AOT report failed:\n{proc.stderr[-3000:]}")

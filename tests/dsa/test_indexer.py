@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.kernels.triton.dsa_indexer import naive
-from kvsieve.kernels.triton.dsa_indexer.quant import quantize_pow2_fp8
+from kvsieve.kernels.dsa_indexer import naive
+from kvsieve.kernels.dsa_indexer.quant import quantize_pow2_fp8
 
 F32_TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -39,7 +39,7 @@ def _golden(q, k_rows, scale, w):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("h,d", [(4, 32), (6, 40)])
 def test_prefill_kernel_matches_reference(dtype, h, d):
-    from kvsieve.kernels.triton.dsa_indexer import kernel
+    from kvsieve.kernels.dsa_indexer import triton as kernel
 
     q, k, ks, w = _inputs(5, h, d, 300, dtype)
     start = torch.tensor([0, 0, 10, 10, 37], dtype=torch.int32)
@@ -54,7 +54,7 @@ def test_prefill_kernel_matches_reference(dtype, h, d):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("page", [16, 7])
 def test_decode_kernel_matches_reference(dtype, page):
-    from kvsieve.kernels.triton.dsa_indexer import kernel
+    from kvsieve.kernels.dsa_indexer import triton as kernel
 
     g = torch.Generator().manual_seed(3)
     nb, d, h = 40, 32, 4

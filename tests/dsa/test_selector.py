@@ -7,7 +7,7 @@ import torch
 
 from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, SparseAttentionConfig, create_selector
 from kvsieve import lower_config
-from kvsieve.kernels.triton.topk.naive import radix_topk
+from kvsieve.kernels.topk.naive import radix_topk
 from kvsieve.selectors import IndexerInputs
 from kvsieve.selectors.dsa.selector import INDEX_K_POOL, INDEX_K_SCALE_POOL
 

@@ -8,8 +8,8 @@ import importlib.util
 import pytest
 import torch
 
-from kvsieve.kernels.triton.topk import dispatch
-from kvsieve.kernels.triton.topk import naive
+from kvsieve.kernels.topk import dispatch
+from kvsieve.kernels.topk import naive
 
 LENGTHS = (1, 2, 127, 128, 129, 511, 512, 1000, 1023, 1024, 2047, 2048, 2049, 4096, 9295, 32768, 131072)
 KS = (128, 512, 1024, 2048)
@@ -61,7 +61,7 @@ def test_tie_rule_keeps_lowest_positions():
 
 @pytest.mark.parametrize("n,k", [(1, 128), (300, 128), (2049, 2048), (9295, 512), (131072, 2048)])
 def test_triton_kernels_equal_references(n, k):
-    from kvsieve.kernels.triton.topk import kernel
+    from kvsieve.kernels.topk import triton as kernel
 
     scores, lens = _rows(n, 7 * n + k, count=2 if n > 100000 else 4)  # the long row: 2 rows (interpreter time)
     want = naive.radix_topk(scores, lens, k)
@@ -78,7 +78,7 @@ def test_triton_kernels_equal_references(n, k):
 def test_gvr_guess_fallback_is_exact():
     """All-equal rows defeat the guess (every entry is a candidate, beyond the scratch capacity):
     the kernel records the fallback and stays exact."""
-    from kvsieve.kernels.triton.topk import kernel
+    from kvsieve.kernels.topk import triton as kernel
 
     scores = torch.zeros(2, 5000)
     scores[1, 4000:] = 1.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvsieve.kernels.triton.launch import check_interpreter
+from kvsieve.kernels.common.launch import check_interpreter
 
 
 @pytest.mark.parametrize("triton_v,numpy_v", [("3.6.0", "2.4.6"), ("3.7.1", "2.5.2")])

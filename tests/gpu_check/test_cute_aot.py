@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsieve.kernels.cute._common import cute_available
+from kvsieve.kernels.common.cute import cute_available
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1024 * 1024
@@ -26,7 +26,7 @@ def _toolchain() -> str:
         return why
     if shutil.which("gcc") is None:
         return "gcc not found"
-    from kvsieve.kernels.cute.aot import _cuda_static
+    from kvsieve.kernels.aot.cute_bundle import _cuda_static
     try:
         _cuda_static()
     except RuntimeError as e:
@@ -39,7 +39,7 @@ def bundle(tmp_path_factory):
     why = _toolchain()
     if why:
         pytest.skip(f"building a bundle needs the DSL, gcc and a CUDA toolkit: {why}")
-    from kvsieve.kernels.cute.aot import build
+    from kvsieve.kernels.aot.cute_bundle import build
     out = tmp_path_factory.mktemp("cute_aot")
     manifest = build(out, "sm90", jobs=1, variants=(dict(kind="topk_gvr", k=512),))
     return out, manifest
@@ -61,7 +61,7 @@ def test_bundle_files_and_size_budget(bundle):
 
 
 def test_loader_reaches_the_driver(bundle):
-    from kvsieve.kernels.cute.aot import AotBundle
+    from kvsieve.kernels.common.cute_bundle import AotBundle
     b = AotBundle(bundle[0])
     k = b.kernel("topk_gvr_k512")
     with pytest.raises(RuntimeError, match=r"CUDA error \d+ \(cudaError\w+\)"):
@@ -85,7 +85,7 @@ def test_check_command(bundle, tmp_path):
 
 
 def test_stale_library_refused(bundle, tmp_path):
-    from kvsieve.kernels.cute.aot import AotBundle
+    from kvsieve.kernels.common.cute_bundle import AotBundle
     copy = tmp_path / "copy"
     shutil.copytree(bundle[0], copy)
     lib = copy / bundle[1]["library"]
@@ -95,7 +95,7 @@ def test_stale_library_refused(bundle, tmp_path):
 
 
 def test_shim_matches_the_export_header():
-    from kvsieve.kernels.cute.aot import _shim, _signature
+    from kvsieve.kernels.aot.cute_bundle import _shim, _signature
     header = ("static inline int32_t cute_dsl_k_wrapper(k_Kernel_Module_t *module, void *a, int32_t n, "
               "int64_t s, float x, cudaStream_t stream) {")
     assert _signature("k", header) == ["void *", "int32_t", "int64_t", "float", "cudaStream_t"]

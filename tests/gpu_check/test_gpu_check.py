@@ -64,7 +64,7 @@ def test_dry_run_skips_gpu_steps_and_runs_cpu_ones(dry_run):
     for c in cases["details"]:  # really compared: fp32 under the interpreter, finite error within tol
         assert c["passed"] and c["dtype"] == "float32" and 0 <= c["max_err"] <= c["tol"]
     # no bundle at the given path: skipped with the line that says how to build one
-    assert steps["cute_aot"]["status"] == "skipped" and "kvsieve.kernels.cute.aot build" in steps["cute_aot"]["reason"]
+    assert steps["cute_aot"]["status"] == "skipped" and "kvsieve.kernels.aot.cute_bundle build" in steps["cute_aot"]["reason"]
 
 
 def test_markdown_report(dry_run):

@@ -1,6 +1,6 @@
 """AOT compile every kernel at its shipped sm_90a / sm_100a config (no GPU needed).
 
-Runs ``python -m kvsieve.kernels.triton.report --json`` in a subprocess without
+Runs ``python -m kvsieve.kernels.aot.triton_report --json`` in a subprocess without
 TRITON_INTERPRET (this test session runs the interpreter) and a fresh TRITON_CACHE_DIR;
 the report reads registers/spills from Triton's ptxas log and shared memory from metadata."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ def rows(tmp_path_factory):
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-m", "kvsieve.kernels.triton.report", "--json"],
+    res = subprocess.run([sys.executable, "-m", "kvsieve.kernels.aot.triton_report", "--json"],
                          env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])

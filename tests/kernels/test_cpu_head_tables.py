@@ -1,4 +1,4 @@
-"""The per-(row, KV head) block tables (``kvsieve.kernels.cpu.head_tables``): native builder, naive
+"""The per-(row, KV head) block tables (``kvsieve.kernels.head_tables``): native builder, naive
 twin and a plain loop over rows and heads give the same tables and lengths on random whole-block
 selections (rows of different lengths, padding, the newest block partial or not)."""
 from __future__ import annotations
@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvsieve.kernels.cpu.build import NativeUnavailable
-from kvsieve.kernels.cpu.head_tables import head_tables, head_tables_naive, head_tables_native
+from kvsieve.kernels.common.native import NativeUnavailable
+from kvsieve.kernels.head_tables.dispatch import head_tables
+from kvsieve.kernels.head_tables.naive import head_tables_naive
+from kvsieve.kernels.head_tables.native import head_tables_native
 
 
 def _selection(gen: np.random.Generator, heads: int, n: int, bs: int):

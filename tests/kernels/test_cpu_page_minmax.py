@@ -1,4 +1,4 @@
-"""The page min/max summaries (``kvsieve.kernels.cpu.page_minmax``): the native kernel, its naive
+"""The page min/max summaries (``kvsieve.kernels.page_minmax``): the native kernel, its naive
 twin and a plain loop over pages, heads, keys and channels write the same summary rows, for bf16
 and fp32 keys and pools, pages of 1..page_size keys in blocks of a strided cache (channels
 contiguous, and tokens contiguous as in vLLM's CPU layout), NaN channels included; nothing else in the pool is written; a page outside its block is refused before
@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvsieve.kernels.cpu.build import NativeUnavailable
-from kvsieve.kernels.cpu.page_minmax import page_minmax, page_minmax_naive, page_minmax_native, supports_native
+from kvsieve.kernels.common.native import NativeUnavailable
+from kvsieve.kernels.page_minmax.dispatch import page_minmax, supports_native
+from kvsieve.kernels.page_minmax.naive import page_minmax_naive
+from kvsieve.kernels.page_minmax.native import page_minmax_native
 
 
 def _loop(keys: torch.Tensor, blocks, starts, counts, pool: torch.Tensor) -> torch.Tensor:

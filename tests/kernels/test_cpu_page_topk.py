@@ -1,4 +1,4 @@
-"""The native CPU page top-k (``kvsieve.kernels.cpu.page_topk``) against its naive twin and an
+"""The native CPU page top-k (``kvsieve.kernels.page_topk``) against its naive twin and an
 independent per-page loop; its build, cache and fallback."""
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsieve.kernels.cpu import build
-from kvsieve.kernels.cpu.page_topk import SOURCE, page_topk, page_topk_naive
+from kvsieve.kernels.common import native as build
+from kvsieve.kernels.page_topk.dispatch import page_topk
+from kvsieve.kernels.page_topk.naive import page_topk_naive
+from kvsieve.kernels.page_topk.native import SOURCE
 
 HAS_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
 needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler on this machine: the native kernel cannot build")
@@ -144,7 +146,7 @@ def test_rows_in_one_call_equal_page_topk_per_row(monkeypatch, mode, dtype):
     different lengths and budgets side by side, the pages ``page_topk`` picks for each alone."""
     import numpy as np
 
-    from kvsieve.kernels.cpu.page_topk import page_topk_rows
+    from kvsieve.kernels.page_topk.dispatch import page_topk_rows
 
     hkv, g, d, sub = 3, 3, 64, 2
     pool, _, _ = _case(hkv, g, d, sub, 40, dtype, seed=7)

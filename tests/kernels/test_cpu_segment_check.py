@@ -1,4 +1,4 @@
-"""The native carrier checker (``kvsieve.kernels.cpu.segment_check``) against its plain twin: on
+"""The native carrier checker (``kvsieve.kernels.segment_check``) against its plain twin: on
 random carriers, valid and broken by each rule, the checker accepts exactly what the plain checks
 accept, and a broken carrier raises the plain path's named error either way."""
 from __future__ import annotations
@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvsieve.kernels.cpu.build import NativeUnavailable
-from kvsieve.kernels.cpu.segment_check import (check_offsets_naive, check_segments, check_segments_naive,
-                                               segment_check_native)
+from kvsieve.kernels.common.native import NativeUnavailable
+from kvsieve.kernels.segment_check.dispatch import check_segments
+from kvsieve.kernels.segment_check.naive import check_offsets_naive, check_segments_naive
+from kvsieve.kernels.segment_check.native import segment_check_native
 
 
 def _native_or_skip(*args, **kw) -> int:

@@ -1,4 +1,4 @@
-"""The native CPU one-token attention (``kvsieve.kernels.cpu.sparse_decode``) against its naive twin
+"""The native CPU one-token attention (``kvsieve.kernels.sparse_gqa_decode.native``) against its naive twin
 and an independent float64 softmax over the listed tokens."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvsieve.kernels.cpu import NativeUnavailable
-from kvsieve.kernels.cpu.sparse_decode import sparse_decode_naive, sparse_decode_native, supports_native
+from kvsieve.kernels.common.native import NativeUnavailable
+from kvsieve.kernels.sparse_gqa_decode.naive import sparse_decode_naive
+from kvsieve.kernels.sparse_gqa_decode.native import sparse_decode_native, supports_native
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler on this machine: the native kernel cannot build")

@@ -1,4 +1,4 @@
-"""Many decode rows over runs of a paged cache (``kvsieve.kernels.cpu.sparse_decode``:
+"""Many decode rows over runs of a paged cache (``kvsieve.kernels.sparse_gqa_decode.native``:
 ``selection_runs`` + ``sparse_decode_runs_native``) against the naive twin and an independent
 float64 softmax over the selected positions, looked up one by one through the block table."""
 from __future__ import annotations
@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from kvsieve.integrations.vllm.layouts import kv_views
-from kvsieve.kernels.cpu import NativeUnavailable
-from kvsieve.kernels.cpu.sparse_decode import (TokenRuns, selection_runs, selection_runs_naive,
-                                               sparse_decode_runs_naive, sparse_decode_runs_native, supports_runs_native)
+from kvsieve.kernels.common.native import NativeUnavailable
+from kvsieve.kernels.sparse_gqa_decode.naive import sparse_decode_runs_naive
+from kvsieve.kernels.sparse_gqa_decode.native import sparse_decode_runs_native, supports_runs_native
+from kvsieve.kernels.sparse_gqa_decode.runs import TokenRuns, selection_runs, selection_runs_naive
 from kvsieve.sparse import SparseRuntimeParams
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,

@@ -28,10 +28,12 @@ def _run_all():
 
 
 def _device_checks() -> None:
-    from kvsieve.kernels.triton import paged_prefill, sparse_gqa_decode, sparse_mla_decode
-    from kvsieve.kernels.triton.paged_prefill import naive as pn
-    from kvsieve.kernels.triton.sparse_gqa_decode import naive as gn
-    from kvsieve.kernels.triton.sparse_mla_decode import naive as mn
+    from kvsieve.kernels.paged_prefill import naive as pn
+    from kvsieve.kernels.paged_prefill.triton import paged_prefill
+    from kvsieve.kernels.sparse_gqa_decode import naive as gn
+    from kvsieve.kernels.sparse_gqa_decode.triton import sparse_gqa_decode
+    from kvsieve.kernels.sparse_mla_decode import naive as mn
+    from kvsieve.kernels.sparse_mla_decode.triton import sparse_mla_decode
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)

@@ -10,8 +10,8 @@ import torch
 
 from conftest import (F16_TOL, F32_TOL, GOLDEN_TOL, assert_close_lse, golden_attention,
                       make_block_table, make_cache, make_selection)
-from kvsieve.kernels.triton.sparse_gqa_decode import naive
-from kvsieve.kernels.triton.sparse_gqa_decode.kernel import sparse_gqa_decode
+from kvsieve.kernels.sparse_gqa_decode import naive
+from kvsieve.kernels.sparse_gqa_decode.triton import sparse_gqa_decode
 
 # (page_size, block_size, group, batch, hkv, head_dim, layout, n_sel)
 CASES = [

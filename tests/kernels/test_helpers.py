@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from conftest import F32_TOL, make_block_table, make_cache, make_selection
-from kvsieve.kernels.triton import (compact_kv_, compact_mla_kv_, effective_attended_tokens,
-                                    merge_states, to_physical_slots)
-from kvsieve.kernels.triton.kv_helpers import naive
-from kvsieve.kernels.triton.merge_states import naive as merge_naive
+from kvsieve.kernels.common.indexing import effective_attended_tokens, to_physical_slots
+from kvsieve.kernels.common.merge_states import naive as merge_naive
+from kvsieve.kernels.common.merge_states.triton import merge_states
+from kvsieve.kernels.compact_kv import naive
+from kvsieve.kernels.compact_kv.triton import compact_kv_, compact_mla_kv_
 
 
 @pytest.mark.parametrize("page,block", [(16, 1), (16, 16), (53, 1)])

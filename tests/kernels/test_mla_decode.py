@@ -9,8 +9,8 @@ import torch
 
 from conftest import (F32_TOL, GOLDEN_TOL, assert_close_lse, golden_attention,
                       make_block_table, make_selection)
-from kvsieve.kernels.triton.sparse_mla_decode import naive
-from kvsieve.kernels.triton.sparse_mla_decode.kernel import sparse_mla_decode
+from kvsieve.kernels.sparse_mla_decode import naive
+from kvsieve.kernels.sparse_mla_decode.triton import sparse_mla_decode
 
 
 def _setup(heads, rank, rope, page, batch, max_len, seed=0):

@@ -10,8 +10,9 @@ import torch
 
 from conftest import (F32_TOL, GOLDEN_TOL, assert_close_lse, golden_attention,
                       make_block_table, make_cache, make_selection)
-from kvsieve.kernels.triton.paged_prefill import naive, select_prefill_path
-from kvsieve.kernels.triton.paged_prefill.kernel import paged_prefill
+from kvsieve.kernels.paged_prefill import naive
+from kvsieve.kernels.paged_prefill.plan import select_prefill_path
+from kvsieve.kernels.paged_prefill.triton import paged_prefill
 
 
 def _chunked(new_tokens, cached, page, hkv, group, d=64, layout="NHD", seed=0):

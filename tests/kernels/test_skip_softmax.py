@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from conftest import F32_TOL, make_block_table
-from kvsieve.kernels.triton.paged_prefill import naive as prefill_naive
-from kvsieve.kernels.triton.paged_prefill.kernel import paged_prefill
-from kvsieve.kernels.triton.sparse_gqa_decode import naive
-from kvsieve.kernels.triton.sparse_gqa_decode.kernel import sparse_gqa_decode
-from kvsieve.kernels.triton.sparse_mla_decode import naive as mla_naive
-from kvsieve.kernels.triton.sparse_mla_decode.kernel import sparse_mla_decode
+from kvsieve.kernels.paged_prefill import naive as prefill_naive
+from kvsieve.kernels.paged_prefill.triton import paged_prefill
+from kvsieve.kernels.sparse_gqa_decode import naive
+from kvsieve.kernels.sparse_gqa_decode.triton import sparse_gqa_decode
+from kvsieve.kernels.sparse_mla_decode import naive as mla_naive
+from kvsieve.kernels.sparse_mla_decode.triton import sparse_mla_decode
 
 
 def _peaked(tokens=2, hkv=1, group=4, d=64, kv_len=256, page=16, seed=0):

@@ -4,8 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.kernels.triton import launch, paged_prefill, sparse_gqa_decode, sparse_mla_decode
-from kvsieve.kernels.triton import effective_attended_tokens, to_physical_slots
+from kvsieve.kernels.common import launch
+from kvsieve.kernels.common.indexing import effective_attended_tokens, to_physical_slots
+from kvsieve.kernels.paged_prefill.triton import paged_prefill
+from kvsieve.kernels.sparse_gqa_decode.triton import sparse_gqa_decode
+from kvsieve.kernels.sparse_mla_decode.triton import sparse_mla_decode
 
 
 def _args():

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.kernels.triton.topk import dispatch, naive
+from kvsieve.kernels.topk import dispatch, naive
 
 
 def _engines():
     def radix(s, l, k):
-        from kvsieve.kernels.triton.topk import kernel
+        from kvsieve.kernels.topk import triton as kernel
         return kernel.radix_topk(s, l, k, block=64, num_programs=4, num_warps=4)
 
     def gvr(s, l, k):
-        from kvsieve.kernels.triton.topk import kernel
+        from kvsieve.kernels.topk import triton as kernel
         ws = torch.empty(2, 4, 4 * k, dtype=torch.int32)
         return kernel.gvr_topk(s, l, k, 4 * k, workspace=ws, block=64, num_warps=4)
 

@@ -103,7 +103,7 @@ def test_factor_zero_is_dense_and_large_factor_skips_only_small_mass(backend):
 def test_a_launch_table_that_splits_the_walk_is_refused(backend, monkeypatch):
     """On CUDA the kernels split the KV walk (split-K); the CPU backends do not, so they refuse
     rather than count different tiles. The table lookup is forced to sm90 to reach the branch."""
-    from kvsieve.kernels.triton import launch
+    from kvsieve.kernels.common import launch
 
     md, q, geo = build(page=16, hq=4, hkv=1, d=16, ctx_lens=[], gen_hist=[100])
     monkeypatch.setattr(launch, "detect_arch", lambda device: "sm90")

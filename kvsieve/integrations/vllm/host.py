@@ -23,9 +23,10 @@ from typing import Protocol
 
 import torch
 
-from ...kernels.cpu import NativeUnavailable
-from ...kernels.cpu.head_tables import head_tables
-from ...kernels.cpu.sparse_decode import TokenRuns, selection_runs, sparse_decode_runs_native, supports_runs_native
+from ...kernels.common.native import NativeUnavailable
+from ...kernels.head_tables.dispatch import head_tables
+from ...kernels.sparse_gqa_decode.native import sparse_decode_runs_native, supports_runs_native
+from ...kernels.sparse_gqa_decode.runs import TokenRuns, selection_runs
 from ...metadata import AttentionMetadata
 from ...metadata.foreign_paged import ForeignPagedKV
 from ...sparse import AttentionGeometry, SparseRuntimeParams
@@ -59,7 +60,7 @@ class PerHeadTables:
 def per_head_block_tables(params: SparseRuntimeParams, md: AttentionMetadata, view: ForeignPagedKV
                           ) -> PerHeadTables | None:
     """The generation rows' block selection of ``params`` as per-(row, KV head) tables of pseudo-block
-    ids (module docstring; built by :func:`kvsieve.kernels.cpu.head_tables.head_tables`), or ``None``
+    ids (module docstring; built by :func:`kvsieve.kernels.head_tables.dispatch.head_tables`), or ``None``
     when the selection is not whole cache blocks (``sparse_attn_indices_block_size`` other than the
     cache's block size) or some (row, KV head) selects nothing (the caller then takes kvsieve's
     backend). ``params`` validated; ``md`` is the step's metadata over ``view``; every generation
@@ -79,7 +80,7 @@ def per_head_block_tables(params: SparseRuntimeParams, md: AttentionMetadata, vi
 def token_runs(params: SparseRuntimeParams, md: AttentionMetadata, view: ForeignPagedKV) -> TokenRuns | None:
     """The generation rows' position selection of ``params`` (any ``sparse_attn_indices_block_size``)
     as per-(row, KV head) runs of consecutive positions inside one cache block
-    (:func:`kvsieve.kernels.cpu.sparse_decode.selection_runs`, rows in ``md.generation_rows`` order),
+    (:func:`kvsieve.kernels.sparse_gqa_decode.runs.selection_runs`, rows in ``md.generation_rows`` order),
     or ``None`` when the generation rows select no positions. ``params`` validated; every generation
     row is one request's one token."""
     if not params.selects_positions("generation"):

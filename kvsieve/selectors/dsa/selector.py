@@ -10,7 +10,7 @@ without them. ``on_append`` computes the index keys and writes them to the auxil
 main cache; FP8 E4M3 keys add ``dsa_index_k_scale [num_blocks, tokens_per_block]`` fp32, one
 power-of-two scale per token). ``predict_attn`` computes the logits (Triton: ragged prefill for
 fresh prompts, paged decode otherwise; or the PyTorch references) and the top-k with the engine
-fixed at configuration time by ``kernels.triton.topk.dispatch.choose_topk_engine``
+fixed at configuration time by ``kernels.topk.dispatch.choose_topk_engine``
 (:attr:`DSASelector.topk_engine`). A step whose every query sees at most ``index_topk`` tokens
 skips both and selects everything (short-sequence fast path, counted in :attr:`stats`). On a
 sliding-window layer the logits before each query's window are ``-inf`` and such positions are
@@ -117,7 +117,7 @@ class DSASelector(SparseSelector):
 
     def __init__(self, config: DSAConfig | None = None, **overrides) -> None:
         super().__init__(config, **overrides)
-        from ...kernels.triton.topk.dispatch import choose_topk_engine  # kernels decorate lazily
+        from ...kernels.topk.dispatch import choose_topk_engine  # kernels decorate lazily
 
         c = self.config
         dev = torch.device(c.device)
@@ -181,7 +181,7 @@ class DSASelector(SparseSelector):
             raise ValueError(f"dsa: IndexerInputs cover {q.shape[0]} tokens, the step has {md.num_tokens}")
         self._write_keys(inputs, k)
         if self.k_dtype == torch.float8_e4m3fn:
-            from ...kernels.triton.dsa_indexer.quant import quantize_pow2_fp8
+            from ...kernels.dsa_indexer.quant import quantize_pow2_fp8
 
             q, q_scale = quantize_pow2_fp8(q)  # per (token, head), folded into the weights
             w = w * q_scale
@@ -205,7 +205,7 @@ class DSASelector(SparseSelector):
         if s_pool is None:
             k_pool[blk, off] = k.to(self.k_dtype)
         else:
-            from ...kernels.triton.dsa_indexer.quant import quantize_pow2_fp8
+            from ...kernels.dsa_indexer.quant import quantize_pow2_fp8
 
             kq, ks = quantize_pow2_fp8(k)
             k_pool[blk, off] = kq
@@ -242,7 +242,7 @@ class DSASelector(SparseSelector):
 
     # ---- logits + top-k ------------------------------------------------------------------
     def _select(self, inputs: SelectorInputs, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        from ...kernels.triton.topk.dispatch import TopKWorkspace, run_topk
+        from ...kernels.topk.dispatch import TopKWorkspace, run_topk
 
         md = inputs.metadata
         if self._workspace is None or self._workspace.max_rows < md.max_num_tokens:
@@ -266,9 +266,9 @@ class DSASelector(SparseSelector):
         one request at a time; the other rows (decode, chunked-prefill continuations) take the
         paged decode path, consecutive requests batched into one chunk."""
         if self.logits_kernel == "triton":
-            from ...kernels.triton.dsa_indexer import kernel as impl
+            from ...kernels.dsa_indexer import triton as impl
         else:
-            from ...kernels.triton.dsa_indexer import naive as impl
+            from ...kernels.dsa_indexer import naive as impl
         md = inputs.metadata
         lens = md.token_kv_lens
         lens_host = inputs.token_kv_lens_host()

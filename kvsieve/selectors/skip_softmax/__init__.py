@@ -1,7 +1,7 @@
 """Skip-softmax: no indices; the kernels skip a KV tile whose scores fall below a threshold.
 
-Kernels: :mod:`kvsieve.kernels.triton.sparse_gqa_decode`, :mod:`kvsieve.kernels.triton.paged_prefill`,
-:mod:`kvsieve.kernels.cute.sparse_gqa_decode`, :mod:`kvsieve.kernels.cpu.sparse_decode`, and the torch
+Kernels: :mod:`kvsieve.kernels.sparse_gqa_decode` (Triton, CuTe-DSL and native CPU),
+:mod:`kvsieve.kernels.paged_prefill`, and the torch
 backend's tile loop (:mod:`kvsieve.sparse.backends.skip_tiling`).
 """
 from __future__ import annotations

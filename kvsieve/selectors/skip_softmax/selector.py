@@ -113,7 +113,7 @@ def measure_skip_fraction(samples: Sequence[tuple[torch.Tensor, torch.Tensor, to
     all ``L`` keys (decode against a captured context). Uses the kernels' plain-PyTorch reference,
     which walks the same tiles as the Triton kernel.
     """
-    from ...kernels.triton.sparse_gqa_decode.naive import sparse_gqa_decode as decode_reference  # lazy: triton
+    from ...kernels.sparse_gqa_decode.naive import sparse_gqa_decode as decode_reference
 
     skipped = walked = 0
     for q, k, v in samples:

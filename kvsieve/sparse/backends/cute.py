@@ -1,8 +1,8 @@
 """CuTe-DSL backend for SM90 (wgmma) and SM100 (tcgen05) GPUs.
 
 * MLA (absorbed, kv_lora_rank 512 + rope 64, bf16 latent cache) sparse tokens ->
-  ``kernels.cute.sparse_mla_decode``;
-* GQA sparse generation tokens (bf16, head_dim multiple of 64) -> ``kernels.cute.sparse_gqa_decode``.
+  ``kernels.sparse_mla_decode.cute``;
+* GQA sparse generation tokens (bf16, head_dim multiple of 64) -> ``kernels.sparse_gqa_decode.cute``.
 
 What the CuTe kernels do not cover (context/prefill tokens, dense phases, skip-softmax) runs on
 the Triton kernels; the result's ``paths`` name it (``"triton:<path>"``) and carry the Triton
@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from ...kernels.cute._common import cute_available, detect_arch
+from ...kernels.common.cute import cute_available, detect_arch
 from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams
 from .base import AttentionBackend, AttentionGeometry, AttentionResult, BackendCapabilities, register_backend
@@ -57,8 +57,8 @@ class CuteBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, metadata: AttentionMetadata, layer_idx: int,
                 geometry: AttentionGeometry, params: SparseRuntimeParams | None) -> AttentionResult:
-        from ...kernels.cute.sparse_gqa_decode import sparse_gqa_decode
-        from ...kernels.cute.sparse_mla_decode import sparse_mla_decode
+        from ...kernels.sparse_gqa_decode.cute import sparse_gqa_decode
+        from ...kernels.sparse_mla_decode.cute import sparse_mla_decode
 
         self.check_device(q.device)
         phases = metadata.phases()

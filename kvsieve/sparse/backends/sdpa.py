@@ -16,8 +16,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from ...kernels.cpu import NativeUnavailable
-from ...kernels.cpu.sparse_decode import sparse_decode_native, supports_native
+from ...kernels.common.native import NativeUnavailable
+from ...kernels.sparse_gqa_decode.native import sparse_decode_native, supports_native
 from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams, is_dense
 from .base import BACKENDS, AttentionBackend, AttentionGeometry, AttentionResult, register_backend
@@ -125,7 +125,7 @@ def gather_blocks(pool: torch.Tensor, layout: str, block_ids: list[int], kv_len:
 def native_dense_decode(pool: torch.Tensor, layout: str, block_ids: list[int], kv_len: int, q: torch.Tensor,
                         sm_scale: float) -> torch.Tensor | None:
     """One query row's attention over positions ``[0, kv_len)`` of a request, by the native CPU
-    kernel (:mod:`kvsieve.kernels.cpu.sparse_decode`) reading the request's blocks of the pool in
+    kernel (:mod:`kvsieve.kernels.sparse_gqa_decode.native`) reading the request's blocks of the pool in
     place: no gather. ``pool`` a contiguous HND pool ``[blocks, 2, Hkv, P, D]``, ``q [Hq, D]``.
     Returns out fp32 ``[Hq, D]``, or ``None`` where the kernel does not apply (another layout or
     device, an unsupported dtype or shape, or its library unavailable)."""

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels.triton import launch
-from ...kernels.triton._checks import next_pow2
-from ...kernels.triton.paged_prefill.plan import query_tiles
+from ...kernels.common import launch
+from ...kernels.common.checks import next_pow2
+from ...kernels.paged_prefill.plan import query_tiles
 from ...metadata import AttentionMetadata
 from ..params import SparseRuntimeParams
 from ..selection import unique_sorted_segments

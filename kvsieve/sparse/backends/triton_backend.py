@@ -17,7 +17,10 @@ import os
 
 import torch
 
-from ...kernels.triton import paged_prefill, select_prefill_path, sparse_gqa_decode, sparse_mla_decode
+from ...kernels.paged_prefill.plan import select_prefill_path
+from ...kernels.paged_prefill.triton import paged_prefill
+from ...kernels.sparse_gqa_decode.triton import sparse_gqa_decode
+from ...kernels.sparse_mla_decode.triton import sparse_mla_decode
 from ...metadata import AttentionMetadata, half_block_views
 from ..params import SparseRuntimeParams
 from ..selection import unique_sorted_segments

@@ -14,7 +14,7 @@ member reads whole and the few it reads in part (:mod:`.prefill`, no per-positio
 both through PyTorch's fused CPU flash-attention kernel; a chunk ends early when its gathers would
 pass ``max_gather_bytes``. A phase or chunk of a single token on CPU (the decode step of one
 request) takes a short path: its runs computed on the host, then the native kernel
-(:mod:`kvsieve.kernels.cpu.sparse_decode`) reads them in place — or, where its library is
+(:mod:`kvsieve.kernels.sparse_gqa_decode.native`) reads them in place — or, where its library is
 unavailable, one K+V gather and the same flash kernel.
 
 Selections are read as sets: rows may have different lengths (``-1`` padded here), and an index

@@ -2,7 +2,7 @@
 
 A phase or chunk of a single query row over a contiguous HND GQA pool skips the batched path's
 set-up: its runs of positions are computed on the host (numpy; a few hundred entries), then the
-native kernel (:mod:`kvsieve.kernels.cpu.sparse_decode`) reads them in place, or, where its library
+native kernel (:mod:`kvsieve.kernels.sparse_gqa_decode.native`) reads them in place, or, where its library
 is unavailable, one K+V gather and PyTorch's fused CPU flash kernel. A decode step's cost is mostly
 per-op overhead; this is about a third of the batched path's ops.
 """
@@ -13,8 +13,8 @@ import math
 import numpy as np
 import torch
 
-from ....kernels.cpu import NativeUnavailable
-from ....kernels.cpu.sparse_decode import sparse_decode_native, supports_native
+from ....kernels.common.native import NativeUnavailable
+from ....kernels.sparse_gqa_decode.native import sparse_decode_native, supports_native
 from ....metadata import AttentionMetadata
 from ...params import SparseRuntimeParams
 from ..base import AttentionGeometry
@@ -38,7 +38,7 @@ def attend_token(q: torch.Tensor, metadata: AttentionMetadata, t: int, pool: tor
     contiguous HND GQA pool on CPU: the same runs and masks as the batched path, their index
     arithmetic on the host (numpy; a few hundred entries) and one K+V gather, then PyTorch's
     fused CPU flash kernel — or, where its library builds, the native kernel
-    (:mod:`kvsieve.kernels.cpu.sparse_decode`) reads the runs in place instead of the gather and
+    (:mod:`kvsieve.kernels.sparse_gqa_decode.native`) reads the runs in place instead of the gather and
     the flash kernel. A decode step's cost is mostly per-op overhead; this is about a third of
     the batched path's ops. Returns fp32 out ``[Hq, Dv]``, fp32 lse ``[Hq]``, the positions each
     KV head read, int64 ``[Hkv]``, and the path: ``"runs_native"`` or ``"runs"``."""

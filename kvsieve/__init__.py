@@ -13,7 +13,7 @@ from . import selectors as _builtin_selectors  # noqa: F401  (registers the buil
 from .selectors import DSAConfig, DSASelector, IndexerInputs
 from .metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
 from .sparse import (
-    Capabilities, Engine, SelectorInputs, SparseAttention, SparseAttentionConfig,
+    BudgetKnob, Capabilities, Engine, SelectorInputs, SparseAttention, SparseAttentionConfig,
     SparseRuntimeParams, SparseSelector, available_backends, available_selectors, create_selector, get_backend,
     lower_config, register_backend, register_selector,
 )
@@ -34,7 +34,7 @@ def apply(model: torch.nn.Module, selector: str | None = None, **kwargs: Any) ->
 
 __all__ = [
     "apply", "DSAConfig", "DSASelector", "IndexerInputs",
-    "AttentionMetadata", "KVCacheManager", "KVCacheSpec", "Capabilities", "Engine", "SelectorInputs",
+    "AttentionMetadata", "KVCacheManager", "KVCacheSpec", "BudgetKnob", "Capabilities", "Engine", "SelectorInputs",
     "SparseAttention", "SparseAttentionConfig", "SparseRuntimeParams", "SparseSelector",
     "available_backends", "available_selectors", "create_selector", "get_backend", "lower_config",
     "register_backend", "register_selector",

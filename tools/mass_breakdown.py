@@ -20,7 +20,7 @@ from kvsieve import SparseAttentionConfig
 from kvsieve.eval.haystack import essay_haystack
 from kvsieve.eval.model import load_model
 from kvsieve.integrations.transformers import KvsieveSession, gather_request_kv
-from kvsieve.sparse.selection import selection_mask
+from kvsieve.sparse import get_selector_class, lower_budget, selection_mask
 
 
 def _params(text: str) -> dict[str, object]:
@@ -35,7 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--length", type=int, default=8192)
-    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--budget", type=int, default=512, help="tokens attended per query (each selector's own knob)")
     ap.add_argument("--selectors", nargs="+", default=["quest", "streaming"])
     ap.add_argument("--params", nargs="*", default=[], help="selector=key:value,key:value")
     ap.add_argument("--steps", type=int, default=4)
@@ -54,8 +54,9 @@ def main() -> None:
     print(f"{lm.name}: {ids.shape[1]} tokens, budget {args.budget}, {args.steps} decode steps")
     for name in args.selectors:
         session.rewind(base)
-        session.set_config(SparseAttentionConfig(name, {"budget": args.budget, **extra.get(name, {})},
-                                                 phases=("generation",)))
+        params = extra.get(name, {})
+        budget = lower_budget(get_selector_class(name), params, ids.shape[1], tokens=args.budget)  # its own knob
+        session.set_config(SparseAttentionConfig(name, params | budget.knob, phases=("generation",)))
         stats: dict[int, list[torch.Tensor]] = {}
 
         def observe(layer_idx, q, out, md, layer) -> None:

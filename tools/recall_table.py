@@ -20,7 +20,8 @@ import torch
 
 from kvsieve.metadata import KVCacheManager, KVCacheSpec
 from kvsieve.selectors.oracle_topk.selector import attention_mass
-from kvsieve.sparse import Engine, SparseAttention, SparseAttentionConfig, lower_config, selection_mask
+from kvsieve.sparse import (Engine, SparseAttention, SparseAttentionConfig, get_selector_class, lower_budget, lower_config,
+                            selection_mask)
 
 __all__ = ["SyntheticInput", "RecallResult", "make_input", "run_selector", "selector_params", "recall_table"]
 
@@ -122,20 +123,21 @@ def run_selector(name: str | None, params: dict, data: SyntheticInput, *, tokens
     return RecallResult(sum(recalls) / len(recalls), sum(fractions) / len(fractions), selected)
 
 
-def selector_params(budget: int) -> dict[str, dict]:
-    """Each selector's config at a budget of ``budget`` attended tokens per decode query.
+#: each selector's fixed settings: RocketKV keeps ``4 * budget`` prompt tokens in stage 1 (set in
+#: :func:`selector_params`); block_select uses 16-token blocks so small budgets still hold several blocks
+SETTINGS: dict[str, dict] = {"oracle_topk": {}, "streaming": {"num_sink": 4}, "snapkv": {}, "rocketkv": {},
+                             "quest": {}, "block_select": {"block_size": 16}}
 
-    RocketKV keeps ``4 * budget`` prompt tokens in stage 1 and attends ``budget // page_size``
-    pages; block_select uses 16-token blocks so small budgets still hold several blocks.
-    """
-    return {
-        "oracle_topk": {"budget": budget},
-        "streaming": {"budget": budget, "num_sink": 4},
-        "snapkv": {"prompt_budget": budget},
-        "rocketkv": {"prompt_budget": 4 * budget, "topk": budget // 4},
-        "quest": {"budget": budget},
-        "block_select": {"block_size": 16, "topk_blocks": budget // 16},
-    }
+
+def selector_params(budget: int) -> dict[str, dict]:
+    """Each selector's config at a budget of ``budget`` attended tokens per decode query, given to
+    its declared budget knob by :func:`kvsieve.sparse.lower_budget` (RocketKV's pages, block_select's
+    blocks)."""
+    out = {}
+    for name, params in SETTINGS.items():
+        params = params | ({"prompt_budget": 4 * budget} if name == "rocketkv" else {})
+        out[name] = params | lower_budget(get_selector_class(name), params, budget, tokens=budget).knob
+    return out
 
 
 def recall_table(budgets: tuple[int, ...] = (64, 128, 256, 512), *, seed: int = 0,

@@ -126,7 +126,9 @@ def _selectors() -> list[tuple[str, str, str]]:
     out = []
     for name in available_selectors():
         cls = get_selector_class(name)
-        out.append((name, _summary_line(cls, sys.modules.get(cls.__module__)), _defaults(cls.config_class)))
+        knob = f"budget knob: {cls.budget.describe()}" if cls.budget is not None else "no budget knob"
+        out.append((name, _summary_line(cls, sys.modules.get(cls.__module__)),
+                    f"{knob}; {_defaults(cls.config_class)}"))
     return out
 
 

@@ -1,17 +1,15 @@
 """The sweep configuration: YAML file, then ``--set key=value`` overrides, then validation.
 
-A selector entry maps a budget onto that selector's own config fields, so a new selector is one
-entry::
+A selector entry gives its budgets in tokens or as a density of the context; the selector's own
+declared budget knob and unit (``SparseSelector.budget``, e.g. Quest's ``budget`` in pages of
+``page_size``, block_select's ``topk_blocks``) receive them through
+:func:`kvsieve.sparse.lower_budget`, the one conversion. A new selector is one entry::
 
     selectors:
       quest:                      # label used in run folders and plots
         selector: quest           # registry name (default: the label)
         budgets: [64, 256]        # tokens per query; or sparsities: [...] or reduction_factors: [...]
-        budget_params: [budget]   # config fields that receive the token budget; a mapping
-                                  # {topk_blocks: 16} passes budget // 16 (budgets in blocks)
-        budget_multiple: 16       # round the budget down to a multiple (page-granular selectors)
-        params: {page_size: 16}   # fixed config fields
-        sparsity_params: []       # config fields that receive the budget's target sparsity (a float)
+        params: {page_size: 16}   # fixed config fields (the budget's unit size among them)
         prepare: null             # a model-specific step run before the sweep (kvsieve/eval/prepare.py:
         prepare_params: {}        # distill_indexer for dsa, calibrate_skip_softmax), and its options
         phases: [generation]      # where the selector acts (dense elsewhere); a selector that evicts
@@ -23,15 +21,17 @@ entry::
 Budget vocabulary (docs/eval.md, "Budget vocabulary"), all logged per run: ``budget`` (tokens
 attended per query and KV head), ``sparsity = 1 - budget / L`` (the fraction not attended; what
 kvpress calls ``compression_ratio``) and ``reduction_factor = L / budget`` (the "400x" of RocketKV),
-with ``L`` the context length of the cell. The key ``compression_ratios`` is refused: kvsieve once
-used that name for ``L / budget``, kvpress uses it for the fraction removed.
+with ``L`` the context length of the cell; a density is attended as the most whole units of the
+selector's knob within ``ceil(L * density)`` tokens, and a token budget must be whole units. The
+key ``compression_ratios`` is refused: kvsieve once used that name for ``L / budget``, kvpress uses
+it for the fraction removed; so are ``budget_params``, ``budget_multiple`` and ``sparsity_params``,
+the hand conversions the selectors' declarations replaced.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import difflib
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from ..sparse import SparseAttentionConfig
+from ..sparse import SparseAttentionConfig, get_selector_class, lower_budget
 from .distill_config import DistillConfig
 
 __all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "load_config", "apply_overrides",
@@ -56,7 +56,10 @@ _BUDGET_FORMS = ("budgets", "sparsities", "reduction_factors")
 _REFUSED_SELECTOR_KEYS = {
     "compression_ratios": "refused: the name is ambiguous (kvpress means the fraction of the context removed, "
                           "1 - budget / L; kvsieve once meant L / budget). Write sparsities: [...] for the fraction "
-                          "removed (kvpress's compression_ratio) or reduction_factors: [...] for L / budget"}
+                          "removed (kvpress's compression_ratio) or reduction_factors: [...] for L / budget"} | dict.fromkeys(
+    ("budget_params", "budget_multiple", "sparsity_params"),
+    "refused: each selector declares its budget knob and unit (kvsieve list selectors shows them) and the budget "
+    "is converted to it in one place; give budgets: [...] in tokens, or sparsities: / reduction_factors:")
 #: EvalConfig fields that do not change a run's results; every other field (model, backend, seed and
 #: any field added later) is part of each run's identity (see ``kvsieve.eval.run_plan.run_identity``)
 RESULT_NEUTRAL = ("output_dir", "threads", "tasks", "selectors", "check")
@@ -74,6 +77,7 @@ class Budget:
     tokens: int
     sparsity: float
     reduction_factor: float
+    knob: dict[str, Any]  # the selector's budget knob field -> value (kvsieve.sparse.lower_budget)
 
 
 @dataclass
@@ -85,10 +89,7 @@ class SelectorSpec:
     budgets: list[float] = field(default_factory=list)
     sparsities: list[float] = field(default_factory=list)
     reduction_factors: list[float] = field(default_factory=list)
-    budget_params: list[str] | dict[str, int] = field(default_factory=lambda: ["budget"])
-    budget_multiple: int = 1
     params: dict[str, Any] = field(default_factory=dict)
-    sparsity_params: list[str] = field(default_factory=list)
     prepare: str | None = None
     prepare_params: dict[str, Any] = field(default_factory=dict)
     phases: list[str] = field(default_factory=lambda: ["generation"])
@@ -100,8 +101,6 @@ class SelectorSpec:
         given = [f for f in _BUDGET_FORMS if getattr(self, f)]
         if len(given) != 1:
             raise ConfigError(f"selectors.{self.label}: give exactly one of {list(_BUDGET_FORMS)}, got {given}")
-        if self.budget_multiple < 1:
-            raise ConfigError(f"selectors.{self.label}.budget_multiple must be >= 1, got {self.budget_multiple}")
         for s in self.sparsities:
             if not 0 <= s < 1:
                 raise ConfigError(f"selectors.{self.label}.sparsities entries must be in [0, 1), got {s}")
@@ -109,33 +108,33 @@ class SelectorSpec:
             if r < 1:
                 raise ConfigError(f"selectors.{self.label}.reduction_factors entries (L / budget) must be >= 1, "
                                   f"got {r}")
-        if isinstance(self.budget_params, dict) and any(u < 1 for u in self.budget_params.values()):
-            raise ConfigError(f"selectors.{self.label}.budget_params units must be >= 1, got {self.budget_params}")
         for b in self.budgets:
             if b < 1:
                 raise ConfigError(f"selectors.{self.label}.budgets entries must be >= 1 token, got {b}")
 
     def resolve(self, length: int) -> list[Budget]:
-        """The budget axis at context length ``length`` (tokens)."""
-        out = []
+        """The budget axis at context length ``length`` (tokens), each point lowered onto the
+        selector's budget knob (:func:`kvsieve.sparse.lower_budget`); a budget it cannot honour
+        is a :class:`ConfigError` naming the entry."""
+        cls = get_selector_class(self.selector)
         form = next(f for f in _BUDGET_FORMS if getattr(self, f))
+        out = []
         for x in getattr(self, form):
             if form == "budgets":
-                tokens, label = int(x), f"b{int(x)}"
+                label, given = f"b{int(x)}", {"tokens": int(x)}
             elif form == "sparsities":
-                tokens, label = math.ceil(length * (1 - x)), f"s{x:g}"
+                label, given = f"s{x:g}", {"sparsity": x}
             else:
-                tokens, label = math.ceil(length / x), f"x{x:g}"
-            m = self.budget_multiple
-            tokens = max(m, tokens // m * m)
-            out.append(Budget(label, tokens, max(0.0, 1 - tokens / length), length / tokens))
+                label, given = f"x{x:g}", {"reduction_factor": x}
+            try:
+                low = lower_budget(cls, self.params, length, **given)
+            except ValueError as err:
+                raise ConfigError(f"selectors.{self.label}: {err}") from None
+            out.append(Budget(label, low.tokens, low.sparsity, low.reduction_factor, low.knob))
         return out
 
     def sparse_config(self, budget: Budget) -> SparseAttentionConfig:
-        params = dict(self.params)
-        units = self.budget_params if isinstance(self.budget_params, dict) else dict.fromkeys(self.budget_params, 1)
-        params.update({p: budget.tokens // unit for p, unit in units.items()})
-        params.update({p: budget.sparsity for p in self.sparsity_params})
+        params = dict(self.params) | budget.knob
         return SparseAttentionConfig(self.selector, params, dense_layers=tuple(self.dense_layers),
                                      phases=tuple(self.phases) if self.phases else None,
                                      layers=None if self.layers is None else tuple(self.layers),

@@ -3,23 +3,23 @@
 For each held-out window (:mod:`.distill_corpus`: the essays the indexer never trained on) of
 ``length`` tokens, the model runs once; on each selected layer the last ``rows`` query positions
 and every key are captured as the attention receives them. Per query row and density ``1/d``
-(budget ``length // d`` tokens) each selector's choice is computed from those tensors, by the
-rule of the kvsieve selector of the same name at the recipes preset's settings:
+each selector's choice is the kvsieve selector's own, run on those tensors
+(:func:`.selection_driver.kept_positions`) at the recipes preset's settings, its budget ``1/d``
+of the window lowered onto its declared knob (:func:`kvsieve.sparse.lower_budget`:
+``ceil(length / d)`` tokens in whole pages or blocks; a density below one page is refused):
 
 * ``oracle_topk``: the exact top tokens of the dense mass summed over each KV group;
 * ``oracle_page``: ``oracle_topk`` with ``block_size = page_size``, the top pages by dense mass;
-* ``quest``: pages ranked by the group-averaged softmax of Quest's bound
-  ``sum_d max(q_d min_d, q_d max_d)`` (bf16 min/max summaries), the newest page forced;
-* ``block_select``: ``scoring: summary``, blocks ranked by the group's largest bound (fp32
+* ``quest``: pages of ``page_size`` ranked by Quest's bound (bf16 min/max summaries);
+* ``block_select``: ``scoring: summary``, blocks of ``page_size`` ranked by their bound (fp32
   summaries), the last block forced;
 * ``streaming``: 4 sinks and the most recent tokens;
-* ``dsa``: the top tokens of the distilled indexer's logits (index keys rounded to bf16, as the
-  preset's ``index_k_dtype``), one set for every head.
+* ``dsa``: the distilled indexer's top tokens (index keys in bf16, the preset's ``index_k_dtype``).
 
 The recall of a row is the dense attention mass (per KV group: summed over its query heads,
 divided by the group size) on the chosen positions, averaged over KV heads; a window's value is
-the mean over its rows and layers. ``tests/dsa/test_mass_recall.py`` checks each rule against
-the selector itself run through :class:`kvsieve.Engine`.
+the mean over its rows and layers. ``tests/dsa/test_mass_recall.py`` checks the figures against
+each selector's rule computed by hand.
 
     python -m kvsieve.eval.mass_recall --model gemma3-270m --length 8192 --texts 10 \\
         --projections gemma-indexer.pt --json recall.json
@@ -37,11 +37,13 @@ from typing import Any
 import torch
 
 from ..selectors.dsa.projections import IndexerProjections, load_projections
+from ..sparse import SparseAttentionConfig, get_selector_class, lower_budget
 from .distill_corpus import corpus_documents, split_documents, token_windows
 from .distill_capture import LayerCapture, cached_capture, capture_attention, trainable_layers
-from .distill_indexer import indexer_row_logits
+from .selection_driver import kept_positions
 
-__all__ = ["SELECTORS", "PAGE_SELECTORS", "select", "group_mass", "bound_terms", "window_recall", "mean_interval", "main"]
+__all__ = ["SELECTORS", "PAGE_SELECTORS", "recall_config", "group_mass", "bound_terms", "window_recall",
+           "mean_interval", "main"]
 
 SELECTORS = ("oracle_topk", "oracle_page", "quest", "block_select", "streaming", "dsa")
 PAGE_SELECTORS = ("quest", "block_select")
@@ -59,56 +61,29 @@ def group_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.softmax(s, -1).mean(1)
 
 
-def _page_bounds(q: torch.Tensor, k: torch.Tensor, page: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[Hkv, G, pages]``: Quest's bound of each query head on each page's min/max (in ``dtype``)."""
-    n = -(-k.shape[0] // page)
-    pad = n * page - k.shape[0]
-    kp = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad), value=float("nan")).view(n, page, *k.shape[1:])
-    kmin = kp.nan_to_num(float("inf")).amin(1).to(dtype).float()  # [n, Hkv, D]
-    kmax = kp.nan_to_num(float("-inf")).amax(1).to(dtype).float()
-    qg = q.view(k.shape[1], -1, q.shape[-1])  # [Hkv, G, D]
-    lo = torch.einsum("hgd,nhd->hgnd", qg, kmin)
-    hi = torch.einsum("hgd,nhd->hgnd", qg, kmax)
-    return torch.maximum(lo, hi).sum(-1)
-
-
-def _top(score: torch.Tensor, count: int) -> torch.Tensor:
-    return torch.sort(score, descending=True, stable=True).indices[: min(count, score.shape[0])]
-
-
-def _pages_to_tokens(pages: torch.Tensor, page: int, length: int) -> torch.Tensor:
-    return (pages[:, None] * page + torch.arange(page)).flatten().clamp(max=length - 1).unique()
-
-
-def select(name: str, q: torch.Tensor, k: torch.Tensor, scale: float, budget: int, *, page_size: int = 16,
-           index_scores: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """The positions (int64, per KV head) that selector ``name`` (module docstring) keeps for one
-    query ``q [Hq, D]`` over the keys it sees, ``k [L, Hkv, D]``; ``index_scores [L]`` are the
-    indexer logits ``dsa`` ranks by."""
-    length, hkv = k.shape[0], k.shape[1]
-    if budget >= length:
-        return [torch.arange(length)] * hkv
-    pages = budget // page_size
-    if name == "oracle_topk":
-        return [_top(m, budget) for m in group_mass(q, k, scale)]
-    if name == "oracle_page":
-        mass = group_mass(q, k, scale)
-        mass = torch.nn.functional.pad(mass, (0, -length % page_size)).view(hkv, -1, page_size).sum(-1)
-        return [_pages_to_tokens(_top(m, pages), page_size, length) for m in mass]
-    if name in PAGE_SELECTORS:
-        if name == "quest":
-            score = torch.softmax(_page_bounds(q, k, page_size, torch.bfloat16) * scale, -1).mean(1)
-        else:
-            score = (_page_bounds(q, k, page_size, torch.float32) * scale).amax(1)
-        score[:, -1] = float("inf")  # the newest page / last block is forced
-        return [_pages_to_tokens(_top(s, pages), page_size, length) for s in score]
-    if name == "streaming":
-        return [torch.cat([torch.arange(NUM_SINK), torch.arange(length - (budget - NUM_SINK), length)])] * hkv
-    if name == "dsa":
-        if index_scores is None:
-            raise ValueError("select: 'dsa' needs index_scores (the indexer logits of the row)")
-        return [_top(index_scores, budget)] * hkv
-    raise ValueError(f"select: unknown selector {name!r}; known: {list(SELECTORS)}")
+def recall_config(name: str, length: int, density: int, *, page_size: int = 16,
+                  projections: IndexerProjections | None = None) -> SparseAttentionConfig:
+    """The config of ``name`` (module docstring) at budget ``1/density`` of ``length`` tokens;
+    ``dsa`` takes its indexer geometry from ``projections``."""
+    settings = {
+        "oracle_topk": ("oracle_topk", {}),
+        "oracle_page": ("oracle_topk", {"block_size": page_size}),
+        "quest": ("quest", {"page_size": page_size, "summary_dtype": "bfloat16"}),
+        "block_select": ("block_select", {"block_size": page_size, "init_blocks": 0, "local_blocks": 1,
+                                          "score_type": "max", "scoring": "summary"}),
+        "streaming": ("streaming", {"num_sink": NUM_SINK}),
+    }
+    if projections is not None:
+        p = projections
+        settings["dsa"] = ("dsa", {"index_k_dtype": "bfloat16", "n_heads": p.n_heads, "head_dim": p.head_dim,
+                                   "rope_dim": p.rope_dim, "rope_interleave": p.rope_interleave,
+                                   "rope_theta": float(p.rope_theta)})
+    if name not in settings:
+        extra = " ('dsa' needs projections)" if name == "dsa" else ""
+        raise ValueError(f"recall_config: unknown selector {name!r}{extra}; known: {list(settings)}")
+    selector, params = settings[name]
+    budget = lower_budget(get_selector_class(selector), params, length, reduction_factor=density)
+    return SparseAttentionConfig(selector, params | budget.knob)
 
 
 def _ranks(x: torch.Tensor) -> torch.Tensor:
@@ -150,25 +125,22 @@ def window_recall(caps: dict[int, LayerCapture], rows: torch.Tensor, densities: 
                   projections: dict[int, IndexerProjections] | None, length: int, page_size: int = 16
                   ) -> dict[str, dict[int, dict[int, float]]]:
     """``{selector: {density: {layer: recall}}}`` of one window, each the mean over ``rows``
-    (``dsa`` only with ``projections``)."""
+    (consecutive positions; ``dsa`` only with ``projections``)."""
+    first, n = int(rows[0]), int(rows[-1]) + 1
+    if not torch.equal(rows.cpu(), torch.arange(first, n)):
+        raise ValueError(f"window_recall: rows must be consecutive positions, got {rows.tolist()}")
     names = [n for n in SELECTORS if n != "dsa" or projections is not None]
     out: dict[str, dict[int, dict[int, float]]] = {n: {d: {} for d in densities} for n in names}
     for layer, cap in caps.items():
-        index = None
-        if projections is not None:
-            with torch.no_grad():
-                index = indexer_row_logits(projections[layer], cap.hidden, rows, torch.bfloat16)
+        mass = [group_mass(cap.q[r], cap.k[: t + 1], cap.scale) for r, t in enumerate(rows.tolist())]
+        proj = None if projections is None else projections[layer]
         for d in densities:
-            kept = {n: [] for n in names}
-            for r, t in enumerate(rows.tolist()):
-                k = cap.k[: t + 1]
-                mass = group_mass(cap.q[r], k, cap.scale)
-                for n in names:
-                    sel = select(n, cap.q[r], k, cap.scale, length // d, page_size=page_size,
-                                 index_scores=None if index is None else index[r, : t + 1])
-                    kept[n].append(sum(float(mass[h, s].sum()) for h, s in enumerate(sel)) / len(sel))
-            for n in names:
-                out[n][d][layer] = sum(kept[n]) / len(kept[n])
+            for name in names:
+                config = recall_config(name, length, d, page_size=page_size, projections=proj)
+                kept = kept_positions(config, cap.q, cap.k, first, cap.scale, hidden=cap.hidden, projections=proj)
+                per_row = [sum(float(m[h][kept[r, h, : m.shape[1]]].sum()) for h in range(m.shape[0])) / m.shape[0]
+                           for r, m in enumerate(mass)]
+                out[name][d][layer] = sum(per_row) / len(per_row)
     return out
 
 

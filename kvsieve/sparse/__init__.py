@@ -5,6 +5,7 @@ from .selector_base import Capabilities, SelectorInputs, SparseSelector, attach_
 from .attention import LayerOutput, LayerStats, SparseAttention, commit_evictions
 from .backends import (AttentionBackend, AttentionGeometry, AttentionResult, available_backends, get_backend,
                        register_backend)
+from .budget import BUDGET_UNITS, BudgetKnob, LoweredBudget, lower_budget
 from .engine import Engine
 from .config import LayerPlan, SparseAttentionConfig, lower_config
 from .params import SparseRuntimeParams, is_dense
@@ -17,5 +18,5 @@ __all__ = [
     "get_backend", "register_backend", "PluginError", "is_dense", "LayerPlan",
     "SparseAttentionConfig", "lower_config", "SparseRuntimeParams", "ENTRY_POINT_GROUP",
     "available_selectors", "create_selector", "get_selector_class", "register_selector", "attended_counts",
-    "selection_mask",
+    "selection_mask", "BUDGET_UNITS", "BudgetKnob", "LoweredBudget", "lower_budget",
 ]

@@ -14,7 +14,7 @@ The entry-point name is the plug-in's ``name``. Every misuse is an error naming 
 entry point whose import raises (:class:`PluginError` naming the entry point and its
 distribution), a name registered twice (by two classes, or by an entry point shadowing a
 built-in), an object of the wrong type, and whatever the registry's ``check`` rejects (a
-selector overriding no hook).
+selector overriding no hook, or declaring a budget knob its config does not have).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Generic, TypeVar
 
+from .budget import BudgetKnob
 from .selector_base import SparseSelector
 
 __all__ = ["PluginError", "Registry", "ENTRY_POINT_GROUP", "register_selector", "get_selector_class",
@@ -117,6 +118,11 @@ def _dist(ep: EntryPoint) -> str:
 
 
 def _check_selector(cls: type) -> None:
+    if cls.budget is not None:
+        if not isinstance(cls.budget, BudgetKnob):
+            raise TypeError(f"selector {cls.name!r} ({cls.__qualname__}): budget must be a BudgetKnob or None, "
+                            f"got {cls.budget!r}")
+        cls.budget.check_fields(cls.config_class, cls.name)
     if (cls.predict_kv is SparseSelector.predict_kv and cls.predict_attn is SparseSelector.predict_attn):
         raise TypeError(f"selector {cls.name!r} ({cls.__qualname__}) overrides neither predict_kv nor "
                         f"predict_attn; it would run dense")

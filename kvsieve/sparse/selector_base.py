@@ -9,6 +9,7 @@ may return ``None`` (nothing to do); a selector overrides at least one. Adding o
         name = "mine"
         config_class = MyConfig
         capabilities = Capabilities(phases={"generation"})
+        budget = BudgetKnob("budget", unit="tokens")
         def predict_attn(self, inputs): ...
 
 Phases: the layer asks ``predict_attn`` only about the query rows of the phases the selector
@@ -41,6 +42,7 @@ import numpy as np
 import torch
 
 from ..metadata import PHASES, AttentionMetadata, KVCacheManager
+from .budget import BudgetKnob
 from .params import SparseRuntimeParams
 
 __all__ = ["Capabilities", "SelectorInputs", "SparseSelector", "PHASES", "ATTENTION_KINDS", "DEVICES"]
@@ -198,6 +200,9 @@ class SparseSelector:
     name: ClassVar[str] = ""
     config_class: ClassVar[type] = object
     capabilities: ClassVar[Capabilities] = Capabilities()
+    #: the config field that takes the selector's budget and the unit it counts (:mod:`.budget`);
+    #: ``None``: the selector has no budget, and a budget in tokens or a density is refused for it
+    budget: ClassVar[BudgetKnob | None] = None
     #: the type of the per-step model inputs the selector reads (:attr:`SelectorInputs.model_inputs`),
     #: which the caller must pass with every step; ``None``: it reads none, and the layer refuses any.
     model_inputs_type: ClassVar[type | None] = None

@@ -46,6 +46,8 @@ def test_list(capsys):
     for name in available_selectors():
         assert f"  {name} " in out
     assert "budget=256, page_size=16" in out  # quest's defaults
+    assert "budget knob: budget (tokens in whole units of page_size tokens)" in out  # quest's declared knob
+    assert "budget knob: topk_blocks (blocks of block_size tokens)" in out
     assert "Quest (arXiv 2406.10774): query-aware page selection at decode time." in out
     rc, out, _ = _run(capsys, "list", "backends")
     assert "torch " in out and "default on cpu" in out and "vanilla " in out

@@ -86,14 +86,14 @@ def test_sweep_outputs_and_resume(tmp_path, tiny, monkeypatch):
 
 
 def test_budget_forms_and_validation():
-    s = SelectorSpec(label="q", selector="oracle_topk", sparsities=[0.9, 0.5], budget_multiple=16)
+    s = SelectorSpec(label="q", selector="oracle_topk", sparsities=[0.9, 0.5], params={"block_size": 16})
     b = s.resolve(1000)
     assert [x.tokens for x in b] == [96, 496] and b[0].label == "s0.9"
     assert b[0].sparsity == pytest.approx(0.904) and b[0].reduction_factor == pytest.approx(1000 / 96)
     c = SelectorSpec(label="q", selector="oracle_topk", reduction_factors=[8]).resolve(1024)[0]
     assert c.tokens == 128 and c.label == "x8" and c.sparsity == pytest.approx(0.875)
     cfg = s.sparse_config(b[0])
-    assert cfg.params == {"budget": 96} and cfg.phases == ("generation",)
+    assert cfg.params == {"block_size": 16, "budget": 96} and cfg.phases == ("generation",)
     with pytest.raises(ValueError, match="exactly one"):
         SelectorSpec(label="q", selector="x", budgets=[8], sparsities=[0.5])
     with pytest.raises(ValueError, match="sparsities"):
@@ -133,8 +133,8 @@ def test_presets_and_overrides(tmp_path):
     assert len({r.folder for cell in cells for r in cell}) == sum(len(c) for c in cells)
 
 
-ROCKET = {"budgets": [64], "budget_params": ["prompt_budget"],
-          "params": {"window_size": 8, "kernel_size": 3, "page_size": 4, "topk": 4, "summary_dtype": "float32"}}
+ROCKET = {"budgets": [16],  # rocketkv's knob: topk = 4 pages of 4
+          "params": {"window_size": 8, "kernel_size": 3, "prompt_budget": 64, "page_size": 4, "summary_dtype": "float32"}}
 
 
 def test_an_evicting_selector_without_the_context_phase_is_refused_by_name(tmp_path):

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, register_selector
+from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.page_selector import PageSelectorBase
 from ..common.page_summary import PageSummaries
@@ -275,6 +275,7 @@ class BlockSelectSelector(PageSelectorBase):
     name = "block_select"
     config_class = BlockSelectConfig
     capabilities = Capabilities(sliding_window=True, per_kv_head=True)
+    budget = BudgetKnob("topk_blocks", unit="blocks", unit_size_field="block_size")
 
     def summaries(self, inputs: SelectorInputs) -> PageSummaries:
         if self._summaries is None or self._summaries.cache is not inputs.cache:

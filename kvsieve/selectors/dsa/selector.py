@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.paged import drop_empty_columns, top_p_cut, top_p_knob
 from .projections import IndexerInputs, IndexerProjections, load_projections, projections_geometry, rope_cos_sin
@@ -113,6 +113,7 @@ class DSASelector(SparseSelector):
     name = "dsa"
     config_class = DSAConfig
     capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), sliding_window=True, per_kv_head=True)
+    budget = BudgetKnob("index_topk", unit="tokens")
     model_inputs_type = IndexerInputs
 
     def __init__(self, config: DSAConfig | None = None, **overrides) -> None:

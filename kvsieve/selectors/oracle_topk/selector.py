@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.paged import drop_empty_columns, top_p_cut, top_p_knob
 
@@ -62,6 +62,7 @@ class OracleTopKSelector(SparseSelector):
     name = "oracle_topk"
     config_class = OracleTopKConfig
     capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), sliding_window=True, per_kv_head=True)
+    budget = BudgetKnob("budget", unit="tokens", unit_size_field="block_size")
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         bs = self.config.block_size

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...sparse import Capabilities, register_selector
+from ...sparse import BudgetKnob, Capabilities, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.page_selector import PageKnobs, PageSelectorBase
 from ..common.page_summary import SUMMARY_DTYPES
@@ -55,6 +55,7 @@ class QuestSelector(PageSelectorBase):
     name = "quest"
     config_class = QuestConfig
     capabilities = Capabilities(phases=frozenset({"generation"}), sliding_window=True, per_kv_head=True)
+    budget = BudgetKnob("budget", unit="tokens", unit_size_field="page_size")
     mode = "bound"
 
     def page_knobs(self, head_dim: int) -> PageKnobs:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...sparse import Capabilities, SelectorInputs, register_selector
+from ...sparse import BudgetKnob, Capabilities, SelectorInputs, register_selector
 from ...sparse.knobs import check_knobs, knob
 from ..common.page_selector import PageKnobs, PageSelectorBase
 from ..common.page_summary import SUMMARY_DTYPES
@@ -55,6 +55,7 @@ class RocketKVSelector(PageSelectorBase):
     name = "rocketkv"
     config_class = RocketKVConfig
     capabilities = Capabilities(evicts=True, per_kv_head=True)
+    budget = BudgetKnob("topk", unit="pages", unit_size_field="page_size")  # stage 2; prompt_budget is stage 1
     mode = "sign"
 
     def page_knobs(self, head_dim: int) -> PageKnobs:

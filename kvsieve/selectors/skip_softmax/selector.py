@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ...metadata import PHASES
-from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 
 __all__ = ["SkipSoftmaxConfig", "SkipSoftmaxSelector", "measure_skip_fraction", "calibrate_threshold",
@@ -99,6 +99,7 @@ class SkipSoftmaxSelector(SparseSelector):
     name = "skip_softmax"
     config_class = SkipSoftmaxConfig
     capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), skip_softmax=True, per_kv_head=True)
+    budget = BudgetKnob("target_sparsity", unit="sparsity")  # a calibrated target; the kernels measure it
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         return SparseRuntimeParams(threshold_scale_factor_context=self.config.factor("context"),

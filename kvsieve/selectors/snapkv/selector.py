@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...sparse import Capabilities, SelectorInputs, SparseSelector, register_selector
+from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseSelector, register_selector
 from ...sparse.knobs import check_knobs, knob
 from ..common.prefill_scoring import (GROUP_SUMS, POOLINGS, SOFTMAX_OVER, PromptBudget, check_prompt_budget, pack_kept,
                                snap_keep, snap_keep_naive)
@@ -59,6 +59,7 @@ class SnapKVSelector(SparseSelector):
     name = "snapkv"
     config_class = SnapKVConfig
     capabilities = Capabilities(phases=frozenset({"context"}), evicts=True, per_kv_head=True)
+    budget = BudgetKnob("prompt_budget", unit="tokens")
 
     def _budget(self) -> PromptBudget:
         c = self.config

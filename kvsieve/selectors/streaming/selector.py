@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...sparse import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
+from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 
 __all__ = ["StreamingConfig", "StreamingSelector", "streaming_topk"]
@@ -52,6 +52,7 @@ class StreamingSelector(SparseSelector):
     name = "streaming"
     config_class = StreamingConfig
     capabilities = Capabilities(attention_kinds=frozenset({"gqa", "mla"}), sliding_window=True, per_kv_head=True)
+    budget = BudgetKnob("budget", unit="tokens")
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         lens = inputs.row_kv_lens

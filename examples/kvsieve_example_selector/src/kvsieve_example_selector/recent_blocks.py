@@ -1,7 +1,8 @@
 """``recent_blocks``: attend the first block and the ``num_blocks - 1`` most recent blocks.
 
-A complete out-of-tree selector: a config dataclass, declared capabilities and one hook. kvsieve
-finds it through the ``kvsieve.selectors`` entry point declared in this package's pyproject.
+A complete out-of-tree selector: a config dataclass, declared capabilities and budget knob, and
+one hook. kvsieve finds it through the ``kvsieve.selectors`` entry point declared in this
+package's pyproject.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsieve import Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector
+from kvsieve import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class RecentBlocksSelector(SparseSelector):
     name = "recent_blocks"
     config_class = RecentBlocksConfig
     capabilities = Capabilities(phases=frozenset({"generation"}), per_kv_head=True)
+    budget = BudgetKnob("num_blocks", unit="blocks", unit_size_field="block_size")
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         c = self.config

@@ -39,11 +39,11 @@ BAD_KNOBS = [
      r"skip_softmax.target_sparsity must be a finite float in \[0, 1\)"),
     ("skip_softmax", {"target_sparsity": 0.5, "calibration": {"generation": (1.0,), "context": (1.0, 1.0)}},
      r"skip_softmax.calibration must be a dict of string -> tuple"),
-    ("dsa", {"rope_theta": 0.0}, r"dsa.rope_theta must be > 0 \(a finite float\), got 0.0"),
-    ("dsa", {"rope_theta": NAN}, r"dsa.rope_theta must be a finite float > 0, got float nan"),
-    ("dsa", {"n_heads": True}, r"dsa.n_heads must be an int >= 1, got bool True"),
+    ("dsa", {"rope_theta": 0.0}, r"dsa.rope_theta must be > 0 \(a finite float or None\), got 0.0"),
+    ("dsa", {"rope_theta": NAN}, r"dsa.rope_theta must be a finite float > 0 \(or None\), got float nan"),
+    ("dsa", {"n_heads": True}, r"dsa.n_heads must be an int >= 1 \(or None\), got bool True"),
     ("dsa", {"index_k_dtype": "int4"}, r"dsa.index_k_dtype must be one of"),
-    ("dsa", {"rope_interleave": 1}, r"dsa.rope_interleave must be a bool, got int 1"),
+    ("dsa", {"rope_interleave": 1}, r"dsa.rope_interleave must be a bool \(or None\), got int 1"),
 ]
 
 

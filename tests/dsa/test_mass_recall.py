@@ -59,7 +59,7 @@ def test_dsa_rule_selects_what_the_selector_selects():
         engine.end_step()
     idx, off = params.sparse_attn_indices, params.sparse_attn_offsets
     chosen = {int(x) for x in idx[0, off[0]:off[1]] if x >= 0}
-    from kvsieve.eval.distill_capture import LayerCapture
+    from kvsieve.sparse.prepare import LayerCapture
 
     cap = LayerCapture(hidden, q[n - 1:], k, 0.25)
     with torch.no_grad():

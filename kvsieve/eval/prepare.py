@@ -12,8 +12,8 @@ interleaves layer types), the sweep's context lengths and the entry's target spa
 The texts start with the tokenizer's special prefix (Gemma's ``<bos>``), as the eval's prompts
 do; a non-empty prefix is added to the options as ``special_prefix``. Each result is cached under
 ``$KVSIEVE_CACHE/prepared/`` (default ``~/.cache/kvsieve``), keyed by a sha256 of the model's
-weights and of the step's resolved options, and reused; the step's log line says whether it
-trained/calibrated or reused, and where the file is.
+weights and of the step's resolved options, and reused; the step's log line says whether it ran
+or reused its kept result, and where that is.
 """
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
 """``kvsieve distill-indexer``: give a model without a trained DSA indexer one, by DSA's dense
-warm-up (DeepSeek-V3.2 tech report).
+warm-up (DeepSeek-V3.2 tech report). The model is frozen; per layer an
+:class:`~kvsieve.selectors.dsa.projections.IndexerProjections` (from the layer's attention-input
+hidden state) is trained to minimise ``KL(p || softmax(I))``, where ``p`` is the layer's dense
+attention averaged over its query heads and ``I`` the indexer logits.
 
 The training is :mod:`kvsieve.selectors.dsa.distill`; here the model is loaded and handed to it
 with the eval's attention capture and corpus (:func:`.prepare.model_context`), as the

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from kvsieve.eval.distill_capture import capture_attention
-from kvsieve.eval.distill_indexer import indexer_row_logits
+from kvsieve.eval.attention_capture import capture_attention
 from kvsieve.eval.model import ByteTokenizer, load_model
 from kvsieve.eval.tasks import get_task
+from kvsieve.selectors.dsa.distill import indexer_row_logits
 from kvsieve.selectors.dsa.projections import load_projections
 
 

@@ -18,8 +18,10 @@ import argparse
 
 import torch
 
+from kvsieve.eval.attention_capture import last_query_capture
 from kvsieve.eval.model import load_model
-from kvsieve.eval.prepare import last_query_samples
+from kvsieve.eval.text_corpus import corpus_documents
+from kvsieve.selectors.common.text_windows import token_windows
 
 
 def page_bound_rank(q: torch.Tensor, k: torch.Tensor, page_size: int, density: int) -> dict[str, float]:
@@ -55,7 +57,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_model(args.model)
-    samples, _ = last_query_samples(lm, args.length, 1, set(args.layers))
+    essays = [d for d in corpus_documents() if d.source == "essays"]
+    samples, _ = last_query_capture(lm.model, token_windows(lm.tokenizer, essays, args.length, 1), set(args.layers))
     for layer, (q, k, _) in zip(sorted(args.layers), samples):
         r = page_bound_rank(q[0], k, args.page_size, args.density)
         print(f"{lm.name} L={k.shape[0]} layer {layer}: D={k.shape[2]} Hq/Hkv={q.shape[1]}/{k.shape[1]} | rank corr "

@@ -1,5 +1,5 @@
 """``kvsieve eval`` (an accuracy-vs-sparsity sweep from a YAML config with overrides) and
-``kvsieve list`` (what can go into one: selectors, backends, models, tasks)."""
+``kvsieve list`` (what can go into one: selectors, backends, models, tasks, presets, prepare steps)."""
 from __future__ import annotations
 
 import argparse
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---- kvsieve list ------------------------------------------------------------------------------
-LIST_KINDS = ("selectors", "backends", "models", "tasks", "presets")
+LIST_KINDS = ("selectors", "backends", "models", "tasks", "presets", "prepare")
 
 
 def _summary_line(*objs: Any) -> str:
@@ -129,6 +129,18 @@ def _selectors() -> list[tuple[str, str, str]]:
         knob = f"budget knob: {cls.budget.describe()}" if cls.budget is not None else "no budget knob"
         out.append((name, _summary_line(cls, sys.modules.get(cls.__module__)),
                     f"{knob}; {_defaults(cls.config_class)}"))
+    return out
+
+
+def _prepare_steps() -> list[tuple[str, str, str]]:
+    from ..sparse.prepare import available_prepare_steps, get_prepare_step
+
+    out = []
+    for name in available_prepare_steps():
+        step = get_prepare_step(name)
+        options = ", ".join(f"{k}={v!r}" for k, v in step.options.items())
+        out.append((name, _summary_line(step, sys.modules.get(step.__module__)),
+                    f"prepares selector {step.selector!r}; prepare_params: {options}"))
     return out
 
 
@@ -192,7 +204,8 @@ def list_main(argv: list[str] | None = None) -> int:
                                 "with a description and defaults.")
     p.add_argument("kind", nargs="?", choices=LIST_KINDS, help="what to list (default: all of them)")
     args = p.parse_args(argv)
-    makers = {"selectors": _selectors, "backends": _backends, "models": _models, "tasks": _tasks, "presets": _presets}
+    makers = {"selectors": _selectors, "backends": _backends, "models": _models, "tasks": _tasks, "presets": _presets,
+              "prepare": _prepare_steps}
     for kind in [args.kind] if args.kind else LIST_KINDS:
         print(f"{kind}:")
         for name, line, defaults in makers[kind]():

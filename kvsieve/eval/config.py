@@ -10,8 +10,8 @@ declared budget knob and unit (``SparseSelector.budget``, e.g. Quest's ``budget`
         selector: quest           # registry name (default: the label)
         budgets: [64, 256]        # tokens per query; or sparsities: [...] or reduction_factors: [...]
         params: {page_size: 16}   # fixed config fields (the budget's unit size among them)
-        prepare: null             # a model-specific step run before the sweep (kvsieve/eval/prepare.py:
-        prepare_params: {}        # distill_indexer for dsa, calibrate_skip_softmax), and its options
+        prepare: null             # a model-specific step run before the sweep (kvsieve/eval/prepare.py), one
+        prepare_params: {}        # that the selector registers (kvsieve list prepare), and its options
         phases: [generation]      # where the selector acts (dense elsewhere); a selector that evicts
                                   # prompt tokens needs context here (refused without it)
         dense_layers: [0, 1]
@@ -42,10 +42,10 @@ from typing import Any
 import yaml
 
 from ..sparse import SparseAttentionConfig, get_selector_class, lower_budget
-from .distill_config import DistillConfig
+from ..sparse.prepare import available_prepare_steps, get_prepare_step
 
 __all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "load_config", "apply_overrides",
-           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "PRESETS", "PREPARE_OPTIONS", "check_prepare"]
+           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "PRESETS", "check_prepare"]
 
 QUICK = "quick"
 DEFAULT = "default"
@@ -280,32 +280,26 @@ def _mapping(key: str, raw: Any, example: str) -> dict[str, Any]:
     return raw
 
 
-#: each ``prepare`` step (run by :mod:`kvsieve.eval.prepare`): its options and their defaults (``prepare_params`` may set any of them, nothing else)
-PREPARE_OPTIONS: dict[str, dict[str, Any]] = {
-    "distill_indexer": dataclasses.asdict(DistillConfig()) | {"seq_len": 0},
-    "calibrate_skip_softmax": {"length": 2048, "num_texts": 2,
-                               "factors": [10.0 ** e for e in range(-1, 7)], "steps": 8},
-}
-_PREPARES = {"distill_indexer": "dsa", "calibrate_skip_softmax": "skip_softmax"}
-
-
 def check_prepare(spec: SelectorSpec) -> None:
-    """Raise :class:`ConfigError` naming the key unless ``spec.prepare`` is a known step for its
-    selector and ``spec.prepare_params`` holds only that step's options."""
+    """Raise :class:`ConfigError` naming the key unless ``spec.prepare`` is a prepare step registered
+    for its selector (:mod:`kvsieve.sparse.prepare`) and ``spec.prepare_params`` holds only that
+    step's options."""
     where = f"selectors.{spec.label}"
+    valid = available_prepare_steps()
     if spec.prepare is None:
         if spec.prepare_params:
-            raise ConfigError(f"{where}.prepare_params: given without prepare; valid prepare: {list(PREPARE_OPTIONS)}")
+            raise ConfigError(f"{where}.prepare_params: given without prepare; valid prepare: {valid}")
         return
-    if spec.prepare not in PREPARE_OPTIONS:
-        raise ConfigError(f"{where}.prepare: unknown step {spec.prepare!r}; valid: {list(PREPARE_OPTIONS)}")
-    if _PREPARES[spec.prepare] != spec.selector:
-        raise ConfigError(f"{where}.prepare: {spec.prepare!r} prepares selector {_PREPARES[spec.prepare]!r}, "
+    if spec.prepare not in valid:
+        raise ConfigError(f"{where}.prepare: unknown step {spec.prepare!r}; valid: {valid}")
+    step = get_prepare_step(spec.prepare)
+    if step.selector != spec.selector:
+        raise ConfigError(f"{where}.prepare: {spec.prepare!r} prepares selector {step.selector!r}, "
                           f"not {spec.selector!r}")
-    unknown = set(spec.prepare_params) - set(PREPARE_OPTIONS[spec.prepare])
+    unknown = set(spec.prepare_params) - set(step.options)
     if unknown:
         raise ConfigError(f"{where}.prepare_params: unknown option(s) {sorted(unknown)}; valid: "
-                          f"{sorted(PREPARE_OPTIONS[spec.prepare])}")
+                          f"{sorted(step.options)}")
 
 
 def from_dict(raw: dict[str, Any]) -> EvalConfig:

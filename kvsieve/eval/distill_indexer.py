@@ -4,13 +4,9 @@ warm-up (DeepSeek-V3.2 tech report). The model is frozen; per layer an
 hidden state) is trained to minimise ``KL(p || softmax(I))``, where ``p`` is the layer's dense
 attention averaged over its query heads and ``I`` the indexer logits.
 
-Training runs at the evaluation length: each window of ``seq_len`` tokens is run once through
-the frozen model, and for ``rows`` query positions sampled per window (each scored against every
-key it sees) the targets ``p`` are kept with the layer's hidden states (:mod:`.distill_capture`), so memory grows with
-``rows x seq_len``, not ``seq_len**2``. The windows come from :mod:`.distill_corpus` (essays,
-Python reference text, licences) with a recorded train / held-out split. After every epoch the
-KL on the training and held-out windows and the held-out recall at densities 1/4, 1/16, 1/64
-(the dense mass the indexer's top-k keeps) are recorded with the elapsed wall and CPU time.
+The training is :mod:`kvsieve.selectors.dsa.distill`; here the model is loaded and handed to it
+with the eval's attention capture and corpus (:func:`.prepare.model_context`), as the
+``distill_indexer`` prepare step of a sweep is.
 
 The projections go to one small file that the ``dsa`` selector loads (``DSAConfig(projections=
 ...)``); :func:`attach_dsa_indexer` feeds it the hidden states inside a
@@ -26,225 +22,18 @@ import json
 import math
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from ..integrations.transformers import MODEL_INPUTS_KWARG
-from ..selectors.dsa.projections import IndexerInputs, IndexerProjections, save_projections
+from ..selectors.dsa.distill import DENSITIES, DistillResult, collect, fit, result_meta
+from ..selectors.dsa.distill_config import DistillConfig
+from ..selectors.dsa.projections import IndexerInputs, save_projections
 from ..terminal import plain
-from .distill_capture import (WindowTargets, cached_capture, capture_targets, sample_rows,
-                              trainable_layers)
-from .distill_config import DistillConfig
-from .distill_corpus import corpus_documents, special_prefix, split_documents, token_windows
-from .distill_retrieval import retrieval_windows
 
-__all__ = ["DistillConfig", "Checkpoint", "DistillResult", "Corpus", "DENSITIES", "collect", "fit", "distill",
-           "indexer_row_logits", "row_kl", "row_recall",
-           "attach_dsa_indexer", "special_prefix", "main"]
-
-#: the densities of the held-out recall (budget = ceil(context / density) per query row)
-DENSITIES = (4, 16, 64)
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """After ``epoch`` epochs (0 = untrained), ``seconds`` wall and ``cpu_seconds`` process CPU
-    since :func:`distill` began (captures included): mean KL on the training and held-out
-    windows and the held-out recall per density (:data:`DENSITIES`)."""
-
-    epoch: int
-    seconds: float
-    cpu_seconds: float
-    train_kl: float
-    heldout_kl: float
-    recall: dict[int, float]
-
-
-@dataclass(frozen=True)
-class DistillResult:
-    """The trained ``projections`` per layer, the training ``curve``, the held-out recall per
-    density of ``streaming`` (4 sinks + recent window, for comparison) and of the ``oracle`` (the
-    exact top positions of ``p``: the ceiling of any one set of positions shared by the query heads,
-    as the indexer's is), and the document ``split``."""
-
-    projections: dict[int, IndexerProjections]
-    curve: list[Checkpoint]
-    streaming: dict[int, float]
-    oracle: dict[int, float]
-    split: dict[str, list[str]]
-
-
-def _rope_theta(cfg: Any) -> float:
-    params = getattr(cfg, "rope_parameters", None) or {}
-    if "full_attention" in params:  # per layer type (Gemma 3)
-        params = params["full_attention"]
-    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-
-
-def indexer_row_logits(proj: IndexerProjections, hidden: torch.Tensor, rows: torch.Tensor,
-                       key_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """fp32 ``[R, S]`` logits ``sum_h w relu(q k)`` of query ``rows`` over every key of the
-    window (``-inf`` past each row); the index keys rounded to ``key_dtype`` as the selector's
-    pool stores them (``index_k_dtype``)."""
-    s = hidden.shape[0]
-    k = proj.keys(hidden, torch.arange(s)).to(key_dtype).float()
-    q, w = proj.queries(hidden[rows], rows)
-    logits = torch.einsum("rh,rhs->rs", w, torch.einsum("rhd,sd->rhs", q, k).relu())
-    return logits.masked_fill(torch.arange(s) > rows[:, None], float("-inf"))
-
-
-def row_kl(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Mean over rows of ``KL(p || softmax(logits))`` (``p`` rows sum to 1 and are 0 where the
-    logits are ``-inf``)."""
-    logq = torch.log_softmax(logits, -1)
-    p = p.float()
-    return torch.where(p > 0, p * (torch.log(p.clamp(min=1e-30)) - logq), torch.zeros_like(p)).sum(-1).mean()
-
-
-def row_recall(p: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, density: int) -> float:
-    """Mean over rows of the mass ``p [R, S]`` kept by the top ``ceil((row + 1) / density)``
-    positions of ``scores [R, S]`` (``-inf`` past each row)."""
-    kept = []
-    for r, t in enumerate(rows.tolist()):
-        k = -(-(t + 1) // density)
-        kept.append(float(p[r].float()[scores[r, : t + 1].topk(k).indices].sum()))
-    return sum(kept) / len(kept)
-
-
-def _streaming_recall(p: torch.Tensor, rows: torch.Tensor, density: int, num_sink: int = 4) -> float:
-    kept = []
-    for r, t in enumerate(rows.tolist()):
-        k = -(-(t + 1) // density)
-        recent = p[r, max(num_sink, t + 1 - (k - num_sink)): t + 1].float().sum()
-        kept.append(float(p[r, :num_sink].float().sum() + recent))
-    return sum(kept) / len(kept)
-
-
-def _evaluate(projs: dict[int, IndexerProjections], windows: list[WindowTargets], recall: bool
-              ) -> tuple[float, dict[int, float]]:
-    kls, kept = [], {d: [] for d in DENSITIES}
-    with torch.no_grad():
-        for w in windows:
-            for i, proj in projs.items():
-                logits = indexer_row_logits(proj, w.hidden[i], w.rows)
-                kls.append(float(row_kl(w.p[i], logits)))
-                for d in DENSITIES if recall else ():
-                    kept[d].append(row_recall(w.p[i], logits, w.rows, d))
-    return sum(kls) / len(kls), {d: sum(v) / len(v) for d, v in kept.items() if v}
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """The captured ``train`` and ``held`` (held-out) windows of one model and config, the layers,
-    the model's ``hidden_size`` and RoPE ``theta``, the document ``split``, and when the capture
-    began (``start``: wall and CPU clock) so that curves count the capture's cost."""
-
-    train: list[WindowTargets]
-    held: list[WindowTargets]
-    layers: list[int]
-    hidden_size: int
-    theta: float
-    split: dict[str, list[str]]
-    start: tuple[float, float]
-
-
-def collect(model: torch.nn.Module, tokenizer: Any, cfg: DistillConfig, layers: list[int] | None = None, *,
-            progress: bool = True, captures: Path | None = None) -> Corpus:
-    """Capture the training and held-out windows of ``cfg`` (the expensive, geometry-free part),
-    the training windows followed by ``cfg.retrieval_seqs`` retrieval windows (:mod:`.distill_retrieval`);
-    with ``captures`` (a folder) each window's targets are kept there (:func:`cached_capture`,
-    keyed by the model's weights, the tokens, the layers and the rows) and reused by a rerun."""
-    start = time.perf_counter(), time.process_time()
-    layers = trainable_layers(model.config, layers)
-    for prm in model.parameters():
-        prm.requires_grad_(False)
-    train_docs, held_docs = split_documents(corpus_documents(), cfg.holdout_every)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    from .model import model_hash
-
-    key = {"model": model_hash(model), "layers": layers} if captures is not None else {}
-
-    def window(ids: torch.Tensor, rows: torch.Tensor, path: Path | None) -> WindowTargets:
-        def capture() -> dict[str, Any]:
-            t = capture_targets(model, ids, layers, rows)
-            return {"hidden": t.hidden, "p": t.p}
-
-        saved = cached_capture(path, key | {"ids": ids, "rows": rows}, capture)
-        return WindowTargets(rows, {int(i): h for i, h in saved["hidden"].items()},
-                             {int(i): p for i, p in saved["p"].items()})
-
-    def targets(windows, desc, name):  # windows: (ids [1, seq_len], rows always sampled at the end)
-        return [window(ids, sample_rows(cfg.seq_len, cfg.rows, gen, tail), captures and Path(captures) / f"{name}-{j}.pt")
-                for j, (ids, tail) in enumerate(tqdm(windows, desc=desc, disable=not progress))]
-
-    # every window is cut before the first capture, so a corpus too short for them is refused at
-    # once, not after the captures (an hour of CPU for Gemma 3 at 16K)
-    prose = token_windows(tokenizer, train_docs, cfg.seq_len, cfg.num_seqs)
-    held_out = token_windows(tokenizer, held_docs, cfg.seq_len, cfg.heldout_seqs)
-    # from the training essays only; every row of the question/answer tail is sampled
-    made = (retrieval_windows(tokenizer, train_docs, cfg.seq_len, cfg.retrieval_seqs, cfg.retrieval_facts, cfg.seed)
-            if cfg.retrieval_seqs else [])
-    train = targets([(ids, 1) for ids in prose], "train targets", "train")
-    held = targets([(ids, 1) for ids in held_out], "held out", "held")
-    train += targets([(w.ids, cfg.seq_len - w.tail_start) for w in made], "retrieval targets", "retrieval")
-    text = getattr(model.config, "text_config", model.config)
-    split = {"train": [f"{d.source}/{d.name}" for d in train_docs], "held_out": [f"{d.source}/{d.name}" for d in held_docs]}
-    return Corpus(train, held, layers, text.hidden_size, _rope_theta(text), split, start)
-
-
-def fit(corpus: Corpus, cfg: DistillConfig, *, progress: bool = True) -> DistillResult:
-    """Train one indexer per layer of ``corpus`` at ``cfg``'s geometry, checkpointing every epoch."""
-    t0, c0 = corpus.start
-    torch.manual_seed(cfg.seed)
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    projs = {i: IndexerProjections(corpus.hidden_size, cfg.n_heads, cfg.head_dim, cfg.rope_dim, rope_theta=corpus.theta)
-             for i in corpus.layers}
-    opt = torch.optim.Adam([prm for proj in projs.values() for prm in proj.parameters()], lr=cfg.lr)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs * len(corpus.train))
-
-    def checkpoint(epoch: int) -> Checkpoint:
-        train_kl, _ = _evaluate(projs, corpus.train, recall=False)
-        held_kl, recall = _evaluate(projs, corpus.held, recall=True)
-        return Checkpoint(epoch, time.perf_counter() - t0, time.process_time() - c0, train_kl, held_kl, recall)
-
-    curve = [checkpoint(0)]
-    bar = tqdm(range(1, cfg.epochs + 1), desc="distill", disable=not progress)
-    for epoch in bar:
-        for j in torch.randperm(len(corpus.train), generator=gen).tolist():
-            w = corpus.train[j]
-            opt.zero_grad()
-            for i in corpus.layers:  # the layers' indexers are independent: one graph in memory at a time
-                (row_kl(w.p[i], indexer_row_logits(projs[i], w.hidden[i], w.rows)) / len(corpus.layers)).backward()
-            opt.step()
-            sched.step()
-        curve.append(checkpoint(epoch))
-        bar.set_postfix(kl=f"{curve[-1].train_kl:.3f}/{curve[-1].heldout_kl:.3f}")
-    for proj in projs.values():
-        proj.eval()
-    held = [(w.p[i], w.rows) for w in corpus.held for i in corpus.layers]
-    streaming = {d: sum(_streaming_recall(p, rows, d) for p, rows in held) / len(held) for d in DENSITIES}
-    oracle = {d: sum(row_recall(p, p.float(), rows, d) for p, rows in held) / len(held) for d in DENSITIES}
-    return DistillResult(projs, curve, streaming, oracle, corpus.split)
-
-
-def distill(model: torch.nn.Module, tokenizer: Any, cfg: DistillConfig, layers: list[int] | None = None, *,
-            progress: bool = True) -> DistillResult:
-    """Dense warm-up of one indexer per layer of ``layers`` (default: the full-attention ones):
-    :func:`collect` then :func:`fit`."""
-    return fit(collect(model, tokenizer, cfg, layers, progress=progress), cfg, progress=progress)
-
-
-def result_meta(result: DistillResult, cfg: DistillConfig, model_name: str) -> dict[str, Any]:
-    """What the projections file and ``--json`` record: the model, the config, the layers, the
-    curve, the streaming and oracle references and the split."""
-    size = sum(prm.numel() for proj in result.projections.values() for prm in proj.parameters())
-    return {"model": model_name, **dataclasses.asdict(cfg), "layers": sorted(result.projections), "parameters": size,
-            "curve": [dataclasses.asdict(c) for c in result.curve], "streaming": result.streaming,
-            "oracle": result.oracle, "split": result.split}
+__all__ = ["attach_dsa_indexer", "main"]
 
 
 def attach_dsa_indexer(session: Any) -> list[Any]:
@@ -293,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from .model import load_model
+    from .prepare import model_context
 
     cfg = DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)})
     bad = [g for g in args.grid if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", g)]
@@ -300,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--grid: expected HEADSxDIM such as 4x16, got {bad}")
     grid = [tuple(int(x) for x in g.split("x")) for g in args.grid]
     loaded = load_model(args.model)
-    corpus = collect(loaded.model, loaded.tokenizer, cfg, args.layers, captures=args.captures and Path(args.captures))
+    corpus = collect(model_context(loaded, layers=args.layers), cfg, captures=args.captures and Path(args.captures))
     capture_cost = time.perf_counter() - corpus.start[0], time.process_time() - corpus.start[1]
     result = fit(corpus, cfg)
     meta = result_meta(result, cfg, loaded.name)

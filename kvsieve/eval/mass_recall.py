@@ -1,6 +1,6 @@
 """Mass recall of each selector against its own ceiling, on held-out text of a real model.
 
-For each held-out window (:mod:`.distill_corpus`: the essays the indexer never trained on) of
+For each held-out window (:mod:`.text_corpus`: the essays the indexer never trained on) of
 ``length`` tokens, the model runs once; on each selected layer the last ``rows`` query positions
 and every key are captured as the attention receives them. Per query row and density ``1/d``
 each selector's choice is the kvsieve selector's own, run on those tensors
@@ -36,11 +36,14 @@ from typing import Any
 
 import torch
 
+from ..selectors.common.text_windows import split_documents, token_windows
+from ..selectors.dsa.distill_targets import cached_capture, trainable_layers
 from ..selectors.dsa.projections import IndexerProjections, load_projections
 from ..sparse import SparseAttentionConfig, get_selector_class, lower_budget
-from .distill_corpus import corpus_documents, split_documents, token_windows
-from .distill_capture import LayerCapture, cached_capture, capture_attention, trainable_layers
+from ..sparse.prepare import LayerCapture
+from .attention_capture import capture_attention
 from .selection_driver import kept_positions
+from .text_corpus import corpus_documents
 
 __all__ = ["SELECTORS", "PAGE_SELECTORS", "recall_config", "group_mass", "bound_terms", "window_recall",
            "mean_interval", "main"]
@@ -157,7 +160,7 @@ def mean_interval(values: list[float]) -> tuple[float, float]:
 def _captured(lm: Any, ids: torch.Tensor, layers: list[int], rows: torch.Tensor, path: Path | None
               ) -> dict[int, LayerCapture]:
     """:func:`capture_attention`, kept in ``path`` and read back from there when it holds the same
-    tokens, layers and rows (:func:`~.distill_capture.cached_capture`)."""
+    tokens, layers and rows (:func:`~kvsieve.selectors.dsa.distill_targets.cached_capture`)."""
     def capture() -> dict[str, Any]:
         return {"caps": {i: dataclasses.asdict(c) for i, c in capture_attention(lm.model, ids, layers, rows).items()}}
 

@@ -1,54 +1,53 @@
 """Model-specific preparation of a selector entry, run once per model before the sweep.
 
-A selectors entry may name ``prepare`` (with options in ``prepare_params``); the sweep then runs
-that step for the eval model and merges its result into the entry's ``params``:
+A selectors entry may name ``prepare`` (with options in ``prepare_params``): a prepare step that
+the entry's selector family registers (:mod:`kvsieve.sparse.prepare`; ``kvsieve list prepare``
+lists them). The sweep runs that step for the eval model and merges its result (config fields)
+into the entry's ``params``. The step gets a :class:`~kvsieve.sparse.PrepareContext`: the model
+and tokenizer, the text corpus (:mod:`.text_corpus`), the model's attention captures
+(:mod:`.attention_capture`), the layers the entry runs its selector on (its ``layers`` /
+``layer_types`` / ``dense_layers``, by default the full-attention layers of a model that
+interleaves layer types), the sweep's context lengths and the entry's target sparsities.
 
-* ``distill_indexer`` (``dsa``): the DSA indexer distilled for the model
-  (:func:`kvsieve.eval.distill_indexer.distill`, options :class:`~.distill_config.DistillConfig`)
-  on the layers the entry runs on; ``seq_len: 0`` trains at the sweep's longest task length.
-  Gives ``projections`` (the file) and the indexer geometry ``n_heads``/``head_dim``/
-  ``rope_dim``/``rope_theta``.
-* ``calibrate_skip_softmax`` (``skip_softmax``): the decode-phase skipped-tile fraction measured
-  against the factor by :func:`kvsieve.selectors.skip_softmax.selector.calibrate_threshold` on the model's
-  own attention (the last query of each layer the entry runs on — its ``layers`` /
-  ``layer_types`` / ``dense_layers``, by default the full-attention layers of a model that
-  interleaves layer types — over the whole context, on essay text), bisected around each target
-  sparsity of the entry; gives ``calibration_points: {generation: [(factor, fraction), ...]}``,
-  which the selector interpolates. The layers and the targets are part of the cache key.
-
-Both read essay sequences that start with the tokenizer's special prefix (Gemma's ``<bos>``), as
-the eval's prompts do; a non-empty prefix is part of the cache key.
-
-Each result is cached under ``$KVSIEVE_CACHE/prepared/`` (default ``~/.cache/kvsieve``), keyed
-by a sha256 of the model's weights and of the step's options, and reused; the sweep prints
-whether it trained/calibrated or reused, and where the file is.
+The texts start with the tokenizer's special prefix (Gemma's ``<bos>``), as the eval's prompts
+do; a non-empty prefix is added to the options as ``special_prefix``. Each result is cached under
+``$KVSIEVE_CACHE/prepared/`` (default ``~/.cache/kvsieve``), keyed by a sha256 of the model's
+weights and of the step's resolved options, and reused; the step's log line says whether it ran
+or reused its kept result, and where that is.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .config import PREPARE_OPTIONS, ConfigError, EvalConfig, SelectorSpec
-from .distill_corpus import special_prefix
-from .distill_config import DistillConfig
 from ..cache_dir import default_cache_dir
+from ..selectors.common.text_windows import special_prefix
+from ..sparse.prepare import PrepareContext, get_prepare_step
+from .attention_capture import capture_attention, last_query_capture
+from .config import ConfigError, EvalConfig, SelectorSpec
 from .model import LoadedModel, model_hash
+from .text_corpus import corpus_documents
 
-__all__ = ["last_query_samples", "prepare_selectors", "prepared_dir"]
-
-_CAPTURE = "kvsieve_capture"
+__all__ = ["model_context", "prepare_selectors", "prepared_dir"]
 
 
 def prepared_dir() -> Path:
     """``prepared/`` under :func:`kvsieve.cache_dir.default_cache_dir`."""
     return default_cache_dir() / "prepared"
+
+
+def model_context(lm: LoadedModel, **fields: Any) -> PrepareContext:
+    """The :class:`PrepareContext` of ``lm``: its model and tokenizer, the eval's corpus and the
+    model's attention captures, plus ``fields`` (``layers``, ``lengths``, ``sparsities``, ...)."""
+    return PrepareContext(model=lm.model, tokenizer=lm.tokenizer, model_name=lm.name,
+                          weights_hash=functools.partial(model_hash, lm.model), documents=corpus_documents,
+                          capture=functools.partial(capture_attention, lm.model),
+                          last_queries=functools.partial(last_query_capture, lm.model), **fields)
 
 
 def prepare_selectors(cfg: EvalConfig, lm: LoadedModel, log: Callable[[str], None] = print) -> EvalConfig:
@@ -60,84 +59,31 @@ def prepare_selectors(cfg: EvalConfig, lm: LoadedModel, log: Callable[[str], Non
         return cfg
     digest = model_hash(lm.model)
     prefix = special_prefix(lm.tokenizer)  # the samples start with it, as the eval's prompts do
+    lengths = tuple(sorted({n for t in cfg.tasks for n in t.lengths}))
     specs = []
     for s in cfg.selectors:
         if s.prepare is not None:
-            options = PREPARE_OPTIONS[s.prepare] | s.prepare_params
+            step = get_prepare_step(s.prepare)()
+            options = dict(step.options) | s.prepare_params
             if prefix:  # part of the cache key
                 options["special_prefix"] = prefix
-            if s.prepare == "distill_indexer":
-                options["layers"] = _planned_layers(lm, s)
-                options["seq_len"] = options["seq_len"] or max(n for t in cfg.tasks for n in t.lengths)
-            if s.prepare == "calibrate_skip_softmax":
-                options["layers"] = _planned_layers(lm, s)
-                options["targets"] = sorted({b.sparsity for t in cfg.tasks for n in t.lengths for b in s.resolve(n)})
-            key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
-            step = _distill if s.prepare == "distill_indexer" else _calibrate
+            ctx = model_context(lm, layers=_planned_layers(lm, s), lengths=lengths, label=s.label,
+                                sparsities=tuple(sorted({b.sparsity for n in lengths for b in s.resolve(n)})),
+                                log=lambda line: log(f"kvsieve eval: {line}"))
             try:
-                extra = step(lm, options, prepared_dir() / f"{s.prepare}-{lm.name}-{digest}-{key}", s.label, log)
+                options = step.resolve(options, ctx)
+                key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
+                extra = step.run(options, ctx, prepared_dir() / f"{s.prepare}-{lm.name}-{digest}-{key}")
             except ValueError as err:
                 raise ConfigError(f"selectors.{s.label}.prepare ({s.prepare}) failed for {lm.name}: {err}") from None
             s = dataclasses.replace(s, params=s.params | extra)
             try:
-                for budget in s.resolve(min(n for t in cfg.tasks for n in t.lengths)):
+                for budget in s.resolve(min(lengths)):
                     create_selector(s.selector, **s.sparse_config(budget).params)
             except (TypeError, ValueError) as err:
                 raise ConfigError(f"selectors.{s.label}: {err}") from None
         specs.append(s)
     return dataclasses.replace(cfg, selectors=specs)
-
-
-def _distill(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
-             log: Callable[[str], None]) -> dict[str, Any]:
-    from ..selectors.dsa.projections import load_projections, save_projections
-    from .distill_indexer import _rope_theta, distill, result_meta
-
-    path = stem.with_suffix(".pt")
-    geometry = {k: options[k] for k in ("n_heads", "head_dim", "rope_dim")}
-    geometry["rope_theta"] = _rope_theta(getattr(lm.model.config, "text_config", lm.model.config))
-    if path.is_file():
-        _, meta = load_projections(str(path))
-        last = meta["curve"][-1]
-        log(f"kvsieve eval: {label}: reused the DSA indexer distilled for {lm.name} ({path}; held-out KL "
-            f"{meta['curve'][0]['heldout_kl']:.3f} -> {last['heldout_kl']:.3f})")
-        return {"projections": str(path), **geometry}
-    cfg = DistillConfig(**{f.name: options[f.name] for f in dataclasses.fields(DistillConfig)})
-    result = distill(lm.model, lm.tokenizer, cfg, options["layers"], progress=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    save_projections(str(tmp), result.projections, result_meta(result, cfg, lm.name) | {"options": options})
-    tmp.rename(path)
-    first, last = result.curve[0], result.curve[-1]
-    log(f"kvsieve eval: {label}: trained a DSA indexer for {lm.name} on layers {options['layers']} in "
-        f"{last.seconds:.0f} s ({last.cpu_seconds:.0f} s CPU; held-out KL {first.heldout_kl:.3f} -> "
-        f"{last.heldout_kl:.3f}), saved to {path}")
-    return {"projections": str(path), **geometry}
-
-
-def _calibrate(lm: LoadedModel, options: dict[str, Any], stem: Path, label: str,
-               log: Callable[[str], None]) -> dict[str, Any]:
-    from ..selectors.skip_softmax.selector import calibrate_threshold, interpolate_factor
-
-    path = stem.with_suffix(".json")
-    if path.is_file():
-        points = tuple(tuple(p) for p in json.loads(path.read_text(encoding="utf-8"))["points"])
-        verb = f"reused the skip-softmax calibration of {lm.name} ({path}"
-    else:
-        t0 = time.perf_counter()
-        samples, scale = last_query_samples(lm, options["length"], options["num_texts"], set(options["layers"]))
-        points = calibrate_threshold(samples, options["targets"], factors=tuple(options["factors"]),
-                                     sm_scale=scale, steps=options["steps"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"model": lm.name, **options, "points": [list(p) for p in points]}, indent=2),
-                       encoding="utf-8")
-        tmp.rename(path)
-        verb = (f"calibrated skip-softmax for {lm.name} in {time.perf_counter() - t0:.0f} s ({len(samples)} layer "
-                f"samples of layers {options['layers']}, saved to {path}")
-    factors = ", ".join(f"{t} -> {interpolate_factor(points, t):.4g}" for t in options["targets"])
-    log(f"kvsieve eval: {label}: {verb}; {len(points)} measured points; factor per target sparsity: {factors})")
-    return {"calibration_points": {"generation": points}}
 
 
 def _planned_layers(lm: LoadedModel, spec: SelectorSpec) -> list[int]:
@@ -148,43 +94,3 @@ def _planned_layers(lm: LoadedModel, spec: SelectorSpec) -> list[int]:
     cfg = getattr(cfg, "text_config", cfg)
     return sorted(sparse_layers(num_layers=cfg.num_hidden_layers, model_layer_types=getattr(cfg, "layer_types", None),
                                 layers=spec.layers, layer_types=spec.layer_types, dense_layers=spec.dense_layers))
-
-
-def last_query_samples(lm: LoadedModel, length: int, num_texts: int, layers: set[int]
-                    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], float]:
-    """Per layer in ``layers`` and text, the last query over the whole context: ``(q [1, Hq, D],
-    k [L, Hkv, D], v [L, Hkv, D])`` as the model's attention function receives them (after RoPE
-    and any norm); and those layers' softmax scale (one value; layers that differ are refused)."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    from .distill_corpus import corpus_documents, token_windows
-
-    samples, scales = [], set()
-
-    def capture(module, query, key, value, attention_mask, **kwargs):
-        if getattr(module, "layer_idx", None) is None:
-            raise ValueError(f"calibrate_skip_softmax: attention module {type(module).__name__} has no layer_idx")
-        if module.layer_idx not in layers:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        samples.append((query[0, :, -1:].transpose(0, 1).float(), key[0].transpose(0, 1).float(),
-                        value[0].transpose(0, 1).float()))
-        scales.add(float(kwargs["scaling"]) if kwargs.get("scaling") is not None else query.shape[-1] ** -0.5)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register(_CAPTURE, capture)
-    AttentionMaskInterface.register(_CAPTURE, sdpa_mask)
-    model = lm.model
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(_CAPTURE)
-    try:
-        with torch.no_grad():
-            essays = [d for d in corpus_documents() if d.source == "essays"]
-            for ids in token_windows(lm.tokenizer, essays, length, num_texts):
-                model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    finally:
-        model.set_attn_implementation(previous)
-    if len(scales) != 1:
-        raise ValueError(f"calibrate_skip_softmax: the layers use different softmax scales {sorted(scales)}")
-    return samples, scales.pop()

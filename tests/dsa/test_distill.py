@@ -102,7 +102,7 @@ def test_transformers_driven_refusal_leaves_no_step_open():
 
 def test_row_kl_and_recall_equal_plain_formulas_on_a_hand_case():
     """row_kl against a hand-written KL(p || softmax) and row_recall against counting by hand."""
-    from kvsieve.eval.distill_indexer import row_kl, row_recall
+    from kvsieve.selectors.dsa.distill import row_kl, row_recall
 
     p = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.5, 0.25, 0.25, 0.0], [0.1, 0.2, 0.3, 0.4]])
     logits = torch.tensor([[0.0, float("-inf"), float("-inf"), float("-inf")], [1.0, 2.0, 0.0, float("-inf")],
@@ -119,7 +119,7 @@ def test_row_kl_and_recall_equal_plain_formulas_on_a_hand_case():
 
 def test_row_logits_equal_the_full_indexer_matrix():
     """The sampled-row logits are the rows of the full causal indexer matrix (q, k, w from forward)."""
-    from kvsieve.eval.distill_indexer import indexer_row_logits
+    from kvsieve.selectors.dsa.distill import indexer_row_logits
     from kvsieve.selectors.dsa.projections import IndexerProjections
 
     torch.manual_seed(0)
@@ -132,14 +132,15 @@ def test_row_logits_equal_the_full_indexer_matrix():
 
 
 def test_captured_targets_equal_the_models_eager_attention():
-    """capture_targets' p rows equal transformers' eager attention weights, averaged over heads,
+    """The captured targets' p rows equal transformers' eager attention weights, averaged over heads,
     and its hidden states the attention module's input."""
-    from kvsieve.eval.distill_capture import capture_targets
+    from kvsieve.eval.attention_capture import capture_attention
+    from kvsieve.selectors.dsa.distill_targets import window_targets
 
     model = tiny_random_llama()
     ids = torch.tensor([ByteTokenizer().encode("the quick brown fox jumps over the lazy dog, twice over")])
     rows = torch.tensor([3, 17, ids.shape[1] - 1])
-    got = capture_targets(model, ids, [0, 1], rows)
+    got = window_targets(capture_attention(model, ids, [0, 1], rows), rows)
     seen = {}
     hooks = [layer.self_attn.register_forward_hook(lambda m, a, kw, out, i=i: seen.__setitem__(i, (kw, out)),
                                                    with_kwargs=True)
@@ -168,7 +169,7 @@ def test_release_free_heap_gives_freed_heap_pages_back():
     """256 MB of 64 KB blocks (below glibc's mmap threshold: heap), every 16th kept so that the
     top of the heap stays in use and free() alone returns nothing; release_free_heap returns most
     of the 240 MB freed."""
-    from kvsieve.eval.distill_capture import release_free_heap
+    from kvsieve.eval.attention_capture import release_free_heap
 
     blocks = [bytearray(b"x" * (64 << 10)) for _ in range(4096)]
     keep = blocks[::16]
@@ -181,26 +182,28 @@ def test_release_free_heap_gives_freed_heap_pages_back():
 
 def test_every_capture_releases_the_forward_passes_free_heap(monkeypatch):
     """Each capture hands its forward pass's freed heap back (docs/results/dsa.md, 8.1: 9.3 GB
-    resident after 25 SmolLM2 2K captures without it): the distillation's (capture_targets) and
-    the mass-recall measurement's (capture_attention, kvsieve.eval.mass_recall) alike."""
-    from kvsieve.eval import distill_capture
+    resident after 25 SmolLM2 2K captures without it): the distillation's (window_targets of a
+    capture) and the mass-recall measurement's (capture_attention, kvsieve.eval.mass_recall) alike."""
+    from kvsieve.eval import attention_capture
+    from kvsieve.selectors.dsa.distill_targets import window_targets
 
     calls = []
-    monkeypatch.setattr(distill_capture, "release_free_heap", lambda: calls.append(1) or True)
+    monkeypatch.setattr(attention_capture, "release_free_heap", lambda: calls.append(1) or True)
     ids = torch.tensor([ByteTokenizer().encode("a short window of text to capture")])
     model, rows = tiny_random_llama(), torch.tensor([5, ids.shape[1] - 1])
-    distill_capture.capture_targets(model, ids, [0, 1], rows)
+    window_targets(attention_capture.capture_attention(model, ids, [0, 1], rows), rows)
     assert calls == [1]
-    distill_capture.capture_attention(model, ids, [0], rows)
+    attention_capture.capture_attention(model, ids, [0], rows)
     assert calls == [1, 1]
 
 
 def test_sliding_layers_and_short_corpora_are_refused():
     from types import SimpleNamespace
 
-    from kvsieve.eval.distill_corpus import Document, split_documents, token_windows
-    from kvsieve.eval.distill_capture import trainable_layers
-    from kvsieve.eval.distill_config import DistillConfig
+    from kvsieve.selectors.common.text_windows import split_documents, token_windows
+    from kvsieve.selectors.dsa.distill_config import DistillConfig
+    from kvsieve.selectors.dsa.distill_targets import trainable_layers
+    from kvsieve.sparse.prepare import Document
 
     cfg = SimpleNamespace(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
     assert trainable_layers(cfg, None) == [1, 3]
@@ -220,7 +223,7 @@ def test_sliding_layers_and_short_corpora_are_refused():
 
 
 def test_windowed_attention_equals_masked_sdpa():
-    from kvsieve.eval.distill_capture import windowed_attention
+    from kvsieve.eval.attention_capture import windowed_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 37, 8), torch.randn(1, 2, 37, 8), torch.randn(1, 2, 37, 8)
@@ -236,7 +239,8 @@ def test_capture_on_a_sliding_window_model_keeps_its_logits_and_targets():
     logits (sliding layers through windowed_attention), and the full layer's targets equal eager."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from kvsieve.eval.distill_capture import capture_targets, trainable_layers
+    from kvsieve.eval.attention_capture import capture_attention
+    from kvsieve.selectors.dsa.distill_targets import trainable_layers, window_targets
 
     torch.manual_seed(0)
     cfg = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -252,7 +256,7 @@ def test_capture_on_a_sliding_window_model_keeps_its_logits_and_targets():
     with torch.no_grad():
         want_logits = model(input_ids=ids, use_cache=False).logits[0, -1]
     hook.remove()
-    got = capture_targets(model, ids, [1], rows)
+    got = window_targets(capture_attention(model, ids, [1], rows), rows)
     torch.testing.assert_close(got.p[1].float(), seen["w"][0].mean(0)[rows], atol=2e-3, rtol=2e-3)
     model.set_attn_implementation("kvsieve_distill_capture")  # registered by the capture, still in place
     with torch.no_grad():
@@ -260,13 +264,15 @@ def test_capture_on_a_sliding_window_model_keeps_its_logits_and_targets():
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_collect_keeps_each_window_and_reuses_it_only_for_the_same_model_tokens_and_rows(tmp_path, monkeypatch):
+def test_collect_keeps_each_window_and_reuses_it_only_for_the_same_model_tokens_and_rows(tmp_path):
     """A rerun with ``captures`` reads the kept windows back instead of running the model; other rows
     (another seed) or other weights capture anew, and a capture read back equals one made without the cache."""
     import dataclasses
 
-    from kvsieve.eval import distill_indexer as di
     from kvsieve.eval.model import load_model
+    from kvsieve.eval.prepare import model_context
+    from kvsieve.selectors.dsa import distill as di
+    from kvsieve.selectors.dsa.distill_config import DistillConfig
 
     def same(a, b):
         return torch.equal(a.rows, b.rows) and all(torch.equal(a.p[i], b.p[i]) and torch.equal(a.hidden[i], b.hidden[i])
@@ -276,18 +282,18 @@ def test_collect_keeps_each_window_and_reuses_it_only_for_the_same_model_tokens_
         raise AssertionError("captured again")
 
     lm = load_model("tiny-random")
-    cfg = di.DistillConfig(seq_len=96, num_seqs=2, heldout_seqs=1, rows=16)
-    first = di.collect(lm.model, lm.tokenizer, cfg, progress=False, captures=tmp_path)
+    cfg = DistillConfig(seq_len=96, num_seqs=2, heldout_seqs=1, rows=16)
+    ctx = model_context(lm)
+    first = di.collect(ctx, cfg, progress=False, captures=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["held-0.pt", "train-0.pt", "train-1.pt"]
-    plain = di.collect(lm.model, lm.tokenizer, cfg, progress=False)
-    with monkeypatch.context() as m:
-        m.setattr(di, "capture_targets", refuse)
-        again = di.collect(lm.model, lm.tokenizer, cfg, progress=False, captures=tmp_path)
-        with pytest.raises(AssertionError, match="captured again"):  # other rows: not reused
-            di.collect(lm.model, lm.tokenizer, dataclasses.replace(cfg, seed=1), progress=False, captures=tmp_path)
-        with torch.no_grad():
-            next(lm.model.parameters()).add_(1.0)
-        with pytest.raises(AssertionError, match="captured again"):  # other weights: not reused
-            di.collect(lm.model, lm.tokenizer, cfg, progress=False, captures=tmp_path)
+    plain = di.collect(ctx, cfg, progress=False)
+    no_capture = dataclasses.replace(ctx, capture=refuse)
+    again = di.collect(no_capture, cfg, progress=False, captures=tmp_path)
+    with pytest.raises(AssertionError, match="captured again"):  # other rows: not reused
+        di.collect(no_capture, dataclasses.replace(cfg, seed=1), progress=False, captures=tmp_path)
+    with torch.no_grad():
+        next(lm.model.parameters()).add_(1.0)
+    with pytest.raises(AssertionError, match="captured again"):  # other weights: not reused
+        di.collect(no_capture, cfg, progress=False, captures=tmp_path)
     assert all(same(a, b) and same(a, c) for a, b, c in zip(first.train + first.held, again.train + again.held,
                                                            plain.train + plain.held))

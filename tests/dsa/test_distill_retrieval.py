@@ -9,10 +9,11 @@ import re
 import pytest
 import torch
 
-from kvsieve.eval.distill_corpus import Document, split_documents
-from kvsieve.eval.distill_retrieval import CODE_WORDS, PEOPLE, PROJECTS, make_fact, retrieval_windows
 from kvsieve.eval.model import ByteTokenizer
 from kvsieve.eval.tasks.base import WORDS
+from kvsieve.selectors.common.text_windows import split_documents
+from kvsieve.selectors.dsa.distill_retrieval import CODE_WORDS, PEOPLE, PROJECTS, make_fact, retrieval_windows
+from kvsieve.sparse.prepare import Document
 
 
 def _essays(n: int, held_word: str = "", sentences: int = 60) -> list[Document]:
@@ -76,7 +77,7 @@ def test_too_many_facts_are_refused():
 
 
 def test_sample_rows_with_a_tail_keeps_every_tail_row_and_the_former_draw_without_one():
-    from kvsieve.eval.distill_capture import sample_rows
+    from kvsieve.selectors.dsa.distill_targets import sample_rows
 
     rows = sample_rows(400, 100, torch.Generator().manual_seed(3), tail=60)
     assert rows.tolist() == sorted(set(rows.tolist())) and len(rows) == 100
@@ -92,22 +93,25 @@ def test_sample_rows_with_a_tail_keeps_every_tail_row_and_the_former_draw_withou
         sample_rows(400, 100, gen, tail=0)
 
 
-def test_collect_samples_the_tail_rows_and_never_trains_on_held_out_essays(monkeypatch):
+def test_collect_samples_the_tail_rows_and_never_trains_on_held_out_essays():
     """With a tiny model: the retrieval windows' sampled rows hold every tail row (the tail found
     independently, by rebuilding the windows), and no window the model is trained on holds text of
     a held-out essay, while the held-out windows do."""
-    from kvsieve.eval import distill_indexer as di
+    import dataclasses
+
     from kvsieve.eval.model import load_model
+    from kvsieve.eval.prepare import model_context
+    from kvsieve.selectors.dsa.distill import collect
+    from kvsieve.selectors.dsa.distill_config import DistillConfig
 
     # short essays: each window spans several of them, so a held-out one would be caught
     docs = _essays(8, held_word="HELDOUT", sentences=15) + [Document("pydoc", "t", "Python text is here. " * 80)]
-    monkeypatch.setattr(di, "corpus_documents", lambda: docs)
     seen: list[torch.Tensor] = []
-    capture = di.capture_targets
-    monkeypatch.setattr(di, "capture_targets", lambda m, ids, *a: seen.append(ids) or capture(m, ids, *a))
-    lm = load_model("tiny-random")
-    cfg = di.DistillConfig(seq_len=900, num_seqs=2, heldout_seqs=1, rows=400, retrieval_seqs=2, retrieval_facts=2)
-    corpus = di.collect(lm.model, lm.tokenizer, cfg, progress=False)
+    base = model_context(load_model("tiny-random"))
+    ctx = dataclasses.replace(base, documents=lambda: docs,
+                              capture=lambda ids, *a: seen.append(ids) or base.capture(ids, *a))
+    cfg = DistillConfig(seq_len=900, num_seqs=2, heldout_seqs=1, rows=400, retrieval_seqs=2, retrieval_facts=2)
+    corpus = collect(ctx, cfg, progress=False)
     assert len(corpus.train) == 4 and len(corpus.held) == 1 and len(seen) == 5
     texts = [ByteTokenizer().decode(ids[0].tolist()) for ids in seen]  # train, train, held, retrieval, retrieval
     assert ["HELDOUT" in t for t in texts] == [False, False, True, False, False]

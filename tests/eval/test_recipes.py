@@ -113,10 +113,8 @@ def test_more_retrieval_windows_than_the_essays_hold_is_refused_by_name_and_cach
     """The preset's 7 retrieval windows do not fit Gemma 3's training essays at 16K; the same
     refusal, provoked on the tiny model, names the entry, the step, the model and the shortfall,
     and comes before any window is captured."""
-    from kvsieve.eval import distill_indexer
-
     captured: list[object] = []
-    monkeypatch.setattr(distill_indexer, "capture_targets", lambda *a, **k: captured.append(a))
+    monkeypatch.setattr(prepare, "capture_attention", lambda *a, **k: captured.append(a))
     cfg = load_config(preset=RECIPES, overrides=TINY + ["selectors.dsa.prepare_params.retrieval_seqs=100000"])
     before = copy.deepcopy(cfg)
     with pytest.raises(ConfigError, match=r"selectors\.dsa\.prepare \(distill_indexer\) failed for tiny-random-llama: "
@@ -182,7 +180,8 @@ def test_calibration_samples_start_like_the_eval_prompts_and_the_prefix_keys_the
     prompts, so the samples carry the tokenizer's special prefix and it is part of the cache key."""
     import dataclasses
 
-    from kvsieve.eval.distill_corpus import corpus_documents, special_prefix, token_windows
+    from kvsieve.eval.text_corpus import corpus_documents
+    from kvsieve.selectors.common.text_windows import special_prefix, token_windows
 
     bos = dataclasses.replace(tiny, tokenizer=_WithBos(tiny.tokenizer))
     assert special_prefix(tiny.tokenizer) == [] and special_prefix(bos.tokenizer) == [7]

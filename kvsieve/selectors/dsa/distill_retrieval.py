@@ -10,9 +10,9 @@ the answer rows reads the fact):
     ... essay text. The code name of project Quasar is cobalt-4821. More essay text ...
     Question: What is the code name of project Quasar? Answer: The code name of project Quasar is cobalt-4821.
 
-These are deliberately *not* the eval's tasks: RULER's NIAH (:mod:`.tasks.niah`) hides "One of the
+These are deliberately *not* the eval's tasks: RULER's NIAH (:mod:`kvsieve.eval.tasks.niah`) hides "One of the
 special magic numbers for <adjective-noun> is: <7 digits>." and asks "What are all the special
-magic numbers for ...", and passkey (:mod:`.tasks.passkey`) hides a 5-digit "pass key" in noise.
+magic numbers for ...", and passkey (:mod:`kvsieve.eval.tasks.passkey`) hides a 5-digit "pass key" in noise.
 Here the templates, the question wording, the key vocabulary (:data:`PROJECTS`, :data:`PEOPLE`,
 :data:`CODE_WORDS`, none of them among the NIAH key words) and the values (``word-4 digits`` or 4
 digits) all differ; what the indexer can learn from them is the skill (a question's answer rows
@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from .distill_corpus import Document, special_prefix, token_windows
+from ...sparse.prepare import Document
+from ..common.text_windows import special_prefix, token_windows
 
 __all__ = ["RetrievalWindow", "retrieval_windows", "make_fact", "PROJECTS", "PEOPLE", "CODE_WORDS"]
 

@@ -1,10 +1,11 @@
-"""The options of ``kvsieve distill-indexer`` (:class:`DistillConfig`), apart from the training
-code so that the eval config can name their defaults without importing transformers."""
+"""The options of the indexer's distillation (:class:`DistillConfig`: ``kvsieve distill-indexer``
+and the ``distill_indexer`` prepare step), apart from the training code so that the step's
+defaults are known without importing it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..sparse.knobs import KnobError, check_knobs, knob
+from ...sparse.knobs import KnobError, check_knobs, knob
 
 __all__ = ["DistillConfig"]
 

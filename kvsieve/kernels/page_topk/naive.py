@@ -10,7 +10,7 @@ __all__ = ["page_topk_naive"]
 def page_topk_naive(pool: torch.Tensor, block_ids: torch.Tensor, n_pages: int, q: torch.Tensor, *,
                     sm_scale: float, mode: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices [Hkv, k] int32 ascending, scores [Hkv, n_pages] fp32)``."""
-    hkv, sub, d = pool.shape[1], pool.shape[2], pool.shape[4]
+    hkv, d = pool.shape[1], pool.shape[4]
     rows = pool.index_select(0, block_ids.to(pool.device)).float()  # [n_blk, Hkv, S, 2, D]
     summ = rows.permute(1, 0, 2, 3, 4).reshape(hkv, -1, 2 * d)[:, :n_pages]  # [Hkv, Np, 2D]
     qg = q.float().view(hkv, -1, d)  # [Hkv, G, D]

@@ -215,7 +215,6 @@ class DSASelector(SparseSelector):
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams | None:
         layer = inputs.layer_idx
         q, w = inputs.state["index_qw"]  # this step's index q / weights, from on_append
-        md = inputs.metadata
         lens = inputs.row_kv_lens
         kk = self.config.index_topk
         lens_host = inputs.token_kv_lens_host()[inputs.rows]

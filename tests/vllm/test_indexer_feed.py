@@ -140,7 +140,7 @@ def _dsa_config(tmp_path, layers=range(LAYERS)) -> PluginConfig:  # noqa: ANN001
 def test_dsa_plugin_start_up_checks(tmp_path):
     """DSA is served on CPU (every layer reads the indexer), and refused by name: compiled models,
     projections for another hidden size, a selecting layer without projections (when the feed finds
-    the layers), any other per-step model input, and the CUDA side."""
+    the layers), no projections file at all, and the CUDA side."""
     state = PluginState(_dsa_config(tmp_path), _vllm_config(), torch.device("cpu"))
     assert state.indexer_layers == frozenset(range(LAYERS)) and state.feed is None
     with pytest.raises(NotImplementedError, match="compilation mode 2 traces it.*enforce-eager"):
@@ -156,6 +156,9 @@ def test_dsa_plugin_start_up_checks(tmp_path):
     state.feed.close()
     with pytest.raises(ValueError, match="feeds on vLLM's CPU platform only, not on 'cuda'"):
         lower_plans(_dsa_config(tmp_path), num_layers=LAYERS, backend_name="triton", device="cuda")
+    with pytest.raises(ValueError, match="'dsa' needs its indexer projections"):
+        lower_plans(PluginConfig(sparse=parse_selector_spec("dsa:index_topk=16")), num_layers=LAYERS,
+                    backend_name="torch")
 
 
 def test_other_model_inputs_are_refused(monkeypatch):

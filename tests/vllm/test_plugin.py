@@ -49,7 +49,7 @@ def test_enabled_overrides_cpu_attention(clean_registry, monkeypatch):
 @pytest.mark.parametrize("spec,message", [
     ("snapkv", "evicts prompt tokens"),
     ("rocketkv:prompt_budget=512", "evicts prompt tokens"),
-    ("dsa", "lightning indexer"),
+    ("dsa:index_topk=64", "'dsa' needs its indexer projections"),
     ("quest:budget=8", "budget must be >= page_size"),
     ("quest:bogus=1", "accepted fields"),
     ("nosuch", "unknown selector"),

@@ -168,6 +168,11 @@ def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, dev
             f"kvsieve vLLM plug-in: selector {sel.name!r} needs per-step model inputs "
             f"({wanted.__name__}, its model_inputs_type), which vLLM's attention backend never receives (only q, "
             "k, v and the cache); the plug-in feeds IndexerInputs (the layer's hidden state) alone")
+    if wanted is IndexerInputs and getattr(sel.config, "projections", "") is None:
+        raise ValueError(
+            f"kvsieve vLLM plug-in: selector {sel.name!r} needs its indexer projections (config field 'projections': "
+            "a file from kvsieve distill-indexer for this model); inside vLLM the plug-in feeds each layer's hidden "
+            "state, which only the projections turn into index queries and keys")
     if wanted is IndexerInputs and device != "cpu":
         raise ValueError(
             f"kvsieve vLLM plug-in: selector {sel.name!r} reads the layer's hidden state (IndexerInputs), which the "

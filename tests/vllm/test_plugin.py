@@ -266,7 +266,7 @@ def test_token_selection_runs_native_kernel_on_vllm_cache(dtype, spec):
                              _v_scale_float=1.0), q, k, v, cache, None)
     res = runner.forward(q, k, v, tr, host)
     assert res.paths == {"generation": "native_runs"}
-    params = runner._select(q, k, v, md)  # the same selection (the selector is deterministic)
+    params = runner.select(q, k, v, md)  # the same selection (the selector is deterministic)
     ref = VanillaBackend().forward(q, md, 0, geometry, params)
     gathered = get_backend("torch").forward(q, md, 0, geometry, params)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -1,0 +1,95 @@
+"""benchmarks/vllm_quality.py without vLLM: its answer from vLLM's generated tokens is the answer
+the eval's own decoding loop gives for the same tokens (stop rule, EOS), and it matches a
+``kvsieve eval`` output folder's runs by task and length, sample by sample."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from benchmarks._timing import cpu_isa
+from benchmarks.vllm_quality import _answer, _kvsieve_runs, _sample
+from kvsieve.eval.tasks import Sample, get_task
+from kvsieve.integrations.transformers import KvsieveSession
+
+EOS = 0
+CHARS = "\0abcdefghijklmnopqrstuvwxyz0123456789 ,.-"  # token i decodes to CHARS[i]; 0 is the EOS (special)
+
+
+class _CharTokenizer:
+    eos_token_id = EOS
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(CHARS[i] for i in ids if not (skip_special_tokens and i == EOS))
+
+
+class _Scripted:
+    """Stands in for a session's model: each ``decode`` returns the logits of the next scripted token."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids, self.n = ids, 0
+
+    def logits(self) -> torch.Tensor:
+        out = torch.zeros(1, len(CHARS))
+        out[0, self.ids[self.n]] = 1.0
+        return out
+
+    def decode(self, tok: torch.Tensor) -> torch.Tensor:
+        self.n += 1
+        return self.logits()
+
+
+def _ids(text: str) -> list[int]:
+    return [CHARS.index(c) for c in text]
+
+
+@pytest.mark.parametrize("task_name", ["passkey", "niah_single"])
+@pytest.mark.parametrize("generated", ["12345 and more digits 678", "1234567, then 99999", "no digits at all here",
+                                       "12\0", "9876543.21"])
+def test_answer_equals_the_eval_decoding_loop(task_name, generated):
+    """What vLLM generated (up to max_new_tokens, stopping at EOS), cut by the benchmark, gives the
+    prediction and score the eval's Task.run gives when its greedy loop meets the same tokens."""
+    task, tok = get_task(task_name), _CharTokenizer()
+    ids = _ids(generated.replace("\0", "")) + ([EOS] if "\0" in generated else [])
+    ids = ids[: task.max_new_tokens]
+    sample = Sample(index=0, prompt="", answers=["12345" if task_name == "passkey" else "1234567"])
+    script = _Scripted(ids + [EOS] * task.max_new_tokens)  # past vLLM's output the loop would read on
+    row = task.run(_SessionLoop(script), script.logits(), None, sample, None, tok)
+    vllm_out = ids[: ids.index(EOS) + 1] if EOS in ids else ids  # vLLM stops at EOS, as the loop does
+    assert _answer(tok, vllm_out, task.stop_regex) == row["prediction"]
+    assert task.score(row["prediction"], _sample({"sample": 0, "answers": sample.answers, "depth": None})) == \
+        row["score"]
+
+
+class _SessionLoop:
+    """The eval's real greedy loop (``KvsieveSession.continue_greedy``) over scripted logits."""
+
+    def __init__(self, script: _Scripted) -> None:
+        self.script = script
+
+    def continue_greedy(self, logits, max_new_tokens, eos_token_id=None, stop=None):  # noqa: ANN001, ANN201
+        return KvsieveSession.continue_greedy(self.script, logits, max_new_tokens, eos_token_id, stop)
+
+
+def test_kvsieve_runs_are_matched_by_task_and_length(tmp_path):
+    for name, scores in (("passkey__8192__gemma__dense", [1, 0, 1]), ("passkey__8192__gemma__dsa__x16", [1, 1, 0]),
+                         ("passkey__4096__gemma__dense", [0, 0, 0]), ("niah_single__8192__gemma__dense", [1, 1, 1])):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "predictions.csv", "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=["sample", "score"])
+            w.writeheader()
+            w.writerows({"sample": i, "score": s} for i, s in enumerate(scores))
+    (tmp_path / "passkey__8192__gemma__quest__x16").mkdir()  # unfinished: no predictions.csv
+    runs = _kvsieve_runs(tmp_path, "passkey", 8192)
+    assert runs == {"passkey__8192__gemma__dense": {0: 1.0, 1: 0.0, 2: 1.0},
+                    "passkey__8192__gemma__dsa__x16": {0: 1.0, 1: 1.0, 2: 0.0}}
+
+
+def test_cpu_isa_names_the_cpu_and_its_features():
+    text = cpu_isa()
+    model, _, features = text.partition(": ")
+    assert model and set(features.split()) <= {"amx_bf16", "amx_tile", "avx512_bf16", "avx512_fp16", "avx512f",
+                                               "avx2", "fma", "neon", "asimd", "sve"}
+    flags = open("/proc/cpuinfo", encoding="utf-8").read()
+    assert ("avx2" in features.split()) == (" avx2" in flags)

@@ -9,8 +9,8 @@ with the eval's attention capture and corpus (:func:`.prepare.model_context`), a
 ``distill_indexer`` prepare step of a sweep is.
 
 The projections go to one small file that the ``dsa`` selector loads (``DSAConfig(projections=
-...)``); :func:`attach_dsa_indexer` feeds it the hidden states inside a
-:class:`~kvsieve.integrations.transformers.KvsieveSession`.
+...)``); :func:`kvsieve.integrations.transformers.attach_dsa_indexer` feeds it the hidden states
+inside a :class:`~kvsieve.integrations.transformers.KvsieveSession`.
 
     kvsieve distill-indexer --model smollm2 --out smollm2-indexer.pt --json curve.json
 """
@@ -23,36 +23,15 @@ import math
 import re
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from ..integrations.transformers import MODEL_INPUTS_KWARG
 from ..selectors.dsa.distill import DENSITIES, DistillResult, collect, fit, result_meta
 from ..selectors.dsa.distill_config import DistillConfig
-from ..selectors.dsa.projections import IndexerInputs, save_projections
+from ..selectors.dsa.projections import save_projections
 from ..terminal import plain
 
-__all__ = ["attach_dsa_indexer", "main"]
-
-
-def attach_dsa_indexer(session: Any) -> list[Any]:
-    """Feed every selector of a :class:`KvsieveSession` that reads :class:`IndexerInputs` (``dsa``,
-    or any selector declaring that ``model_inputs_type``) the hidden states of its attention
-    module: a forward pre-hook per layer adds ``IndexerInputs(hidden=...)`` to the module's call as
-    the keyword argument ``MODEL_INPUTS_KWARG`` when the layer's plan reads them, which the module
-    passes on to kvsieve's attention function and that to the layer's step. Returns the hook
-    handles (``.remove()`` to detach)."""
-    handles = []
-    for i, attn in enumerate(session.modules):
-        def pre(mod, args, kwargs, i=i):
-            plan = session.layers[i].plan
-            if plan is None or plan.selector.model_inputs_type is not IndexerInputs:
-                return None
-            hidden = kwargs["hidden_states"]
-            return args, {**kwargs, MODEL_INPUTS_KWARG: IndexerInputs(hidden=hidden.reshape(-1, hidden.shape[-1]))}
-        handles.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
-    return handles
+__all__ = ["main"]
 
 
 def _print_curve(label: str, result: DistillResult) -> None:

@@ -35,7 +35,7 @@ from ..sparse import get_selector_class
 from .config import EvalConfig
 from .memory import reset_peak_rss, rss_mb
 from .metrics import mean_ci95
-from .distill_indexer import attach_dsa_indexer
+from ..integrations.transformers import attach_dsa_indexer
 from .model import LoadedModel, load_model
 from .prepare import prepare_selectors
 from .plots import write_plots

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvsieve import SparseAttentionConfig
-from kvsieve.eval.distill_indexer import attach_dsa_indexer, main
+from kvsieve.eval.distill_indexer import main
+from kvsieve.integrations.transformers import attach_dsa_indexer
 from kvsieve.eval.model import ByteTokenizer, tiny_random_llama
 from kvsieve.selectors.dsa.projections import load_projections
 

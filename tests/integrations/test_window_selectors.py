@@ -14,7 +14,7 @@ from default_selectors import DEFAULT_SELECTORS
 from families import build
 
 from kvsieve import SparseAttention, SparseAttentionConfig, SparseSelector, lower_config
-from kvsieve.eval.distill_indexer import attach_dsa_indexer
+from kvsieve.integrations.transformers import attach_dsa_indexer
 from kvsieve.integrations.transformers import KvsieveSession
 from kvsieve.selectors.dsa.projections import IndexerProjections
 from kvsieve.sparse import Capabilities, LayerPlan

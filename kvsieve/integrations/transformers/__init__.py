@@ -14,7 +14,8 @@ from __future__ import annotations
 from .apply_model import apply
 from .feature_backend import gather_request_kv
 from .hooks import ATTN_IMPLEMENTATION, MODEL_INPUTS_KWARG, register_attention
+from .indexer_feed import attach_dsa_indexer
 from .session import KvsieveSession, LayerObserver
 
-__all__ = ["KvsieveSession", "apply", "ATTN_IMPLEMENTATION", "MODEL_INPUTS_KWARG", "register_attention",
+__all__ = ["KvsieveSession", "apply", "attach_dsa_indexer", "ATTN_IMPLEMENTATION", "MODEL_INPUTS_KWARG", "register_attention",
            "LayerObserver", "gather_request_kv"]

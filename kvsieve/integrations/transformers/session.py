@@ -25,7 +25,7 @@ A selector that reads per-step model inputs (DSA's ``IndexerInputs``) gets them 
 attention call itself: a forward pre-hook on the attention module puts them in the keyword
 argument :data:`~.hooks.MODEL_INPUTS_KWARG`, the module's own code passes its keyword arguments on to the
 attention function, and that hands them to the layer's ``forward(..., model_inputs=)``
-(:func:`kvsieve.eval.distill_indexer.attach_dsa_indexer` is such a hook).
+(:func:`kvsieve.integrations.transformers.attach_dsa_indexer` is such a hook).
 
 Every layer's attention features (sliding window, softcap, sinks, scaling) are read when the
 session is built (:mod:`.attention_features`) and applied around the backend

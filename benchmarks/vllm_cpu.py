@@ -130,7 +130,9 @@ def _start(mode: str, args: argparse.Namespace, log: Path) -> subprocess.Popen:
     env.update(VLLM_CPU_KVCACHE_SPACE=str(_kv_space_gib(args)), VLLM_ENABLE_V1_MULTIPROCESSING="0")
     if args.threads:
         env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(args.threads))
-    if mode != "own":
+    if mode.endswith((".yaml", ".yml", ".json")):  # a plug-in config file (phases, dense_layers, ...)
+        env["KVSIEVE_CONFIG"] = mode
+    elif mode != "own":
         env["KVSIEVE_SELECTOR"] = mode
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--model-name", args.model_name,
            "--prompt-tokens", str(args.prompt_tokens),
@@ -184,7 +186,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16, help="decode steps timed per measurement")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=128, help="vLLM's KV block size (a multiple of 32 on CPU)")
-    ap.add_argument("--modes", default="own,dense,quest:budget=256,page_size=128")
+    ap.add_argument("--modes", default="own,dense,quest:budget=256,page_size=128",
+                    help="own, dense, KVSIEVE_SELECTOR strings or KVSIEVE_CONFIG files (.yaml/.yml/.json)")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="model and KV cache dtype")
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine, unbound (0: vLLM's binding)")
     ap.add_argument("--out", default="bench_out", help="folder of the JSON result")

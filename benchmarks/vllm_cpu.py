@@ -125,15 +125,23 @@ def _kv_space_gib(args: argparse.Namespace) -> int:
     return max(1, -(-per_token * tokens // 2 ** 30))
 
 
-def _start(mode: str, args: argparse.Namespace, log: Path) -> subprocess.Popen:
+def mode_env(mode: str, **extra: str) -> dict[str, str]:
+    """The environment of one mode's engine process: this one without the plug-in's settings, plus
+    ``extra`` and the mode's: ``own`` none (vLLM's own attention), a ``.yaml``/``.yml``/``.json`` file
+    ``KVSIEVE_CONFIG`` (phases, dense_layers, ...), anything else ``KVSIEVE_SELECTOR``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSIEVE_SELECTOR", "KVSIEVE_CONFIG"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE=str(_kv_space_gib(args)), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    if args.threads:
-        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(args.threads))
-    if mode.endswith((".yaml", ".yml", ".json")):  # a plug-in config file (phases, dense_layers, ...)
+    env.update(extra)
+    if mode.endswith((".yaml", ".yml", ".json")):
         env["KVSIEVE_CONFIG"] = mode
     elif mode != "own":
         env["KVSIEVE_SELECTOR"] = mode
+    return env
+
+
+def _start(mode: str, args: argparse.Namespace, log: Path) -> subprocess.Popen:
+    env = mode_env(mode, VLLM_CPU_KVCACHE_SPACE=str(_kv_space_gib(args)), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if args.threads:
+        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--model-name", args.model_name,
            "--prompt-tokens", str(args.prompt_tokens),
            "--max-tokens", str(args.max_tokens), "--concurrency", ",".join(map(str, args.concurrency)),

@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
 
 from benchmarks._timing import cpu_isa, load_average  # noqa: E402
-from benchmarks.vllm_cpu import model_dir, parse_modes  # noqa: E402
+from benchmarks.vllm_cpu import mode_env, model_dir, parse_modes  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -120,12 +120,8 @@ def main() -> None:
     scores: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
     runs_meta = []
     for i, mode in enumerate(modes):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSIEVE_SELECTOR", "KVSIEVE_CONFIG"))}
-        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "4"))
-        if mode.endswith((".yaml", ".yml", ".json")):  # a plug-in config file (phases, dense_layers, ...)
-            env["KVSIEVE_CONFIG"] = mode
-        elif mode != "own":
-            env["KVSIEVE_SELECTOR"] = mode
+        env = mode_env(mode, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                       VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
         result, log = work / f"result-{i}.json", work / f"engine-{i}.log"
         load0, t0 = load_average(), datetime.now(timezone.utc)
         cmd = [sys.executable, __file__, "--worker", "--model", folder, "--dtype", args.dtype, "--batch",
@@ -189,8 +185,9 @@ def _compare_kvsieve(folder: Path, prompts: list[dict], scores: dict, modes: lis
         index = [p["sample"] for p in prompts if p["task"] == name]
         for run, by_sample in _kvsieve_runs(folder, name, length).items():
             if set(by_sample) != set(index):
-                print(f"  {run}: samples {sorted(by_sample)[:5]}... are not this benchmark's {len(index)}; skipped")
-                continue
+                raise SystemExit(f"--kvsieve-results: run {run} has samples {sorted(by_sample)}, this benchmark's "
+                                 f"{name} prompts are samples {sorted(index)}: run both with the same depths, "
+                                 "samples and seed")
             theirs = [by_sample[i] for i in index]
             for mode in modes:
                 same = sum((a >= 1.0) == (b >= 1.0) for a, b in zip(theirs, scores[mode][name]))

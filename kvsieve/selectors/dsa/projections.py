@@ -56,6 +56,9 @@ class IndexerInputs:
         return self.q_index is not None
 
 
+FORMAT = "kvsieve-dsa-indexer-v1"  # what save_projections writes and the readers check
+
+
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``cos, sin [T, rope_dim]`` of the default RoPE (``cat(freqs, freqs)`` layout)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=positions.device) / rope_dim))
@@ -141,19 +144,25 @@ class IndexerProjections(nn.Module):
 
 def save_projections(path: str, layers: dict[int, IndexerProjections], meta: dict | None = None) -> None:
     """Save per-layer projections (geometry + fp32 state dicts) to one ``torch.save`` file."""
-    torch.save({"format": "kvsieve-dsa-indexer-v1", "meta": meta or {},
+    torch.save({"format": FORMAT, "meta": meta or {},
                 "layers": {int(i): {"geometry": p.geometry(), "state": {k: v.float().cpu() for k, v in
                                                                          p.state_dict().items()}}
                            for i, p in layers.items()}}, path)
+
+
+def _read(path: str) -> dict:
+    """The contents of a :func:`save_projections` file (``ValueError`` for any other file)."""
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(blob, dict) or blob.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a kvsieve DSA indexer file (format {FORMAT!r})")
+    return blob
 
 
 def projections_geometry(path: str) -> dict:
     """The indexer geometry every layer of a :func:`save_projections` file shares: ``n_heads``,
     ``head_dim``, ``rope_dim``, ``rope_interleave``, ``rope_theta`` (``ValueError`` when its layers
     disagree, naming them)."""
-    blob = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(blob, dict) or blob.get("format") != "kvsieve-dsa-indexer-v1":
-        raise ValueError(f"{path}: not a kvsieve DSA indexer file (format 'kvsieve-dsa-indexer-v1')")
+    blob = _read(path)
     keys = ("n_heads", "head_dim", "rope_dim", "rope_interleave", "rope_theta")
     found = {int(i): tuple(e["geometry"][k] for k in keys) for i, e in blob["layers"].items()}
     if len(set(found.values())) > 1:
@@ -163,9 +172,7 @@ def projections_geometry(path: str) -> dict:
 
 def load_projections(path: str, device: torch.device | str = "cpu") -> tuple[dict[int, IndexerProjections], dict]:
     """Inverse of :func:`save_projections`: ``({layer: projections}, meta)``."""
-    blob = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(blob, dict) or blob.get("format") != "kvsieve-dsa-indexer-v1":
-        raise ValueError(f"{path}: not a kvsieve DSA indexer file (format 'kvsieve-dsa-indexer-v1')")
+    blob = _read(path)
     layers = {}
     for i, entry in blob["layers"].items():
         proj = IndexerProjections(**entry["geometry"])

@@ -3,9 +3,20 @@
 #define KVSIEVE_VEC_MATH_H
 #include <stdint.h>
 
+/* The head dim and query group the attending and page-ranking kernels take at most. */
+#define KV_MAX_D 256
+#define KV_MAX_G 16
+
 static inline float bf16_to_f32(uint16_t v) {
   union { uint32_t u; float f; } x = {.u = (uint32_t)v << 16};
   return x.f;
+}
+
+/* fp32 -> bf16 rounded to nearest-even, as torch's conversion (a NaN stays a quiet NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+  union { float f; uint32_t u; } x = {.f = f};
+  if ((x.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x.u >> 16) | 0x40u); /* a quiet NaN */
+  return (uint16_t)((x.u + 0x7FFFu + ((x.u >> 16) & 1u)) >> 16);
 }
 
 /* exp(x) for x <= 0: Cephes expf (Cody-Waite reduction, degree-6 polynomial, ~1 ulp), branch-free so

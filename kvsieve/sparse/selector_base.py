@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from ..kernels.decode_layer.native import DecodeProgram, IndexerStep
 from ..metadata import PHASES, AttentionMetadata, KVCacheManager
 from .budget import BudgetKnob
 from .params import SparseRuntimeParams
@@ -268,6 +269,20 @@ class SparseSelector:
         was installed. Rebuild from the cache the state :meth:`on_append` would have built for
         them. The default does nothing; :func:`attach_refusal` refuses a selector that keeps
         such state without overriding this."""
+
+    # ---- the native decode step (optional) ---------------------------------------------
+    def decode_program(self, cache: KVCacheManager, layer_idx: int, head_dim: int) -> DecodeProgram | None:
+        """This selector's decode rows (one new token per request, no sliding window) as a program of
+        :mod:`kvsieve.kernels.decode_layer`: its per-step state update (``on_append``'s, on the same
+        pools), ``predict_attn``'s choice and the attention in one native call per layer. ``None``
+        (the default): this selector or this config has none, and the layer runs the hooks."""
+        return None
+
+    def decode_step_inputs(self, layer_idx: int, model_inputs: Any, positions: torch.Tensor) -> IndexerStep | None:
+        """A program that reads per-step model inputs (:attr:`model_inputs_type`): the step's inputs
+        for it from ``model_inputs`` (this layer's, the rows' order) and ``positions [N]`` int64 (each
+        row's new token). ``None`` for programs that read none."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"

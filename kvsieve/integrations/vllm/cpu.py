@@ -36,6 +36,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from ...selectors.dsa import IndexerInputs
 from .host import PerHeadTables
 from .layer_checks import refuse_features, refusing_backend, worker_ranks
 from .layouts import kv_views
@@ -109,6 +110,7 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
         self.state: PluginState = plugin_state(get_current_vllm_config(), device=torch.device("cpu"),
                                                ranks=worker_ranks())
         self.state.start_indexer_feed(_selecting_layer, lambda module: extract_layer_index(module.layer_name))
+        self._layer_idx: int | None = None  # this layer's index, read from its name at the first forward
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # noqa: ANN001
                 kv_cache: torch.Tensor, attn_metadata: KvsieveCPUAttentionMetadata | None, output: torch.Tensor,
@@ -121,17 +123,28 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
         if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
             raise NotImplementedError("kvsieve vLLM plug-in: non-causal attention steps are not supported")
         n = attn_metadata.num_actual_tokens
-        layer_idx = extract_layer_index(layer.layer_name)
+        if self._layer_idx is None:
+            self._layer_idx = extract_layer_index(layer.layer_name)
+        layer_idx = self._layer_idx
         if self.sliding_window != -1 or self.state.host_only(layer_idx):  # vLLM's own attention, nothing else
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         hidden = None
         if layer_idx in self.state.indexer_layers:  # DSA: the layer's hidden state, kept by its attention module
             hidden = self.state.feed.take(layer_idx, n, query.shape[0])
-        host = VllmHostAttention(self, layer, query, key, value, kv_cache, attn_metadata)
         step = getattr(attn_metadata, "step", None)  # None: metadata vLLM built without the plug-in's builder
         if step is None:
             step = VllmStep.from_tensors(attn_metadata.query_start_loc, attn_metadata.seq_lens,
                                          attn_metadata.block_table, n)
+        if step.decode_only:  # one native call (selection, tables, attention) where the selector has a program
+            native = self.state.native_decode(layer_idx, LAYOUT, kv_cache, num_heads=self.num_heads,
+                                              num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                                              scale=self.scale)
+            if native is not None:
+                model_inputs = None if hidden is None else IndexerInputs(hidden=hidden)
+                native.run(step.block_table, step.seq_lens, step.positions, query[:n],
+                           output[:n].view(n, self.num_heads, self.head_size), model_inputs)
+                return output
+        host = VllmHostAttention(self, layer, query, key, value, kv_cache, attn_metadata)
         self.state.run_layer(
             layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n], step=step,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size, scale=self.scale,

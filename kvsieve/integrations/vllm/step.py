@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,16 @@ class VllmStep:
     @property
     def num_tokens(self) -> int:
         return int(self.query_start_loc[-1])
+
+    @cached_property
+    def decode_only(self) -> bool:
+        """Whether every row is one request's one new token (computed once per step)."""
+        return bool((np.diff(self.query_start_loc) == 1).all())
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """int64 ``[B]``: each row's last position, ``seq_lens - 1`` (a decode row's new token)."""
+        return torch.from_numpy(self.seq_lens.astype(np.int64) - 1)
 
     def same_as(self, other: VllmStep) -> bool:
         return all(np.array_equal(a, b) for a, b in zip(

@@ -39,6 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...kernels.decode_layer.native import DecodeProgram
+from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.page_selector import PageSelectorBase
@@ -277,10 +279,9 @@ class BlockSelectSelector(PageSelectorBase):
     capabilities = Capabilities(sliding_window=True, per_kv_head=True)
     budget = BudgetKnob("topk_blocks", unit="blocks", unit_size_field="block_size")
 
-    def summaries(self, inputs: SelectorInputs) -> PageSummaries:
-        if self._summaries is None or self._summaries.cache is not inputs.cache:
-            page = math.gcd(self.config.block_size, inputs.cache.tokens_per_block)
-            self._summaries = PageSummaries(inputs.cache, page, torch.float32)
+    def summaries_of(self, cache: KVCacheManager, head_dim: int) -> PageSummaries:
+        if self._summaries is None or self._summaries.cache is not cache:
+            self._summaries = PageSummaries(cache, math.gcd(self.config.block_size, cache.tokens_per_block), torch.float32)
         return self._summaries
 
     def on_append(self, inputs: SelectorInputs) -> None:
@@ -303,3 +304,14 @@ class BlockSelectSelector(PageSelectorBase):
     def predict_attn_naive(self, inputs: SelectorInputs) -> SparseRuntimeParams:
         """The per-request reference of :meth:`predict_attn`."""
         return block_select_naive(inputs, self.config)
+
+    def decode_program(self, cache: KVCacheManager, layer_idx: int, head_dim: int) -> DecodeProgram | None:
+        c = self.config
+        if c.top_p is not None:
+            return None
+        forced = {"units": c.topk_blocks, "unit": c.block_size, "init_units": c.init_blocks,
+                  "local_units": c.local_blocks}
+        if c.scoring == "exact":
+            return DecodeProgram("blocks_exact", mode=c.score_type, **forced)
+        summaries = self.summaries_of(cache, head_dim)
+        return DecodeProgram("blocks_bound", pool=summaries.pools[layer_idx], page_size=summaries.page_size, **forced)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ...metadata import KVCacheManager
 from ...sparse import SelectorInputs, SparseRuntimeParams, SparseSelector
 from .page_summary import SUMMARY_DTYPES, PageSummaries, select_pages, select_pages_naive
 
@@ -42,9 +43,13 @@ class PageSelectorBase(SparseSelector):
         raise NotImplementedError
 
     def summaries(self, inputs: SelectorInputs) -> PageSummaries:
-        knobs = self.page_knobs(inputs.q.shape[-1])
-        if self._summaries is None or self._summaries.cache is not inputs.cache:
-            self._summaries = PageSummaries(inputs.cache, knobs.page_size, SUMMARY_DTYPES[knobs.summary_dtype])
+        return self.summaries_of(inputs.cache, inputs.q.shape[-1])
+
+    def summaries_of(self, cache: KVCacheManager, head_dim: int) -> PageSummaries:
+        """The page-summary pools of ``cache`` (created on first use; the pool of a name is shared)."""
+        knobs = self.page_knobs(head_dim)
+        if self._summaries is None or self._summaries.cache is not cache:
+            self._summaries = PageSummaries(cache, knobs.page_size, SUMMARY_DTYPES[knobs.summary_dtype])
         return self._summaries
 
     def on_append(self, inputs: SelectorInputs) -> None:

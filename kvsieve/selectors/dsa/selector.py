@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ...kernels.decode_layer.native import DecodeProgram, IndexerStep
+from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.paged import drop_empty_columns, top_p_cut, top_p_knob
@@ -159,25 +161,8 @@ class DSASelector(SparseSelector):
     def on_append(self, inputs: SelectorInputs) -> None:
         """Compute index q/k/weights for the step's tokens (from ``inputs.model_inputs``, this step's
         :class:`IndexerInputs`, which the layer checked) and write k into the aux pool."""
-        layer = inputs.layer_idx
-        ii = inputs.model_inputs
         md = inputs.metadata
-        if ii.is_finished:
-            q, k, w = ii.q_index.float(), ii.k_index.float(), ii.weights.float()
-        else:
-            if layer not in self.projections:
-                raise RuntimeError(f"dsa: layer {layer} got hidden states but has no IndexerProjections; load a "
-                                   "projections file (config 'projections') or call set_projections")
-            positions = md.positions.to(ii.hidden.device)
-            c = self.config
-            cos, sin = ii.cos, ii.sin
-            if cos is None and c.rope_dim:  # the default RoPE of the configured rope_theta
-                cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
-            q, k, w = self.projections[layer](ii.hidden, positions, ii.q_input, cos, sin)
-        c = self.config
-        if q.shape[1:] != (c.n_heads, c.head_dim) or k.shape[1:] != (c.head_dim,) or w.shape[1:] != (c.n_heads,):
-            raise ValueError(f"dsa: index tensors must be q [T, {c.n_heads}, {c.head_dim}], k [T, {c.head_dim}], "
-                             f"w [T, {c.n_heads}]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(w.shape)}")
+        q, k, w = self._index_qkw(inputs.layer_idx, inputs.model_inputs, md.positions)
         if q.shape[0] != md.num_tokens:
             raise ValueError(f"dsa: IndexerInputs cover {q.shape[0]} tokens, the step has {md.num_tokens}")
         self._write_keys(inputs, k)
@@ -189,6 +174,44 @@ class DSASelector(SparseSelector):
         elif self.k_dtype != torch.float32:
             q = q.to(self.k_dtype)
         inputs.state["index_qw"] = (q, w.float().contiguous())
+
+    def _index_qkw(self, layer: int, ii: IndexerInputs, positions: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 index ``q [T, H, Di]``, ``k [T, Di]`` and ``w [T, H]`` of the step's tokens (at
+        ``positions [T]``) from this layer's :class:`IndexerInputs`: given finished, or projected
+        from the hidden state by the layer's :class:`IndexerProjections`."""
+        if ii.is_finished:
+            q, k, w = ii.q_index.float(), ii.k_index.float(), ii.weights.float()
+        else:
+            if layer not in self.projections:
+                raise RuntimeError(f"dsa: layer {layer} got hidden states but has no IndexerProjections; load a "
+                                   "projections file (config 'projections') or call set_projections")
+            positions = positions.to(ii.hidden.device)
+            c = self.config
+            cos, sin = ii.cos, ii.sin
+            if cos is None and c.rope_dim:  # the default RoPE of the configured rope_theta
+                cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
+            q, k, w = self.projections[layer](ii.hidden, positions, ii.q_input, cos, sin)
+        c = self.config
+        if q.shape[1:] != (c.n_heads, c.head_dim) or k.shape[1:] != (c.head_dim,) or w.shape[1:] != (c.n_heads,):
+            raise ValueError(f"dsa: index tensors must be q [T, {c.n_heads}, {c.head_dim}], k [T, {c.head_dim}], "
+                             f"w [T, {c.n_heads}]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(w.shape)}")
+        return q, k, w
+
+    def decode_program(self, cache: KVCacheManager, layer_idx: int, head_dim: int) -> DecodeProgram | None:
+        """The indexer's logits and top-k over the key pool (bf16 or fp32 keys; none with ``top_p``,
+        FP8 keys or a layer without projections)."""
+        c = self.config
+        if c.top_p is not None or self.k_dtype not in (torch.bfloat16, torch.float32) or layer_idx not in self.projections:
+            return None
+        pool = cache.add_aux_pool(INDEX_K_POOL, (cache.tokens_per_block, c.head_dim), self.k_dtype)[layer_idx]
+        return DecodeProgram("indexer", units=c.index_topk, index_keys=pool)
+
+    def decode_step_inputs(self, layer_idx: int, model_inputs: IndexerInputs, positions: torch.Tensor) -> IndexerStep:
+        """The rows' index queries rounded to the key pool's dtype (as ``on_append`` rounds them),
+        weights and keys, fp32."""
+        q, k, w = self._index_qkw(layer_idx, model_inputs, positions)
+        return IndexerStep(q.to(self.k_dtype).float().contiguous(), w.float().contiguous(), k.float().contiguous())
 
     def _pools(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         cache = inputs.cache

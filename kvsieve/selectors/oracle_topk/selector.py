@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels.decode_layer.native import DecodeProgram
+from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.paged import drop_empty_columns, top_p_cut, top_p_knob
@@ -97,3 +99,9 @@ class OracleTopKSelector(SparseSelector):
         if self.config.top_p is not None:  # drop the columns no query kept
             out = drop_empty_columns(out)
         return SparseRuntimeParams.from_topk(out, block_size=bs)
+
+    def decode_program(self, cache: KVCacheManager, layer_idx: int, head_dim: int) -> DecodeProgram | None:
+        c = self.config
+        if c.top_p is not None:
+            return None
+        return DecodeProgram("tokens_exact", units=c.budget // c.block_size, unit=c.block_size)

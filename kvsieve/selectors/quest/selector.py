@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...kernels.decode_layer.native import DecodeProgram
+from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.page_selector import PageKnobs, PageSelectorBase
@@ -61,3 +63,12 @@ class QuestSelector(PageSelectorBase):
     def page_knobs(self, head_dim: int) -> PageKnobs:
         c = self.config
         return PageKnobs(c.page_size, c.topk, head_dim, c.summary_dtype, c.top_p)
+
+    def decode_program(self, cache: KVCacheManager, layer_idx: int, head_dim: int) -> DecodeProgram | None:
+        """Pages ranked by the bound (the same ranking code as ``predict_attn``'s decode path); none
+        with ``top_p`` or fp8 summaries."""
+        c = self.config
+        if c.top_p is not None or c.summary_dtype == "float8_e5m2":
+            return None
+        pool = self.summaries_of(cache, head_dim).pools[layer_idx]
+        return DecodeProgram("pages", units=c.topk, unit=c.page_size, mode=self.mode, pool=pool, page_size=c.page_size)

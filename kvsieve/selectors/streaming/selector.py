@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels.decode_layer.native import DecodeProgram
+from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 
@@ -61,3 +63,6 @@ class StreamingSelector(SparseSelector):
         sel = torch.where(sel >= 0, sel + start.unsqueeze(1), -1).to(torch.int32)
         sel = sel.unsqueeze(1).expand(-1, inputs.num_kv_heads, -1)
         return SparseRuntimeParams.from_topk(sel)
+
+    def decode_program(self, cache: KVCacheManager, layer_idx: int, head_dim: int) -> DecodeProgram:
+        return DecodeProgram("streaming", units=self.config.budget, num_sink=self.config.num_sink)

@@ -1,0 +1,62 @@
+"""A decode step's per-layer work in one native call (free of vLLM imports).
+
+When every row of a step is one request's one new token (a decode step) and the layer's selector
+has a native program (:meth:`~kvsieve.sparse.SparseSelector.decode_program`: ``quest``,
+``block_select``, ``streaming``, ``oracle_topk``, ``dsa``), the plug-in does not build the step's
+kvsieve metadata, selector inputs or carrier: :class:`NativeDecodeLayer` hands the step's block
+table and lengths (vLLM's own host arrays, read once per step by the metadata builder) with the
+layer's q and output to :class:`~kvsieve.kernels.decode_layer.native.DecodeLayerCall`, which
+updates the selector's per-block state (page summaries, index keys: the same pools the Python hooks
+keep), selects, and attends over vLLM's cache in place. Everything else (prompt rows, mixed steps,
+the golden capture, a selector or config without a program, the library unavailable) takes
+:class:`~.step.LayerRunner`, whose Python hooks are the references the native path is tested
+against.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...kernels.common.native import NativeUnavailable
+from ...kernels.decode_layer.native import DecodeLayerCall, supports_decode_layer
+from ...metadata.foreign_paged import ForeignPagedKV
+from ...sparse import AttentionGeometry, LayerPlan
+
+__all__ = ["NativeDecodeLayer", "native_decode_layer"]
+
+
+class NativeDecodeLayer:
+    """One layer's decode steps through one :class:`DecodeLayerCall` each."""
+
+    def __init__(self, call: DecodeLayerCall, plan: LayerPlan, layer_idx: int) -> None:
+        self.call, self.selector, self.layer_idx = call, plan.selector, layer_idx
+        self.reads_model_inputs = plan.selector.model_inputs_type is not None
+
+    def run(self, table: np.ndarray, kv_lens: np.ndarray, positions: torch.Tensor, q: torch.Tensor,
+            out: torch.Tensor, model_inputs: object = None) -> np.ndarray:
+        """``table [N, W]`` / ``kv_lens [N]`` int32 the step's rows (vLLM's order), ``positions [N]``
+        int64 their new tokens' positions (``kv_lens - 1``), q/out ``[N, Hq, D]``; ``model_inputs``: what
+        the selector reads per step (its type, this layer's, vLLM's row order). Writes ``out``;
+        returns ``attended [N, Hkv]`` int64."""
+        index = None
+        if self.reads_model_inputs:
+            index = self.selector.decode_step_inputs(self.layer_idx, model_inputs, positions)
+        return self.call.run(table, kv_lens, q, out, index)
+
+
+def native_decode_layer(plan: LayerPlan | None, view: ForeignPagedKV, layer_idx: int, k: torch.Tensor,
+                        v: torch.Tensor, geometry: AttentionGeometry) -> NativeDecodeLayer | None:
+    """The layer's native decode path, or ``None`` where it has none: no plan, a plan that does not
+    select in the generation phase, a selector or config without a program, a cache or geometry the
+    kernel does not take (``k``/``v [num_blocks, Hkv, block_size, D]`` views of the layer's cache;
+    ``view`` holds the selector's pools), or no library (``KVSIEVE_NATIVE=0``, no compiler)."""
+    if plan is None or "generation" not in plan.phases or geometry.kind != "gqa" or geometry.value_dim != geometry.head_dim:
+        return None
+    program = plan.selector.decode_program(view, layer_idx, geometry.head_dim)
+    if program is None or not supports_decode_layer(k, v, geometry.num_q_heads, program):
+        return None
+    try:
+        call = DecodeLayerCall(k, v, program, num_q_heads=geometry.num_q_heads, sm_scale=geometry.sm_scale)
+    except NativeUnavailable:
+        return None
+    return NativeDecodeLayer(call, plan, layer_idx)

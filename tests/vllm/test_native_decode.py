@@ -1,0 +1,143 @@
+"""The plug-in's native decode path (one call per layer: state update, selection, attention) against
+its Python twin, without vLLM: two identical sides hold the same K/V in vLLM-CPU-layout caches at
+the same physical blocks; both run the prompts through :class:`LayerRunner`, then side A runs every
+decode step through :class:`LayerRunner` (the selector's hooks, the carrier, the kvsieve backend)
+and side B through :func:`native_decode_layer`. Each decode call must attend the same positions per
+(row, KV head), give the same output, and leave the selector's pools (page summaries, index keys)
+equal."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvsieve.integrations.vllm.config import PluginConfig, lower_plans
+from kvsieve.integrations.vllm.host import token_runs
+from kvsieve.integrations.vllm.layouts import kv_views
+from kvsieve.integrations.vllm.native_decode import native_decode_layer
+from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
+from kvsieve.kernels.common.native import native_status
+from kvsieve.kernels.decode_layer.native import SOURCE
+from kvsieve.metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
+from kvsieve.selectors.dsa import IndexerInputs
+from kvsieve.sparse import AttentionGeometry, SparseAttentionConfig, get_backend
+
+pytestmark = pytest.mark.skipif(native_status(SOURCE) != "native", reason="no C compiler for the native kernel")
+
+HKV, G, D, P, LAYERS, BLOCKS = 2, 3, 32, 32, 2, 48
+PROMPTS = (300, 170, 75)  # three requests, then DECODES decode steps of all three
+DECODES = 4
+SELECTORS = [
+    ("quest", {"budget": 64, "page_size": 16}),
+    ("quest", {"budget": 64, "page_size": 16, "summary_dtype": "float32"}),
+    ("quest", {"budget": 96, "page_size": 32}),
+    ("streaming", {"budget": 48, "num_sink": 4}),
+    ("streaming", {"budget": 40, "num_sink": 0}),
+    ("oracle_topk", {"budget": 40}),
+    ("oracle_topk", {"budget": 64, "block_size": 8}),
+    ("block_select", {"block_size": 32, "topk_blocks": 3}),
+    ("block_select", {"block_size": 16, "topk_blocks": 4, "init_blocks": 1, "score_type": "mean"}),
+    ("block_select", {"block_size": 64, "topk_blocks": 2, "scoring": "summary"}),
+    ("dsa", {"index_topk": 48}),
+]
+
+
+def _projections(path) -> str:  # noqa: ANN001
+    """Index projections (4 heads x 16, no RoPE) for every layer, saved as ``kvsieve distill-indexer``
+    saves them: the plug-in serves ``dsa`` only with a file (the steps below feed finished tensors)."""
+    from kvsieve.selectors.dsa.projections import IndexerProjections, save_projections
+
+    save_projections(str(path), {i: IndexerProjections(40, 4, 16, 0) for i in range(LAYERS)})
+    return str(path)
+
+
+def _indexer_inputs(t: int, gen: torch.Generator) -> IndexerInputs:
+    """Finished indexer tensors for ``t`` tokens (4 heads x 16) with positive head weights: every
+    index score is >= 0 and equal only where every head's ReLU is 0, at the bottom of the ranking, so
+    the top-48 has no ties to break (the Python path's ``torch.topk`` breaks ties in no stated order;
+    the kernel ranks the lower position first). The projections from the hidden state are the same
+    function on both paths (``DSASelector._index_qkw``); the engine test runs them."""
+    return IndexerInputs(q_index=torch.randn(t, 4, 16, generator=gen), k_index=torch.randn(t, 16, generator=gen),
+                         weights=torch.rand(t, 4, generator=gen) + 0.1)
+
+
+class _Side:
+    """One plug-in process's state over its own caches: view, translator, runners."""
+
+    def __init__(self, cfg: SparseAttentionConfig, dtype: torch.dtype) -> None:
+        spec = ForeignKVSpec(num_layers=LAYERS, num_blocks=BLOCKS, tokens_per_block=P, num_kv_heads=HKV, head_dim=D,
+                             dtype=dtype, device=torch.device("cpu"), layout="vllm-cpu", max_requests=8,
+                             max_blocks_per_seq=16)
+        self.view = ForeignPagedKV(spec)
+        self.raw = [torch.full((BLOCKS, HKV, P, 2 * D), float("nan"), dtype=dtype) for _ in range(LAYERS)]
+        for i, raw in enumerate(self.raw):
+            self.view.bind_layer(i, raw, *kv_views("vllm-cpu", raw))
+        self.translator = StepTranslator(self.view, max_num_tokens=1024, translations=get_backend("torch").required_translations)
+        self.geometry = AttentionGeometry(kind="gqa", num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D,
+                                          sm_scale=D ** -0.5)
+        plans = lower_plans(PluginConfig(sparse=cfg), num_layers=LAYERS, backend_name="torch")
+        self.runners = [LayerRunner(layer_idx=i, geometry=self.geometry, plan=p, backend=get_backend("torch"))
+                        for i, p in enumerate(plans)]
+
+    def write(self, layer: int, blocks: np.ndarray, offsets: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.view.k_cache(layer)[blocks, :, offsets] = k
+        self.view.v_cache(layer)[blocks, :, offsets] = v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("selector", SELECTORS, ids=lambda s: f"{s[0]}-" + "-".join(f"{v}" for v in s[1].values()))
+def test_native_decode_equals_the_python_path(tmp_path, selector, dtype):
+    name, params = selector
+    if name == "dsa":
+        params = {**params, "projections": _projections(tmp_path / "indexer.pt")}
+    cfg = SparseAttentionConfig(name, params)
+    a, b = _Side(cfg, dtype), _Side(cfg, dtype)
+    gen = torch.Generator().manual_seed(0)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    # physical blocks: request r holds blocks table[r] (shuffled ids, block 0 unused)
+    per = -(-(max(PROMPTS) + DECODES) // P)
+    ids = torch.randperm(BLOCKS - 1, generator=gen)[: per * len(PROMPTS)].numpy().astype(np.int32) + 1
+    table = ids.reshape(len(PROMPTS), per)
+    natives = [None] * LAYERS
+    lens = np.zeros(len(PROMPTS), dtype=np.int32)
+    skipped = False
+    for step_no in range(1 + DECODES):
+        q_lens = np.array(PROMPTS if step_no == 0 else [1] * len(PROMPTS), dtype=np.int32)
+        lens += q_lens
+        step = VllmStep(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32), lens.copy(), table.copy())
+        t = int(q_lens.sum())
+        pos = np.concatenate([np.arange(n - q, n) for n, q in zip(lens, q_lens)])
+        req = np.repeat(np.arange(len(PROMPTS)), q_lens)
+        blocks, offsets = table[req, pos // P], pos % P
+        for layer in range(LAYERS):
+            q, k, v = (torch.randn(t, h, D, generator=gen).to(dtype) for h in (HKV * G, HKV, HKV))
+            fed = _indexer_inputs(t, gen) if name == "dsa" else None
+            for side in (a, b):
+                side.write(layer, blocks, offsets, k, v)
+            outs = []
+            for side in (a, b):
+                md = side.translator.prepare(step)
+                if side is b and step.decode_only:
+                    if natives[layer] is None:
+                        k_view, v_view = kv_views("vllm-cpu", b.raw[layer])
+                        natives[layer] = native_decode_layer(b.runners[layer].plan, b.view, layer, k_view, v_view,
+                                                             b.geometry)
+                    assert natives[layer] is not None, "the selector has a native decode program"
+                    out = torch.empty_like(q)
+                    attended = natives[layer].run(step.block_table, step.seq_lens, step.positions, q, out, fed)
+                    outs.append(out)
+                    continue
+                if side is a and step.decode_only:  # the Python path's selection per (row, KV head); its
+                    # on_append writes what forward's writes again (the newest page, this token's index key)
+                    params = side.runners[layer].select(q, k, v, md, fed)
+                    want = token_runs(params, md, side.view).attended
+                outs.append(side.runners[layer].forward(q, k, v, side.translator, model_inputs=fed).out)
+            if step.decode_only:
+                np.testing.assert_array_equal(attended, want)
+                skipped |= bool((attended < lens[:, None]).any())
+                torch.testing.assert_close(outs[1].float(), outs[0].float(), **tol)
+    for pool_name, pools in a.view.aux_pools.items():  # the per-block state both paths keep
+        for layer in range(LAYERS):
+            valid = np.unique(table)
+            torch.testing.assert_close(b.view.aux_pools[pool_name][layer][valid], pools[layer][valid], rtol=0, atol=0)
+    assert skipped, "the selector attends fewer positions than the context on some decode row"

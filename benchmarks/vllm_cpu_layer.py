@@ -19,13 +19,18 @@ Prints milliseconds and the load average.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo's benchmarks package
+from benchmarks._timing import cpu_isa  # noqa: E402
 
 
 def _times_ms(fn, n: int = 200) -> tuple[float, float]:  # noqa: ANN001
@@ -46,33 +51,44 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=128, help="vLLM's KV block size (a multiple of 32)")
     ap.add_argument("--selector", default="quest:budget=256,page_size=128")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     from vllm import _custom_ops as ops
+    from vllm.config import set_current_vllm_config
 
-    from kvsieve.integrations.vllm.config import PluginConfig, lower_plans, parse_selector_spec
-    from kvsieve.integrations.vllm.cpu import VllmHostAttention
+    from kvsieve.integrations.vllm import cpu as plugin_cpu
+    from kvsieve.integrations.vllm.config import ENV_SELECTOR, WorkerRanks
+    from kvsieve.integrations.vllm.cpu import KvsieveCPUAttentionImpl, VllmHostAttention
     from kvsieve.integrations.vllm.host import native_runs_attention, per_head_block_tables, token_runs
     from kvsieve.integrations.vllm.layouts import kv_views
-    from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
-    from kvsieve.metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
-    from kvsieve.sparse import AttentionGeometry, get_backend
+    from kvsieve.integrations.vllm.state import plugin_state
+    from kvsieve.integrations.vllm.step import VllmStep
     from kvsieve.sparse.selector_step import selector_inputs
 
-    hkv, g, d, bs, dtype, b, length = 3, 3, 64, args.block_size, torch.bfloat16, args.requests, args.kv_len
+    hkv, g, d, bs, b, length = 3, 3, 64, args.block_size, args.requests, args.kv_len
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     per_req = -(-length // bs)
     num_blocks = per_req * b + 1
     gen = torch.Generator().manual_seed(0)
     cache = torch.randn(num_blocks, hkv, bs, 2 * d, generator=gen).to(dtype)
     table = np.arange(1, 1 + per_req * b, dtype=np.int32).reshape(b, per_req)
-    view = ForeignPagedKV(ForeignKVSpec(num_layers=1, num_blocks=num_blocks, tokens_per_block=bs, num_kv_heads=hkv,
-                                        head_dim=d, dtype=dtype, device=torch.device("cpu"), layout="vllm-cpu",
-                                        max_requests=max(b, 1), max_blocks_per_seq=per_req))
-    backend = get_backend("torch")
-    tr = StepTranslator(view, max_num_tokens=max(b, 16), translations=backend.required_translations)
-    geometry = AttentionGeometry(kind="gqa", num_q_heads=hkv * g, num_kv_heads=hkv, head_dim=d, sm_scale=d ** -0.5)
-    plan = lower_plans(PluginConfig(sparse=parse_selector_spec(args.selector)), num_layers=1, backend_name="torch")[0]
-    runner = LayerRunner(layer_idx=0, geometry=geometry, plan=plan, backend=backend)
+    # the plug-in's per-process state, as vLLM's first attention layer builds it (the config from the
+    # environment; vLLM's config as the plain attributes the state reads; one worker)
+    os.environ[ENV_SELECTOR] = args.selector
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=per_req * bs, hf_config=SimpleNamespace(num_hidden_layers=1),
+                                     dtype=dtype),
+        scheduler_config=SimpleNamespace(max_num_seqs=max(b, 1), max_num_batched_tokens=max(b, 16)),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1))
+    state = plugin_state(vllm_config, torch.device("cpu"), WorkerRanks())
+    plugin_cpu.worker_ranks = WorkerRanks  # the impl asks vLLM's distributed state, not set up here: one worker
+    with set_current_vllm_config(vllm_config):  # what vLLM's impl reads of it: model_config.dtype
+        impl = KvsieveCPUAttentionImpl(hkv * g, d, d ** -0.5, hkv, None, None, "auto")
+    tr = state.translator("vllm-cpu", cache, kv_views("vllm-cpu", cache)[0])
+    view, backend = tr.view, state.backend
+    runner = state.runner(0, hkv * g, hkv, d, d ** -0.5)
+    plan, geometry = runner.plan, runner.geometry
     q, k, v = (torch.randn(b, h, d, generator=gen).to(dtype) for h in (hkv * g, hkv, hkv))
     starts = torch.arange(b + 1, dtype=torch.int32)
     seq = torch.full((b,), length, dtype=torch.int32)
@@ -114,18 +130,42 @@ def main() -> None:
         selected = [("per-head token runs", lambda: token_runs(params, md, view)),
                     ("native kernel on the runs", lambda: native_runs_attention(q, runs, view, 0, geometry)),
                     ("kvsieve backend on it", lambda: backend.forward(q, md, 0, geometry, params))]
+    # the native decode path (one foreign call per layer): through the plug-in's forward as vLLM calls it,
+    # and the foreign call alone (selection + attention; its pointers already set by the forward)
+    native = state.native_decode(0, "vllm-cpu", cache, num_heads=hkv * g, num_kv_heads=hkv, head_size=d,
+                                 scale=d ** -0.5)
+    native_rows = []
+    if native is not None and not native.reads_model_inputs:
+        step = VllmStep(starts.numpy(), seq.numpy(), table)
+        md_native = SimpleNamespace(num_actual_tokens=b, causal=True, dynamic_causal=None, step=step)
+        layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
+        out_native = torch.empty(b, hkv * g * d, dtype=dtype)
+
+        def forward_native() -> torch.Tensor:
+            return impl.forward(layer, q, k, v, cache, md_native, out_native)
+
+        forward_native()
+        call = native.call
+        native_rows = [("plug-in decode call, native", forward_native),
+                       ("  its foreign call alone", lambda: call._fn(call._ref))]
     load = Path("/proc/loadavg").read_text().split()[0]
     rows = [("vLLM's own dense kernel", own), ("step: view + tables", prep),
             ("selector on_append", lambda: sel.on_append(inputs)), ("selector predict_attn", lambda: sel.predict_attn(inputs)),
             ("validate", lambda: params.validate(num_kv_heads=hkv, num_query_tokens=md.num_tokens,
                                                  num_contexts=md.num_contexts, kv_lens=md.token_kv_lens)),
-            *selected, ("plug-in layer call (all)", lambda: runner.forward(q, k, v, tr, host)),
-            ("same, kvsieve backend path", lambda: runner.forward(q, k, v, tr, None))]
-    print(f"kv_len {length}, {b} request(s), {args.selector}; load average {load}")
-    print(f"  {'stage':28} {'median':>8}    {'min':>8}")
+            *selected, ("plug-in layer call, Python", lambda: runner.forward(q, k, v, tr, host)),
+            ("same, kvsieve backend path", lambda: runner.forward(q, k, v, tr, None)), *native_rows]
+    print(f"kv_len {length}, {b} request(s), {args.selector}, {args.dtype}; CPU {cpu_isa()}; load average {load}")
+    print(f"  {'stage':30} {'median':>8}    {'min':>8}")
+    times = {}
     for name, fn in rows:
-        med, low = _times_ms(fn)
-        print(f"  {name:28} {med:8.3f} ms {low:8.3f} ms")
+        times[name] = _times_ms(fn)
+        print(f"  {name:30} {times[name][0]:8.3f} ms {times[name][1]:8.3f} ms")
+    if native_rows:
+        host_us = [1e3 * (x - y) for x, y in zip(times["plug-in decode call, native"], times["  its foreign call alone"])]
+        print(f"  host work of the native path per layer: {host_us[0]:.1f} us (medians), {host_us[1]:.1f} us (minima)")
+    else:
+        print("  no native decode path for this selector here (see kvsieve/integrations/vllm/native_decode.py)")
     print(f"  paths taken: {runner.forward(q, k, v, tr, host).paths} (kvsieve backend: "
           f"{runner.forward(q, k, v, tr, None).paths}); positions read {int(runner.forward(q, k, v, tr, host).attended.sum())}"
           f" of {b * length * hkv}; load average after {Path('/proc/loadavg').read_text().split()[0]}")

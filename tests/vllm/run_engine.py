@@ -57,8 +57,12 @@ def main() -> None:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    from kvsieve.integrations.vllm.state import current_plugin_state
+
+    state = current_plugin_state()  # this process's (one process: no engine-core or worker process)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs],
-              "prompt_lens": [len(o.prompt_token_ids) for o in outs], "generate_s": wall}
+              "prompt_lens": [len(o.prompt_token_ids) for o in outs], "generate_s": wall,
+              "native_layers": None if state is None else state.native_layers()}
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f)
 

@@ -111,6 +111,12 @@ def test_quest_on_whole_vllm_blocks_runs_vllm_kernel_on_its_selection(model_dir,
     assert decode and all(r["paths"] == {"generation": "host_paged"} and r["sparse"] for r in decode)
     assert max(r["num_tokens"] for r in decode) == 3  # the three requests decode in one step
     assert all(r["attended"] < r["dense"] for r in decode)  # 2 of the long prompt's 6 blocks
+    # the same engine without the capture: decode steps take the native path (one call per layer),
+    # whose greedy tokens are the checked path's
+    native = _run_engine(model_dir, tmp_path / "native.json", "--prompt-tokens", "700", "--max-tokens", "6",
+                         "--dtype", "float32", KVSIEVE_SELECTOR="quest:budget=256,page_size=128")
+    assert res["native_layers"] == [] and native["native_layers"] == list(range(NUM_LAYERS))
+    assert native["tokens"] == res["tokens"]
 
 
 def test_third_party_selector_runs_inside_vllm(model_dir, tmp_path):
@@ -171,6 +177,12 @@ def test_dsa_served_equals_vanilla_golden_on_its_selection(model_dir, tmp_path):
     decode = [r for r in records if r["num_contexts"] == 0 and r["num_tokens"] > 0]
     assert decode and all(r["sparse"] and r["attended"] < r["dense"] for r in decode)
     assert all(r["paths"] == {"generation": "native_runs"} for r in decode)
+    # without the capture decode steps take the native path (indexer, top-k and attention in one call
+    # per layer): the same greedy tokens
+    native = _run_engine(model_dir, tmp_path / "native.json", "--prompt-tokens", "700", "--max-tokens", "6",
+                         "--dtype", "float32", KVSIEVE_SELECTOR=dsa_spec(proj))
+    assert res["native_layers"] == [] and native["native_layers"] == list(range(NUM_LAYERS))
+    assert native["tokens"] == res["tokens"]
 
 
 def _free_port() -> int:

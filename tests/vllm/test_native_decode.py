@@ -43,22 +43,15 @@ SELECTORS = [
 
 
 def _projections(path) -> str:  # noqa: ANN001
-    """Index projections (4 heads x 16, no RoPE) for every layer, saved as ``kvsieve distill-indexer``
-    saves them: the plug-in serves ``dsa`` only with a file (the steps below feed finished tensors)."""
+    """Random index projections (4 heads x 16, RoPE on 8 channels, hidden size 40) for every layer,
+    saved as ``kvsieve distill-indexer`` saves them. Their head weights take either sign, so many
+    index scores are exactly 0 (every head's ReLU 0) and ties fall on the top-k boundary: both paths
+    rank the lower position first."""
     from kvsieve.selectors.dsa.projections import IndexerProjections, save_projections
 
-    save_projections(str(path), {i: IndexerProjections(40, 4, 16, 0) for i in range(LAYERS)})
+    torch.manual_seed(3)
+    save_projections(str(path), {i: IndexerProjections(40, 4, 16, 8) for i in range(LAYERS)})
     return str(path)
-
-
-def _indexer_inputs(t: int, gen: torch.Generator) -> IndexerInputs:
-    """Finished indexer tensors for ``t`` tokens (4 heads x 16) with positive head weights: every
-    index score is >= 0 and equal only where every head's ReLU is 0, at the bottom of the ranking, so
-    the top-48 has no ties to break (the Python path's ``torch.topk`` breaks ties in no stated order;
-    the kernel ranks the lower position first). The projections from the hidden state are the same
-    function on both paths (``DSASelector._index_qkw``); the engine test runs them."""
-    return IndexerInputs(q_index=torch.randn(t, 4, 16, generator=gen), k_index=torch.randn(t, 16, generator=gen),
-                         weights=torch.rand(t, 4, generator=gen) + 0.1)
 
 
 class _Side:
@@ -111,7 +104,7 @@ def test_native_decode_equals_the_python_path(tmp_path, selector, dtype):
         blocks, offsets = table[req, pos // P], pos % P
         for layer in range(LAYERS):
             q, k, v = (torch.randn(t, h, D, generator=gen).to(dtype) for h in (HKV * G, HKV, HKV))
-            fed = _indexer_inputs(t, gen) if name == "dsa" else None
+            fed = IndexerInputs(hidden=torch.randn(t, 40, generator=gen).to(dtype)) if name == "dsa" else None
             for side in (a, b):
                 side.write(layer, blocks, offsets, k, v)
             outs = []

@@ -21,7 +21,7 @@ from .layouts import kv_views
 from .native_decode import NativeDecodeLayer, native_decode_layer
 from .step import LayerRunner, StepTranslator, VllmStep, make_backend
 
-__all__ = ["PluginState", "plugin_state"]
+__all__ = ["PluginState", "current_plugin_state", "plugin_state"]
 
 _STATE: PluginState | None = None
 
@@ -148,6 +148,10 @@ class PluginState:
         self.native[layer_idx] = (kv_cache.data_ptr(), path)
         return path
 
+    def native_layers(self) -> list[int]:
+        """The layers whose decode steps have taken the native path so far in this process."""
+        return sorted(i for i, (_, path) in self.native.items() if path is not None)
+
     def host_only(self, layer_idx: int) -> bool:
         """Whether the layer is left whole to the host's own attention: no plan and nothing to capture."""
         return 0 <= layer_idx < self.num_layers and self.plans[layer_idx] is None and self.config.capture_dir is None
@@ -173,6 +177,11 @@ class PluginState:
             tr.to_kvsieve(query), tr.to_kvsieve(key), tr.to_kvsieve(value), tr, host, model_inputs=model_inputs).out
         tr.to_vllm(out.to(output.dtype), output.view(query.shape[0], num_heads, head_size))
         return output
+
+
+def current_plugin_state() -> PluginState | None:
+    """This process's state, or ``None`` before vLLM built a plug-in layer (or without the plug-in)."""
+    return _STATE
 
 
 def plugin_state(vllm_config: Any, device: torch.device, ranks: WorkerRanks) -> PluginState:

@@ -50,7 +50,10 @@ def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
 
 def torch_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
     """The ``torch`` engine: ``torch.topk`` per row over the valid prefix, ``-1`` padded; a
-    row of ``length <= k`` gives ``0..n-1`` (the contract of every engine)."""
+    row of ``length <= k`` gives ``0..n-1`` (the contract of every engine). Equal scores rank the
+    lower position first (the native decode kernel's rule too): each valid score's
+    :func:`ordered_keys` is joined with ``2**31 - 1 - position`` into one int64 key, invalid
+    positions rank last."""
     check_topk_args(scores, lengths, k)
     rows, width = scores.shape
     out = torch.full((rows, k), -1, dtype=torch.int32, device=scores.device)
@@ -58,21 +61,13 @@ def torch_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Ten
         return out
     kk = min(k, width)
     lens = lengths.to(torch.int64).clamp(0, width)
-    valid = torch.arange(width, device=scores.device) < lens.unsqueeze(1)
-    _, idx = scores.masked_fill(~valid, float("-inf")).topk(kk, dim=1)
-    picked_valid = torch.gather(valid, 1, idx)
-    # a row with valid -inf entries may have picked masked -inf ones instead: redo those rows,
-    # ranking on (value, validity)
-    bad = picked_valid.sum(1) < torch.clamp(lens, max=kk)
-    if bool(bad.any()):
-        sub_valid = valid[bad]
-        keys = torch.where(sub_valid, ordered_keys(scores[bad]) + 1, torch.zeros_like(sub_valid, dtype=torch.int64))
-        idx[bad] = keys.topk(kk, dim=1).indices
-        picked_valid = torch.gather(valid, 1, idx)
-    out[:, :kk] = torch.where(picked_valid, idx, -1).to(torch.int32)
-    pos = torch.arange(kk, device=scores.device)
+    pos = torch.arange(width, device=scores.device)
+    valid = pos < lens.unsqueeze(1)
+    keys = torch.where(valid, ordered_keys(scores) * 2**31 + (2**31 - 1 - pos), -1)
+    top, idx = keys.topk(kk, dim=1)
+    out[:, :kk] = torch.where(top >= 0, idx, -1).to(torch.int32)
     short = lens <= k
-    out[short, :kk] = torch.where(pos < lens[short].unsqueeze(1), pos, -1).to(torch.int32)
+    out[short, :kk] = torch.where(pos[:kk] < lens[short].unsqueeze(1), pos[:kk], -1).to(torch.int32)
     return out
 
 

@@ -19,5 +19,5 @@ fp32 inside) and ``attended [N, Hkv]`` int64, the positions each (row, KV head) 
 rules are the selectors' own (``kvsieve.selectors``: each selector's ``decode_program`` says which
 program reproduces its ``predict_attn`` on decode rows); those Python paths, and the run attention
 of ``kernels.sparse_gqa_decode`` whose code this kernel shares (``common/include/attend_runs.h``,
-``page_rank.h``, ``page_minmax.h``), are the references it is tested against.
+``page_rank.h``) and the page summaries' refresh (``kernels.page_minmax``), are the references it is tested against.
 """

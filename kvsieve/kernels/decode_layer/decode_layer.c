@@ -24,7 +24,6 @@
 #include <string.h>
 
 #include "attend_runs.h"
-#include "page_minmax.h"
 #include "page_rank.h"
 
 enum { KIND_PAGES = 1, KIND_STREAMING = 2, KIND_TOKENS_EXACT = 3, KIND_BLOCKS_EXACT = 4, KIND_BLOCKS_BOUND = 5,
@@ -166,15 +165,34 @@ static void head_logits_all(const DecodeLayerArgs* a, const int64_t* blocks, int
   for (int64_t p = 0; p < len; ++p) out[p] *= a->sm_scale;
 }
 
-/* Refresh the summary of the page holding position len - 1 (positions up to it). */
+/* The summary of the page holding position len - 1, positions up to it: the new token alone when it
+ * opens the page, else the page's summary over [first, len - 1) (which every earlier step wrote) widened
+ * by the new token. Rounding to the summary dtype is monotonic, so this equals recomputing the page. */
 static int refresh_newest_page(const DecodeLayerArgs* a, const int64_t* blocks, int64_t len) {
-  int64_t ps = a->page_size, first = (len - 1) / ps * ps;
-  int64_t blk = blocks[first / a->block_size], start = first % a->block_size, count = len - first;
-  int64_t sub = a->pool_sub, d = a->D;
-  int rc = minmax_pages(a->k, a->kv_bf16, a->k_blk, a->k_head, a->k_tok, a->k_ch, a->num_blocks,
-                        a->hkv, a->block_size, a->D, &blk, &start, &count, 1, (int)ps, a->pool, a->pool_bf16,
-                        (int64_t)a->hkv * sub * 2 * d, sub * 2 * d, 2 * d, d);
-  return rc == 0 ? OK : ERR_SHAPE;
+  const int64_t ps = a->page_size, d = a->D, pos = len - 1, first = pos / ps * ps;
+  const int64_t blk = blocks[pos / a->block_size], tok = pos % a->block_size;
+  const int opens = pos == first;
+  for (int h = 0; h < a->hkv; ++h) {
+    const int64_t src = blk * a->k_blk + h * a->k_head + tok * a->k_tok;
+    const int64_t dst = ((blk * a->hkv + h) * a->pool_sub + (first % a->block_size) / ps) * 2 * d;
+    for (int64_t c = 0; c < d; ++c) {
+      float x = load_f(a->k, a->kv_bf16, src + c * a->k_ch);
+      float lo = x, hi = x;
+      if (!opens) {
+        float old_lo = load_f(a->pool, a->pool_bf16, dst + c), old_hi = load_f(a->pool, a->pool_bf16, dst + d + c);
+        lo = x != x || old_lo != old_lo ? x + old_lo : (old_lo < x ? old_lo : x); /* NaN stays NaN */
+        hi = x != x || old_hi != old_hi ? x + old_hi : (old_hi > x ? old_hi : x);
+      }
+      if (a->pool_bf16) {
+        ((uint16_t*)a->pool)[dst + c] = f32_to_bf16(lo);
+        ((uint16_t*)a->pool)[dst + d + c] = f32_to_bf16(hi);
+      } else {
+        ((float*)a->pool)[dst + c] = lo;
+        ((float*)a->pool)[dst + d + c] = hi;
+      }
+    }
+  }
+  return OK;
 }
 
 /* Per head, the selected units of row n into s->sel (head h at h * n_max), counts in m[h]. */

@@ -1,0 +1,128 @@
+"""``kvsieve_decode_layer`` (one layer's decode step in one native call) against its plain-PyTorch
+twin: every program, vLLM's CPU layout (K by channel) and kvsieve's (K by rows), bf16 and fp32,
+rows shorter and longer than the budget, scattered blocks. The positions each (row, KV head) reads
+are equal, the outputs equal to fp32 rounding, the pools written equal bit for bit."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from kvsieve.kernels.common.native import native_status
+from kvsieve.kernels.decode_layer.naive import decode_layer_naive
+from kvsieve.kernels.decode_layer.native import SOURCE, DecodeLayerCall, DecodeProgram, IndexerStep
+
+pytestmark = pytest.mark.skipif(native_status(SOURCE) != "native", reason="no C compiler for the native kernel")
+
+HKV, G, D, BS, BLOCKS = 2, 3, 32, 32, 40
+LENS = (200, 97, 20, 33)
+PROGRAMS = {
+    "pages-bound": dict(kind="pages", units=4, unit=16, mode="bound", page_size=16),
+    "pages-sign": dict(kind="pages", units=3, unit=8, mode="sign", page_size=8),
+    "pages-whole-blocks": dict(kind="pages", units=2, unit=32, mode="bound", page_size=32),
+    "streaming": dict(kind="streaming", units=40, num_sink=4),
+    "streaming-no-sink": dict(kind="streaming", units=24),
+    "tokens": dict(kind="tokens_exact", units=30),
+    "tokens-units": dict(kind="tokens_exact", units=5, unit=8),
+    "blocks-max": dict(kind="blocks_exact", units=3, unit=32, mode="max", local_units=1),
+    "blocks-mean": dict(kind="blocks_exact", units=4, unit=16, mode="mean", init_units=1, local_units=1),
+    "blocks-64": dict(kind="blocks_exact", units=2, unit=64, mode="max", local_units=1),
+    "blocks-bound": dict(kind="blocks_bound", units=3, unit=32, page_size=16, local_units=1),
+    "indexer": dict(kind="indexer", units=24),
+}
+
+
+def _cache(layout: str, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V views ``[BLOCKS, HKV, BS, D]``: vLLM's CPU tile (K by channel) or two row-major pools."""
+    if layout == "vllm-cpu":
+        raw = torch.randn(BLOCKS, HKV, BS, 2 * D, generator=gen).to(dtype)
+        half = raw.view(BLOCKS, HKV, 2 * BS, D)
+        k = half[:, :, :BS].reshape(BLOCKS, HKV, D, BS).transpose(2, 3)  # stored by channel
+        return k, half[:, :, BS:]
+    return (torch.randn(BLOCKS, HKV, BS, D, generator=gen).to(dtype) for _ in range(2))
+
+
+def _with_pools(spec: dict, k: torch.Tensor, table: np.ndarray, dtype: torch.dtype, gen: torch.Generator
+                ) -> DecodeProgram:
+    """The program with its pools as earlier steps left them: every page summarized over the positions
+    before each row's new token; index keys random (the row's own written by the call)."""
+    pool = index_keys = None
+    if "page_size" in spec:
+        ps = spec["page_size"]
+        pool = torch.full((BLOCKS, HKV, BS // ps, 2, D), float("nan"), dtype=dtype)
+        for r, length in enumerate(LENS):
+            for first in range(0, length - 1, ps):
+                blk = int(table[r, first // BS])
+                keys = k[blk, :, first % BS: first % BS + min(ps, length - 1 - first)].float()  # [Hkv, n, D]
+                pool[blk, :, (first % BS) // ps, 0] = keys.amin(1).to(dtype)
+                pool[blk, :, (first % BS) // ps, 1] = keys.amax(1).to(dtype)
+    if spec["kind"] == "indexer":
+        index_keys = torch.randn(BLOCKS, BS, 16, generator=gen).to(dtype)
+    return DecodeProgram(**spec, pool=pool, index_keys=index_keys)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["vllm-cpu", "rows"])
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_native_equals_naive(name, layout, dtype):
+    gen = torch.Generator().manual_seed(0)
+    k, v = _cache(layout, dtype, gen)
+    per = -(-max(LENS) // BS)
+    table = (torch.randperm(BLOCKS - 1, generator=gen)[: per * len(LENS)].numpy().astype(np.int32) + 1)
+    table = table.reshape(len(LENS), per)
+    lens = np.array(LENS, dtype=np.int32)
+    program = _with_pools(PROGRAMS[name], k, table, dtype, gen)
+    q = torch.randn(len(LENS), HKV * G, D, generator=gen).to(dtype)
+    index = None
+    if program.kind == "indexer":  # positive weights: scores tie only at 0, below the boundary
+        iq = torch.randn(len(LENS), 4, 16, generator=gen).to(dtype).float()
+        index = IndexerStep(iq, torch.rand(len(LENS), 4, generator=gen) + 0.1,
+                            torch.randn(len(LENS), 16, generator=gen))
+    twin = replace(program, pool=None if program.pool is None else program.pool.clone(),
+                   index_keys=None if program.index_keys is None else program.index_keys.clone())
+    out = torch.empty(len(LENS), HKV * G, D, dtype=torch.float32)
+    attended = DecodeLayerCall(k, v, program, num_q_heads=HKV * G, sm_scale=D ** -0.5).run(table, lens, q, out, index)
+    want, want_attended = decode_layer_naive(k, v, twin, table, lens, q, sm_scale=D ** -0.5, index=index)
+    np.testing.assert_array_equal(attended, want_attended)
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    for got, ref in ((program.pool, twin.pool), (program.index_keys, twin.index_keys)):
+        if got is not None:
+            assert torch.equal(got.float().nan_to_num(7.0), ref.float().nan_to_num(7.0))
+    assert (attended < lens[:, None]).any()  # something skipped
+
+
+def test_bf16_output_and_strided_rows():
+    """q and out may be rows of a wider buffer (vLLM's padded query / output) and bf16: the kernel writes
+    each row where it lies and rounds to nearest-even, as torch's conversion does."""
+    gen = torch.Generator().manual_seed(1)
+    k, v = _cache("vllm-cpu", torch.bfloat16, gen)
+    table = np.arange(1, 1 + 2 * 4, dtype=np.int32).reshape(2, 4)
+    lens = np.array([100, 64], dtype=np.int32)
+    program = DecodeProgram("streaming", units=32, num_sink=4)
+    buf_q = torch.randn(3, HKV * G, D, generator=gen).to(torch.bfloat16)
+    buf_out = torch.zeros(3, HKV * G, D, dtype=torch.bfloat16)
+    call = DecodeLayerCall(k, v, program, num_q_heads=HKV * G, sm_scale=D ** -0.5)
+    call.run(table, lens, buf_q[:2], buf_out[:2])
+    want, _ = decode_layer_naive(k, v, program, table, lens, buf_q[:2], sm_scale=D ** -0.5)
+    torch.testing.assert_close(buf_out[:2].float(), want.to(torch.bfloat16).float(), rtol=0, atol=2 ** -7)
+    assert not buf_out[2].any()  # the padding row untouched
+
+
+def test_refused_inputs_name_the_problem():
+    gen = torch.Generator().manual_seed(2)
+    k, v = _cache("vllm-cpu", torch.float32, gen)
+    call = DecodeLayerCall(k, v, DecodeProgram("streaming", units=8), num_q_heads=HKV * G, sm_scale=1.0)
+    q = torch.randn(1, HKV * G, D, generator=gen)
+    out = torch.zeros_like(q)
+    with pytest.raises(ValueError, match="outside its block table or the cache"):
+        call.run(np.array([[1, 2]], dtype=np.int32), np.array([100], dtype=np.int32), q, out)  # 4 blocks needed
+    with pytest.raises(ValueError, match="outside its block table or the cache"):
+        call.run(np.array([[BLOCKS]], dtype=np.int32), np.array([5], dtype=np.int32), q, out)
+    assert not out.any()  # nothing written
+    with pytest.raises(ValueError, match="contiguous heads"):
+        call.run(np.array([[1]], dtype=np.int32), np.array([5], dtype=np.int32), q.transpose(1, 2).contiguous()
+                 .transpose(1, 2), out)
+    with pytest.raises(ValueError, match="needs pool"):
+        DecodeProgram("pages", units=2, unit=16, page_size=16)

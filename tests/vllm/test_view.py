@@ -100,8 +100,8 @@ def test_host_paths_match_kvsieve_engine(selector):
     """With the host's kernels (a plain-PyTorch stand-in here; vLLM's own in test_plugin/test_engine):
     dense phases take ``host_dense``, decode rows selecting whole cache blocks ``host_paged``, decode
     rows selecting other positions (tokens, smaller pages) ``native_runs`` (both next to the dense
-    prompt rows of a mixed step), a step with selecting prompt rows the kvsieve backend; every output
-    equals kvsieve's own engine on its own cache."""
+    prompt rows of a mixed step), selecting prompt rows ``native_runs`` too (each row with its causal
+    length); every output equals kvsieve's own engine on its own cache."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -201,16 +201,12 @@ def _check_view_matches_engine(layout, backend, selector, host=False):
             for phase in kmd.phases():
                 selects = last.params is not None and last.params.selects_positions(phase)
                 paths_seen.add((phase, res.paths[phase]))
-                if host:  # dense phases on the host; whole-block decode selections on its paged kernel, other
-                    # decode selections on kvsieve's native kernel over runs; selecting prompt rows: the backend
-                    ctx_selects = selects and "context" in kmd.phases() and last.params.selects_positions("context")
+                if host:  # dense phases on the host; whole-block decode selections on its paged kernel; other
+                    # decode selections, and selecting prompt rows, on kvsieve's native kernel over runs
                     whole = last.params is not None and last.params.sparse_attn_indices_block_size == P
-                    expected = ("host_dense" if not selects else None if ctx_selects
+                    expected = ("host_dense" if not selects else "native_runs" if phase == "context"
                                 else "host_paged" if whole else "native_runs")
-                    if expected is None:  # the kvsieve backend
-                        assert not res.paths[phase].startswith("host"), (phase, res.paths)
-                    else:
-                        assert res.paths[phase] == expected, (phase, res.paths)
+                    assert res.paths[phase] == expected, (phase, res.paths)
                     continue
                 # prompt rows the plan does not select took the block-wise SDPA path, the others the backend
                 assert (res.paths[phase] == "sdpa_dense") == (phase == "context" and not selects), (phase, res.paths)

@@ -77,19 +77,22 @@ def per_head_block_tables(params: SparseRuntimeParams, md: AttentionMetadata, vi
     return PerHeadTables(torch.from_numpy(built[0]), torch.from_numpy(built[1]))
 
 
-def token_runs(params: SparseRuntimeParams, md: AttentionMetadata, view: ForeignPagedKV) -> TokenRuns | None:
-    """The generation rows' position selection of ``params`` (any ``sparse_attn_indices_block_size``)
-    as per-(row, KV head) runs of consecutive positions inside one cache block
-    (:func:`kvsieve.kernels.sparse_gqa_decode.runs.selection_runs`, rows in ``md.generation_rows`` order),
-    or ``None`` when the generation rows select no positions. ``params`` validated; every generation
-    row is one request's one token."""
-    if not params.selects_positions("generation"):
+def token_runs(params: SparseRuntimeParams, md: AttentionMetadata, view: ForeignPagedKV,
+               rows: slice | None = None) -> TokenRuns | None:
+    """The position selection of ``params`` (any ``sparse_attn_indices_block_size``) for the query
+    rows ``rows`` (default: the generation rows; context rows too, each token with its own causal
+    length ``position + 1``) as per-(row, KV head) runs of consecutive positions inside one cache block
+    (:func:`kvsieve.kernels.sparse_gqa_decode.runs.selection_runs`, in row order), or ``None`` when
+    those rows' phase selects no positions. ``params`` validated."""
+    rows = md.generation_rows if rows is None else rows
+    phase = "generation" if rows.start >= md.generation_rows.start else "context"
+    if not params.selects_positions(phase):
         return None
-    rows, reqs = md.generation_rows, md.phase_requests("generation")
     off = params.sparse_attn_offsets.numpy()[rows.start: rows.stop + 1]
     idx = params.sparse_attn_indices.numpy()[:, off[0]: off[-1]]
+    reqs = md.token_to_req_host[rows]
     return selection_runs(idx, off - off[0], params.sparse_attn_indices_block_size, view.block_table[md.slots[reqs]],
-                          md.kv_lens_host[reqs], view.tokens_per_block)
+                          md.positions_host[rows] + 1, view.tokens_per_block)
 
 
 def native_runs_attention(q: torch.Tensor, runs: TokenRuns, view: ForeignPagedKV, layer_idx: int,

@@ -41,6 +41,8 @@ from .host import HostAttention, native_runs_attention, per_head_block_tables, t
 
 __all__ = ["VllmStep", "StepTranslator", "LayerRunner", "dense_context_rows"]
 
+_RUN_ROWS = 512  # query rows per runs call on a selecting prompt: its runs take rows x selected x Hkv entries
+
 
 @dataclass(frozen=True)
 class VllmStep:
@@ -208,7 +210,9 @@ class LayerRunner:
         if all(is_dense(params, p) for p in phases):
             attended = md.token_kv_lens.to(torch.int64)[:, None].expand(-1, g.num_kv_heads)
             return AttentionResult(step.to_kvsieve(host.dense()), None, attended, dict.fromkeys(phases, "host_dense"))
-        if "generation" not in phases or ("context" in phases and params.selects_positions("context")):
+        if "context" in phases and params.selects_positions("context"):
+            return self._positions_on_host(q, step, params, host)
+        if "generation" not in phases:
             return None
         hkv, rows = g.num_kv_heads, md.generation_rows
         if "context" not in phases:  # a decode-only step: every row is a generation row
@@ -226,6 +230,35 @@ class LayerRunner:
         else:
             out[rows], attended[rows], path = gen
         return AttentionResult(out, None, attended, {"context": "host_dense", "generation": path})
+
+    def _positions_on_host(self, q: torch.Tensor, step: StepTranslator, params: SparseRuntimeParams,
+                           host: HostAttention) -> AttentionResult | None:
+        """A step whose every phase present selects positions (a prompt under DSA): the prompt rows,
+        each with its causal length, through kvsieve's native kernel on runs of the host's cache read in
+        place (:func:`.host.token_runs`, ``_RUN_ROWS`` rows per call to bound the runs' size), the
+        generation rows as :meth:`_generation_on_host` takes them; ``None`` where a phase is dense or the
+        kernels do not take the cache."""
+        md, g = step.metadata, self.geometry
+        if not all(params.selects_positions(p) for p in md.phases()):
+            return None
+        out = q.new_empty(md.num_tokens, g.num_q_heads, g.value_dim)
+        attended = torch.empty(md.num_tokens, g.num_kv_heads, dtype=torch.int64)
+        rows = md.context_rows
+        for r0 in range(rows.start, rows.stop, _RUN_ROWS):
+            chunk = slice(r0, min(r0 + _RUN_ROWS, rows.stop))
+            runs = token_runs(params, md, step.view, chunk)
+            part = native_runs_attention(q[chunk], runs, step.view, self.layer_idx, g)
+            if part is None:
+                return None
+            out[chunk], attended[chunk] = part, torch.from_numpy(runs.attended)
+        paths = {"context": "native_runs"}
+        if "generation" in md.phases():
+            gen = md.generation_rows
+            done = self._generation_on_host(q[gen], step, params, host)
+            if done is None:
+                return None
+            out[gen], attended[gen], paths["generation"] = done
+        return AttentionResult(out, None, attended, paths)
 
     def _generation_on_host(self, q: torch.Tensor, step: StepTranslator, params: SparseRuntimeParams,
                             host: HostAttention) -> tuple[torch.Tensor, torch.Tensor, str] | None:

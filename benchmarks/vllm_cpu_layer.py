@@ -132,7 +132,7 @@ def main() -> None:
                     ("kvsieve backend on it", lambda: backend.forward(q, md, 0, geometry, params))]
     # the native decode path (one foreign call per layer): through the plug-in's forward as vLLM calls it,
     # and the foreign call alone (selection + attention; its pointers already set by the forward)
-    native = state.native_decode(0, "vllm-cpu", cache, num_heads=hkv * g, num_kv_heads=hkv, head_size=d,
+    native = state.decode_path(0, "vllm-cpu", cache, num_heads=hkv * g, num_kv_heads=hkv, head_size=d,
                                  scale=d ** -0.5)
     native_rows = []
     if native is not None and not native.reads_model_inputs:

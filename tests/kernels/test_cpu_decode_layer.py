@@ -126,3 +126,43 @@ def test_refused_inputs_name_the_problem():
                  .transpose(1, 2), out)
     with pytest.raises(ValueError, match="needs pool"):
         DecodeProgram("pages", units=2, unit=16, page_size=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["vllm-cpu", "rows"])
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_device_path_equals_native(name, layout, dtype):
+    """The fixed-shape torch path (``device.py``, what a CUDA graph captures) on the CPU: the same
+    positions, outputs and pools as the kernel, with a padding row of length 0 that reads nothing,
+    writes nothing and gets zeros."""
+    from kvsieve.kernels.decode_layer.device import decode_layer_device
+
+    gen = torch.Generator().manual_seed(4)
+    k, v = _cache(layout, dtype, gen)
+    per = -(-max(LENS) // BS)
+    table = (torch.randperm(BLOCKS - 1, generator=gen)[: per * len(LENS)].numpy().astype(np.int32) + 1)
+    table = table.reshape(len(LENS), per)
+    lens = np.array(LENS, dtype=np.int32)
+    program = _with_pools(PROGRAMS[name], k, table, dtype, gen)
+    q = torch.randn(len(LENS) + 1, HKV * G, D, generator=gen).to(dtype)
+    index = None
+    if program.kind == "indexer":
+        index = IndexerStep(torch.randn(len(LENS) + 1, 4, 16, generator=gen).to(dtype).float(),
+                            torch.rand(len(LENS) + 1, 4, generator=gen) + 0.1,
+                            torch.randn(len(LENS) + 1, 16, generator=gen))
+    twin = replace(program, pool=None if program.pool is None else program.pool.clone(),
+                   index_keys=None if program.index_keys is None else program.index_keys.clone())
+    out = torch.empty(len(LENS), HKV * G, D, dtype=torch.float32)
+    attended = DecodeLayerCall(k, v, program, num_q_heads=HKV * G, sm_scale=D ** -0.5).run(
+        table, lens, q[:-1], out, None if index is None else IndexerStep(index.q[:-1], index.weights[:-1],
+                                                                          index.keys[:-1]))
+    pad_table = torch.from_numpy(np.concatenate([table, np.zeros((1, per), dtype=np.int32)]))  # block 0: unused
+    pad_lens = torch.from_numpy(np.concatenate([lens, [0]]).astype(np.int32))
+    got = torch.full((len(LENS) + 1, HKV * G, D), 5.0)
+    got_attended = decode_layer_device(k, v, twin, pad_table, pad_lens, q, got, sm_scale=D ** -0.5, index=index)
+    np.testing.assert_array_equal(got_attended[:-1].numpy(), attended)
+    assert int(got_attended[-1].sum()) == 0 and not got[-1].any()
+    torch.testing.assert_close(got[:-1], out, rtol=2e-5, atol=2e-5)
+    for mine, ref in ((twin.pool, program.pool), (twin.index_keys, program.index_keys)):
+        if mine is not None:
+            assert torch.equal(mine.float().nan_to_num(7.0), ref.float().nan_to_num(7.0))

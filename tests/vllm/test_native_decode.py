@@ -2,7 +2,7 @@
 its Python twin, without vLLM: two identical sides hold the same K/V in vLLM-CPU-layout caches at
 the same physical blocks; both run the prompts through :class:`LayerRunner`, then side A runs every
 decode step through :class:`LayerRunner` (the selector's hooks, the carrier, the kvsieve backend)
-and side B through :func:`native_decode_layer`. Each decode call must attend the same positions per
+and side B through :func:`decode_layer_path`. Each decode call must attend the same positions per
 (row, KV head), give the same output, and leave the selector's pools (page summaries, index keys)
 equal."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from kvsieve.integrations.vllm.config import PluginConfig, lower_plans
 from kvsieve.integrations.vllm.host import token_runs
 from kvsieve.integrations.vllm.layouts import kv_views
-from kvsieve.integrations.vllm.native_decode import native_decode_layer
+from kvsieve.integrations.vllm.native_decode import decode_layer_path
 from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
 from kvsieve.kernels.common.native import native_status
 from kvsieve.kernels.decode_layer.native import SOURCE
@@ -113,7 +113,7 @@ def test_native_decode_equals_the_python_path(tmp_path, selector, dtype):
                 if side is b and step.decode_only:
                     if natives[layer] is None:
                         k_view, v_view = kv_views("vllm-cpu", b.raw[layer])
-                        natives[layer] = native_decode_layer(b.runners[layer].plan, b.view, layer, k_view, v_view,
+                        natives[layer] = decode_layer_path(b.runners[layer].plan, b.view, layer, k_view, v_view,
                                                              b.geometry)
                     assert natives[layer] is not None, "the selector has a native decode program"
                     out = torch.empty_like(q)

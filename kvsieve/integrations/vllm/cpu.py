@@ -136,9 +136,9 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
             step = VllmStep.from_tensors(attn_metadata.query_start_loc, attn_metadata.seq_lens,
                                          attn_metadata.block_table, n)
         if step.decode_only:  # one native call (selection, tables, attention) where the selector has a program
-            native = self.state.native_decode(layer_idx, LAYOUT, kv_cache, num_heads=self.num_heads,
-                                              num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-                                              scale=self.scale)
+            native = self.state.decode_path(layer_idx, LAYOUT, kv_cache, num_heads=self.num_heads,
+                                            num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                                            scale=self.scale)
             if native is not None:
                 model_inputs = None if hidden is None else IndexerInputs(hidden=hidden)
                 native.run(step.block_table, step.seq_lens, step.positions, query[:n],

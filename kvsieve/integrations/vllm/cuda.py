@@ -6,8 +6,11 @@ vLLM's block table through :class:`~kvsieve.metadata.ForeignPagedKV`).
 marked for GPU in tests/vllm). On CUDA the plug-in serves only ``TRITON_ATTN`` (start vLLM with
 ``--attention-backend TRITON_ATTN``); the other CUDA backends are overridden by classes that
 refuse at start-up, so vLLM never runs its own attention silently while the plug-in is enabled.
-CUDA graphs are refused (the step translation reads the step's tables on the host): use
-``--enforce-eager``. The same layer features as on CPU are refused (:mod:`.layer_checks`).
+CUDA graphs are refused (the step translation of prompt and mixed steps reads the step's tables on the
+host): use ``--enforce-eager``. Decode steps of a selector with a decode program take the fixed-shape
+device path (:class:`~.native_decode.DeviceDecodeLayer`): vLLM's device block table and lengths, no
+host synchronisation, no shape taken from a value — the part a captured decode graph would replay
+(``tests/kernels/test_gpu_decode_layer.py`` captures and replays it where a GPU exists). The same layer features as on CPU are refused (:mod:`.layer_checks`).
 """
 from __future__ import annotations
 
@@ -66,8 +69,18 @@ class KvsieveTritonAttentionImpl(TritonAttentionImpl):
         if isinstance(attn_metadata.causal, torch.Tensor) or not attn_metadata.causal:
             raise NotImplementedError("kvsieve vLLM plug-in: non-causal attention steps are not supported")
         n = attn_metadata.num_actual_tokens
+        layer_idx = extract_layer_index(layer.layer_name)
+        if attn_metadata.max_query_len == 1:  # a decode step: one fixed-shape device call, nothing read to the host
+            path = self.state.decode_path(layer_idx, LAYOUT, kv_cache, num_heads=self.num_heads,
+                                          num_kv_heads=self.num_kv_heads, head_size=self.head_size, scale=self.scale)
+            if path is not None:
+                lens = attn_metadata.seq_lens
+                b = lens.shape[0]
+                path.run(attn_metadata.block_table[:b], lens, lens - 1, query[:b],
+                         output[:b].view(b, self.num_heads, self.head_size))
+                return output
         self.state.run_layer(
-            extract_layer_index(layer.layer_name), LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n],
+            layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n],
             step=VllmStep.from_tensors(attn_metadata.query_start_loc, attn_metadata.seq_lens,
                                        attn_metadata.block_table, n),
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size, scale=self.scale)

@@ -1,4 +1,5 @@
-"""A decode step's per-layer work in one native call (free of vLLM imports).
+"""A decode step's per-layer work in one call (free of vLLM imports): on the CPU one native call,
+on CUDA the fixed-shape device path (no host synchronisation: capturable in a CUDA graph).
 
 When every row of a step is one request's one new token (a decode step) and the layer's selector
 has a native program (:meth:`~kvsieve.sparse.SparseSelector.decode_program`: ``quest``,
@@ -10,7 +11,9 @@ updates the selector's per-block state (page summaries, index keys: the same poo
 keep), selects, and attends over vLLM's cache in place. Everything else (prompt rows, mixed steps,
 the golden capture, a selector or config without a program, the library unavailable) takes
 :class:`~.step.LayerRunner`, whose Python hooks are the references the native path is tested
-against.
+against. On CUDA (:class:`DeviceDecodeLayer`) the same programs run as batched torch on vLLM's device
+block table and lengths (:func:`~kvsieve.kernels.decode_layer.device.decode_layer_device`), so a
+decode step reads nothing back to the host.
 """
 from __future__ import annotations
 
@@ -18,11 +21,12 @@ import numpy as np
 import torch
 
 from ...kernels.common.native import NativeUnavailable
-from ...kernels.decode_layer.native import DecodeLayerCall, supports_decode_layer
+from ...kernels.decode_layer.device import decode_layer_device
+from ...kernels.decode_layer.native import DecodeLayerCall, DecodeProgram, supports_decode_layer
 from ...metadata.foreign_paged import ForeignPagedKV
 from ...sparse import AttentionGeometry, LayerPlan
 
-__all__ = ["NativeDecodeLayer", "native_decode_layer"]
+__all__ = ["DeviceDecodeLayer", "NativeDecodeLayer", "decode_layer_path"]
 
 
 class NativeDecodeLayer:
@@ -44,16 +48,43 @@ class NativeDecodeLayer:
         return self.call.run(table, kv_lens, q, out, index)
 
 
-def native_decode_layer(plan: LayerPlan | None, view: ForeignPagedKV, layer_idx: int, k: torch.Tensor,
-                        v: torch.Tensor, geometry: AttentionGeometry) -> NativeDecodeLayer | None:
-    """The layer's native decode path, or ``None`` where it has none: no plan, a plan that does not
-    select in the generation phase, a selector or config without a program, a cache or geometry the
-    kernel does not take (``k``/``v [num_blocks, Hkv, block_size, D]`` views of the layer's cache;
-    ``view`` holds the selector's pools), or no library (``KVSIEVE_NATIVE=0``, no compiler)."""
+class DeviceDecodeLayer:
+    """One layer's decode steps on the device (:func:`decode_layer_device`): ``k``/``v [num_blocks,
+    Hkv, block_size, D]`` views of the layer's cache, the program bound once."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, program: DecodeProgram, plan: LayerPlan, layer_idx: int,
+                 sm_scale: float) -> None:
+        self.k, self.v, self.program, self.sm_scale = k, v, program, sm_scale
+        self.selector, self.layer_idx = plan.selector, layer_idx
+        self.reads_model_inputs = plan.selector.model_inputs_type is not None
+
+    def run(self, table: torch.Tensor, kv_lens: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
+            out: torch.Tensor, model_inputs: object = None) -> torch.Tensor:
+        """As :meth:`NativeDecodeLayer.run` with ``table [N, W]``, ``kv_lens [N]`` and ``positions [N]``
+        on the device (vLLM's own tensors; a row of length 0 is padding); returns ``attended [N, Hkv]``
+        on the device."""
+        index = None
+        if self.reads_model_inputs:
+            index = self.selector.decode_step_inputs(self.layer_idx, model_inputs, positions)
+        return decode_layer_device(self.k, self.v, self.program, table, kv_lens, q, out, sm_scale=self.sm_scale,
+                                   index=index)
+
+
+def decode_layer_path(plan: LayerPlan | None, view: ForeignPagedKV, layer_idx: int, k: torch.Tensor,
+                      v: torch.Tensor, geometry: AttentionGeometry) -> NativeDecodeLayer | DeviceDecodeLayer | None:
+    """The layer's one-call decode path, or ``None`` where it has none: no plan, a plan that does not
+    select in the generation phase, a selector or config without a program; on the CPU also a cache
+    or geometry the kernel does not take (``k``/``v [num_blocks, Hkv, block_size, D]`` views of the
+    layer's cache; ``view`` holds the selector's pools) or no library (``KVSIEVE_NATIVE=0``, no
+    compiler). On CUDA: :class:`DeviceDecodeLayer`."""
     if plan is None or "generation" not in plan.phases or geometry.kind != "gqa" or geometry.value_dim != geometry.head_dim:
         return None
     program = plan.selector.decode_program(view, layer_idx, geometry.head_dim)
-    if program is None or not supports_decode_layer(k, v, geometry.num_q_heads, program):
+    if program is None:
+        return None
+    if k.device.type == "cuda":
+        return DeviceDecodeLayer(k, v, program, plan, layer_idx, geometry.sm_scale)
+    if not supports_decode_layer(k, v, geometry.num_q_heads, program):
         return None
     try:
         call = DecodeLayerCall(k, v, program, num_q_heads=geometry.num_q_heads, sm_scale=geometry.sm_scale)

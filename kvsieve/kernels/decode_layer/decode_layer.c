@@ -28,6 +28,9 @@
 
 enum { KIND_PAGES = 1, KIND_STREAMING = 2, KIND_TOKENS_EXACT = 3, KIND_BLOCKS_EXACT = 4, KIND_BLOCKS_BOUND = 5,
        KIND_INDEXER = 6 };
+#define INDEX_MAX_H 64 /* indexer heads the kernel takes at most */
+#define INDEX_TILE 16 /* positions scored together */
+
 enum { OK = 0, ERR_SHAPE = -1, ERR_MEMORY = -2, ERR_TABLE = -3, ERR_KIND = -4 };
 
 /* Mirrored field by field by decode_layer/native.py's DecodeLayerArgs. */
@@ -300,19 +303,34 @@ static int select_units(const DecodeLayerArgs* a, int64_t n, const int64_t* bloc
       } else {
         const float* q = a->iq + n * (int64_t)a->ih * id;
         const float* w = a->iw + n * (int64_t)a->ih;
-        float row[KV_MAX_D];
-        for (int64_t p = 0; p < len; ++p) {
-          int64_t src = (blocks[p / bs] * bs + p % bs) * id;
-          for (int d = 0; d < id; ++d) row[d] = load_f(a->ik, a->ik_bf16, src + d);
-          float acc = 0.0f;
-          for (int hh = 0; hh < a->ih; ++hh) {
-            const float* qh = q + (int64_t)hh * id;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < id; ++d) dot += qh[d] * row[d];
-            acc += w[hh] * (dot > 0.0f ? dot : 0.0f);
+        const int ih = a->ih;
+        float tile[KV_MAX_D][INDEX_TILE], acc[INDEX_TILE], row[KV_MAX_D];
+        for (int64_t p0 = 0; p0 < len; p0 += INDEX_TILE) { /* a tile of positions, channel-major: a head's dots
+                                                            * for the whole tile are one vector op per channel */
+          const int nt = (int)(len - p0 < INDEX_TILE ? len - p0 : INDEX_TILE);
+          for (int t = 0; t < INDEX_TILE; ++t) {
+            const int64_t p = p0 + (t < nt ? t : 0);
+            load_row(a->ik, a->ik_bf16, (blocks[p / bs] * bs + p % bs) * id, id, row);
+            for (int d = 0; d < id; ++d) tile[d][t] = row[d];
           }
-          score[p] = acc;
+          float* sc = score + p0;
+          float out_t[INDEX_TILE];
+#pragma omp simd
+          for (int t = 0; t < INDEX_TILE; ++t) out_t[t] = 0.0f;
+          for (int hh = 0; hh < ih; ++hh) {
+            const float* qh = q + (int64_t)hh * id;
+#pragma omp simd
+            for (int t = 0; t < INDEX_TILE; ++t) acc[t] = 0.0f;
+            for (int d = 0; d < id; ++d) {
+              const float qd = qh[d];
+#pragma omp simd
+              for (int t = 0; t < INDEX_TILE; ++t) acc[t] += qd * tile[d][t];
+            }
+            const float wh = w[hh];
+#pragma omp simd
+            for (int t = 0; t < INDEX_TILE; ++t) out_t[t] += wh * (acc[t] > 0.0f ? acc[t] : 0.0f);
+          }
+          for (int t = 0; t < nt; ++t) sc[t] = out_t[t];
         }
         m[0] = top_ascending(score, len, a->units, s->keys, s->sel);
       }
@@ -332,7 +350,8 @@ int kvsieve_decode_layer(const DecodeLayerArgs* a) {
   if (D < 1 || D > KV_MAX_D || G < 1 || G > KV_MAX_G || hkv < 1 || a->unit < 1 || a->units < 1 || a->block_size < 1)
     return ERR_SHAPE;
   if (!((a->k_ch == 1 && a->k_tok == D) || a->k_tok == 1)) return ERR_SHAPE; /* K rows of D, or by channel */
-  if (a->kind == KIND_INDEXER && (a->id < 1 || a->id > KV_MAX_D || a->ih < 1 || a->unit != 1)) return ERR_SHAPE;
+  if (a->kind == KIND_INDEXER && (a->id < 1 || a->id > KV_MAX_D || a->ih < 1 || a->ih > INDEX_MAX_H || a->unit != 1))
+    return ERR_SHAPE;
   if ((a->kind == KIND_PAGES || a->kind == KIND_BLOCKS_BOUND)
       && (a->page_size < 1 || a->block_size % a->page_size || a->block_size / a->page_size != a->pool_sub
           || (a->kind == KIND_PAGES && a->unit != a->page_size) || (a->kind == KIND_BLOCKS_BOUND && a->unit % a->page_size)))

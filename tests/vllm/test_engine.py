@@ -94,6 +94,16 @@ def test_dense_plugin_greedy_equals_vllm_attention(model_dir, tmp_path):
     assert all(set(r["paths"].values()) == {"host_dense"} for r in records)  # vLLM's own kernel, no gather
 
 
+
+def test_dense_plugin_without_capture_is_vllm_attention_bit_for_bit(model_dir, tmp_path):
+    """``dense`` without the capture reads no cache: vLLM keeps its own ISA (AMX on CPUs with it; the
+    plug-in's viewable ``vec`` layout otherwise) and its own kernel, so bf16 greedy tokens are vLLM's."""
+    args = ("--prompt-tokens", "300", "--dtype", "bfloat16")
+    own = _run_engine(model_dir, tmp_path / "own.json", *args)
+    plug = _run_engine(model_dir, tmp_path / "plug.json", *args, KVSIEVE_SELECTOR="dense")
+    assert plug["tokens"] == own["tokens"] and plug["native_layers"] == []
+
+
 def test_quest_on_whole_vllm_blocks_runs_vllm_kernel_on_its_selection(model_dir, tmp_path):
     """Quest with pages = vLLM's blocks (128): the prompt is vLLM's own attention, every decode step of
     the three concurrent requests is vLLM's paged kernel on per-(request, KV head) block tables, and

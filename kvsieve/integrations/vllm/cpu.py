@@ -40,7 +40,7 @@ from ...selectors.dsa import IndexerInputs
 from .host import PerHeadTables
 from .layer_checks import refuse_features, refusing_backend, worker_ranks
 from .layouts import kv_views
-from .state import PluginState, plugin_state
+from .state import PluginState, current_plugin_state, plugin_state
 from .step import VllmStep
 
 __all__ = ["KvsieveCPUAttentionBackend", "KvsieveCPUAttentionImpl", "KvsieveCPUAttentionMetadata",
@@ -59,19 +59,28 @@ class KvsieveCPUAttentionMetadata(CPUAttentionMetadata):
 
 class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM's builder with the KV write kept in a layout kvsieve can view (``vec``/``vec16``); its
-    metadata also carries the step's tables on the host (:class:`KvsieveCPUAttentionMetadata`)."""
+    metadata also carries the step's tables on the host (:class:`KvsieveCPUAttentionMetadata`). In a
+    process where every layer is vLLM's own attention (``dense``, no capture) neither: vLLM's own ISA
+    (``amx`` on CPUs with AMX) and metadata, so dense through the plug-in is vLLM's attention."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:  # noqa: ANN001 (vLLM's signature)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if self.isa not in VIEWABLE_ISAS:
-            self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
-            self._set_isa_to_layers(layer_names)
-        probe_cpu_layout(self.isa, self.dtype, self.block_size, self.head_dim, self.num_kv_heads)
+        state = current_plugin_state()
+        # a process whose every layer is vLLM's own attention (dense, no capture) never reads the cache:
+        # it keeps vLLM's own ISA (AMX where the CPU has it)
+        self.reads_cache = state is None or not state.host_only_everywhere()
+        if self.reads_cache:
+            if self.isa not in VIEWABLE_ISAS:
+                self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
+                self._set_isa_to_layers(layer_names)
+            probe_cpu_layout(self.isa, self.dtype, self.block_size, self.head_dim, self.num_kv_heads)
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False  # noqa: ANN001
               ) -> KvsieveCPUAttentionMetadata:
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        step = VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens)
+        step = None
+        if self.reads_cache:
+            step = VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens)
         return KvsieveCPUAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, step=step)
 
 

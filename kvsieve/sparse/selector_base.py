@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..kernels.decode_layer.native import DecodeProgram, IndexerStep
+from ..kernels.decode_layer.plan import DecodeProgram, IndexerStep
 from ..metadata import PHASES, AttentionMetadata, KVCacheManager
 from .budget import BudgetKnob
 from .params import SparseRuntimeParams

@@ -12,7 +12,8 @@ import torch
 
 from kvsieve.kernels.common.native import native_status
 from kvsieve.kernels.decode_layer.naive import decode_layer_naive
-from kvsieve.kernels.decode_layer.native import SOURCE, DecodeLayerCall, DecodeProgram, IndexerStep
+from kvsieve.kernels.decode_layer.native import SOURCE, DecodeLayerCall
+from kvsieve.kernels.decode_layer.plan import DecodeProgram, IndexerStep
 
 pytestmark = pytest.mark.skipif(native_status(SOURCE) != "native", reason="no C compiler for the native kernel")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvsieve.kernels.decode_layer.device import decode_layer_device
-from kvsieve.kernels.decode_layer.native import DecodeProgram, IndexerStep
+from kvsieve.kernels.decode_layer.plan import DecodeProgram, IndexerStep
 
 
 def _cap() -> int:

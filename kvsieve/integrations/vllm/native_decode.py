@@ -22,7 +22,8 @@ import torch
 
 from ...kernels.common.native import NativeUnavailable
 from ...kernels.decode_layer.device import decode_layer_device
-from ...kernels.decode_layer.native import DecodeLayerCall, DecodeProgram, supports_decode_layer
+from ...kernels.decode_layer.native import DecodeLayerCall, supports_decode_layer
+from ...kernels.decode_layer.plan import DecodeProgram
 from ...metadata.foreign_paged import ForeignPagedKV
 from ...sparse import AttentionGeometry, LayerPlan
 

@@ -9,10 +9,10 @@ token, already written to the cache:
 * the layer's cache views ``k``/``v [num_blocks, Hkv, block_size, D]`` (bf16 or fp32; K by rows or by
   channel as in vLLM's CPU layout, V by rows), read in place;
 * ``q``/``out [N, Hq, D]`` (bf16 or fp32, ``Hq = Hkv * G``, query head ``j`` in KV group ``j // G``);
-* the layer's :class:`~.native.DecodeProgram`: what the selector does (``decode_layer.c``'s header:
+* the layer's :class:`~.plan.DecodeProgram`: what the selector does (``decode_layer.c``'s header:
   Quest pages, streaming, oracle top-k, block selection exact or from summaries, the DSA indexer)
   with the pools it keeps (page summaries, index keys), and, for the indexer, the step's
-  :class:`~.native.IndexerStep`.
+  :class:`~.plan.IndexerStep`.
 
 Output: ``out`` written (softmax attention of each query head over its KV head's selected positions,
 fp32 inside) and ``attended [N, Hkv]`` int64, the positions each (row, KV head) read. The selection

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .native import DecodeProgram, IndexerStep
+from .plan import DecodeProgram, IndexerStep
 
 __all__ = ["decode_layer_device"]
 

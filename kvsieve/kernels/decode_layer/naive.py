@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .native import DecodeProgram, IndexerStep
+from .plan import DecodeProgram, IndexerStep
 
 __all__ = ["decode_layer_naive"]
 

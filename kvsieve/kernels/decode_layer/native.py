@@ -7,19 +7,17 @@ pointers and makes one foreign call, so a layer's host work per step is a few fi
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..common.native import native_library
+from .plan import KINDS, MODES, DecodeProgram, IndexerStep
 
-__all__ = ["SOURCE", "KINDS", "DecodeProgram", "IndexerStep", "DecodeLayerCall", "supports_decode_layer"]
+__all__ = ["SOURCE", "DecodeLayerCall", "supports_decode_layer"]
 
 SOURCE = Path(__file__).with_name("decode_layer.c")
-KINDS = {"pages": 1, "streaming": 2, "tokens_exact": 3, "blocks_exact": 4, "blocks_bound": 5, "indexer": 6}
-_MODES = {None: 0, "bound": 0, "sign": 1, "max": 0, "mean": 1}
 _ERRORS = {-1: "a shape or program field outside what the kernel takes", -2: "out of memory",
            -3: "a row's blocks lie outside its block table or the cache", -4: "an unknown program kind"}
 _I32, _I64, _P, _F = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -40,50 +38,6 @@ class _Args(ctypes.Structure):
         ("ik", _P), ("iq", _P), ("iw", _P), ("ik_new", _P), ("ik_bf16", _I32), ("id", _I32),
         ("attended", _P),
     ]
-
-
-@dataclass(frozen=True)
-class DecodeProgram:
-    """What a selector does on a decode row, as the kernel runs it (``decode_layer.c``'s header).
-
-    ``kind``: one of :data:`KINDS`; ``units`` kept per (row, KV head) at most, each ``unit``
-    positions (page size, block size, or 1); ``mode``: ``"bound"``/``"sign"`` (pages), ``"max"``/
-    ``"mean"`` (exact blocks); ``num_sink`` (streaming); ``init_units``/``local_units`` forced blocks;
-    ``pool``: the layer's page-summary pool ``[num_blocks, Hkv, S, 2, D]`` (bf16 or fp32; pages of
-    ``page_size`` tokens, ``S`` per cache block), for ``pages`` and ``blocks_bound``; ``index_keys``:
-    the layer's indexer key pool ``[num_blocks, block_size, index_dim]`` (bf16 or fp32), for
-    ``indexer``, whose per-step inputs come with each call (:class:`IndexerStep`)."""
-
-    kind: str
-    units: int
-    unit: int = 1
-    mode: str | None = None
-    num_sink: int = 0
-    init_units: int = 0
-    local_units: int = 0
-    pool: torch.Tensor | None = None
-    page_size: int = 0
-    index_keys: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"decode program kind must be one of {sorted(KINDS)}, got {self.kind!r}")
-        if self.mode not in _MODES:
-            raise ValueError(f"decode program mode must be one of {sorted(m for m in _MODES if m)}, got {self.mode!r}")
-        needs = {"pages": "pool", "blocks_bound": "pool", "indexer": "index_keys"}.get(self.kind)
-        if needs is not None and getattr(self, needs) is None:
-            raise ValueError(f"decode program {self.kind!r} needs {needs}")
-
-
-@dataclass(frozen=True)
-class IndexerStep:
-    """An ``indexer`` program's inputs for one step's ``N`` rows, fp32 contiguous: ``q [N, H, Di]``
-    index queries (already rounded to the key pool's dtype), ``weights [N, H]``, ``keys [N, Di]``
-    the rows' own index keys (written into the pool at their positions)."""
-
-    q: torch.Tensor
-    weights: torch.Tensor
-    keys: torch.Tensor
 
 
 def _kv_layout(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -124,7 +78,7 @@ class DecodeLayerCall:
         a.kv_bf16, a.block_size, a.hkv, a.D, a.G = int(k.dtype == torch.bfloat16), bs, hkv, d, num_q_heads // hkv
         a.sm_scale = sm_scale
         p = program
-        a.kind, a.mode, a.unit, a.units = KINDS[p.kind], _MODES[p.mode], p.unit, p.units
+        a.kind, a.mode, a.unit, a.units = KINDS[p.kind], MODES[p.mode], p.unit, p.units
         a.num_sink, a.init_units, a.local_units = p.num_sink, p.init_units, p.local_units
         if p.pool is not None:
             a.pool, a.pool_bf16, a.pool_sub, a.page_size = (p.pool.data_ptr(), int(p.pool.dtype == torch.bfloat16),

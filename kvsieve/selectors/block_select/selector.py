@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...kernels.decode_layer.native import DecodeProgram
+from ...kernels.decode_layer.plan import DecodeProgram
 from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...kernels.decode_layer.native import DecodeProgram
+from ...kernels.decode_layer.plan import DecodeProgram
 from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob

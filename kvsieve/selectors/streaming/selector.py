@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels.decode_layer.native import DecodeProgram
+from ...kernels.decode_layer.plan import DecodeProgram
 from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob

@@ -64,6 +64,7 @@ def main() -> None:
     from kvsieve.integrations.vllm.layouts import kv_views
     from kvsieve.integrations.vllm.state import plugin_state
     from kvsieve.integrations.vllm.step import VllmStep
+    from kvsieve.selectors.dsa import IndexerInputs
     from kvsieve.sparse.selector_step import selector_inputs
 
     hkv, g, d, bs, b, length = 3, 3, 64, args.block_size, args.requests, args.kv_len
@@ -77,8 +78,9 @@ def main() -> None:
     # environment; vLLM's config as the plain attributes the state reads; one worker)
     os.environ[ENV_SELECTOR] = args.selector
     vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(max_model_len=per_req * bs, hf_config=SimpleNamespace(num_hidden_layers=1),
-                                     dtype=dtype),
+        model_config=SimpleNamespace(max_model_len=per_req * bs, dtype=dtype,
+                                     hf_config=SimpleNamespace(num_hidden_layers=1, hidden_size=576)),
+        compilation_config=SimpleNamespace(mode=0),  # eager, as a selector reading the hidden state needs
         scheduler_config=SimpleNamespace(max_num_seqs=max(b, 1), max_num_batched_tokens=max(b, 16)),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1))
     state = plugin_state(vllm_config, torch.device("cpu"), WorkerRanks())
@@ -116,10 +118,19 @@ def main() -> None:
 
     prep()
     md = tr.metadata
+    # the native decode path (one foreign call per layer), built first: it creates the selector's pools
+    native = state.decode_path(0, "vllm-cpu", cache, num_heads=hkv * g, num_kv_heads=hkv, head_size=d,
+                               scale=d ** -0.5)
+    if plan.selector.model_inputs_type is not None:  # the prompt's index keys, as its prefill writes them
+        for pool in view.aux_pools.values():         # (random, like the cache)
+            pool[0].copy_(torch.randn(pool[0].shape, generator=gen).to(pool[0].dtype))
     sel = plan.selector
-    inputs = selector_inputs(q, k, v, md, layer_idx=0, geometry=geometry, plan=plan)
+    fed = None  # a selector reading the layer's hidden state (dsa): a random one, of its projections' size
+    if plan.selector.model_inputs_type is IndexerInputs:
+        fed = IndexerInputs(hidden=torch.randn(b, plan.selector.projections[0].hidden_size, generator=gen).to(dtype))
+    inputs = selector_inputs(q, k, v, md, layer_idx=0, geometry=geometry, plan=plan, model_inputs=fed)
     sel.on_attach(inputs, np.arange(b))  # the prompt's page summaries, as the prompt step writes them
-    params = runner.select(q, k, v, md)
+    params = runner.select(q, k, v, md, fed)
     tables = per_head_block_tables(params, md, view)
     q_heads = q.reshape(-1, g, d).contiguous()
     if tables is not None:  # whole vLLM blocks: vLLM's paged kernel
@@ -130,31 +141,30 @@ def main() -> None:
         selected = [("per-head token runs", lambda: token_runs(params, md, view)),
                     ("native kernel on the runs", lambda: native_runs_attention(q, runs, view, 0, geometry)),
                     ("kvsieve backend on it", lambda: backend.forward(q, md, 0, geometry, params))]
-    # the native decode path (one foreign call per layer): through the plug-in's forward as vLLM calls it,
-    # and the foreign call alone (selection + attention; its pointers already set by the forward)
-    native = state.decode_path(0, "vllm-cpu", cache, num_heads=hkv * g, num_kv_heads=hkv, head_size=d,
-                                 scale=d ** -0.5)
+    # the native path through the plug-in's forward as vLLM calls it, and its foreign call alone
+    # (selection + attention; its pointers already set by the forward)
     native_rows = []
-    if native is not None and not native.reads_model_inputs:
-        step = VllmStep(starts.numpy(), seq.numpy(), table)
+    step = VllmStep(starts.numpy(), seq.numpy(), table)
+    if native is not None and native.reads_model_inputs:  # dsa: the call vLLM's forward makes after taking the hidden state
+        out_native = torch.empty(b, hkv * g, d, dtype=dtype)
+        native_rows = [("plug-in decode call, native", lambda: native.run(step.block_table, step.seq_lens,
+                                                                          step.positions, q, out_native, fed))]
+    elif native is not None:
         md_native = SimpleNamespace(num_actual_tokens=b, causal=True, dynamic_causal=None, step=step)
         layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
-        out_native = torch.empty(b, hkv * g * d, dtype=dtype)
-
-        def forward_native() -> torch.Tensor:
-            return impl.forward(layer, q, k, v, cache, md_native, out_native)
-
-        forward_native()
+        out_flat = torch.empty(b, hkv * g * d, dtype=dtype)
+        native_rows = [("plug-in decode call, native", lambda: impl.forward(layer, q, k, v, cache, md_native, out_flat))]
+    if native_rows:
+        native_rows[0][1]()
         call = native.call
-        native_rows = [("plug-in decode call, native", forward_native),
-                       ("  its foreign call alone", lambda: call._fn(call._ref))]
+        native_rows.append(("  its foreign call alone", lambda: call._fn(call._ref)))
     load = Path("/proc/loadavg").read_text().split()[0]
     rows = [("vLLM's own dense kernel", own), ("step: view + tables", prep),
             ("selector on_append", lambda: sel.on_append(inputs)), ("selector predict_attn", lambda: sel.predict_attn(inputs)),
             ("validate", lambda: params.validate(num_kv_heads=hkv, num_query_tokens=md.num_tokens,
                                                  num_contexts=md.num_contexts, kv_lens=md.token_kv_lens)),
-            *selected, ("plug-in layer call, Python", lambda: runner.forward(q, k, v, tr, host)),
-            ("same, kvsieve backend path", lambda: runner.forward(q, k, v, tr, None)), *native_rows]
+            *selected, ("plug-in layer call, Python", lambda: runner.forward(q, k, v, tr, host, model_inputs=fed)),
+            ("same, kvsieve backend path", lambda: runner.forward(q, k, v, tr, None, model_inputs=fed)), *native_rows]
     print(f"kv_len {length}, {b} request(s), {args.selector}, {args.dtype}; CPU {cpu_isa()}; load average {load}")
     print(f"  {'stage':30} {'median':>8}    {'min':>8}")
     times = {}
@@ -163,13 +173,16 @@ def main() -> None:
         print(f"  {name:30} {times[name][0]:8.3f} ms {times[name][1]:8.3f} ms")
     if native_rows:
         host_us = [1e3 * (x - y) for x, y in zip(times["plug-in decode call, native"], times["  its foreign call alone"])]
-        print(f"  host work of the native path per layer: {host_us[0]:.1f} us (medians), {host_us[1]:.1f} us (minima)")
+        what = " (with the indexer's projections in torch)" if fed is not None else ""
+        print(f"  host work of the native path per layer{what}: {host_us[0]:.1f} us (medians), {host_us[1]:.1f} us (minima)")
     else:
         print("  no native decode path for this selector here (see kvsieve/integrations/vllm/native_decode.py)")
-    print(f"  paths taken: {runner.forward(q, k, v, tr, host).paths} (kvsieve backend: "
-          f"{runner.forward(q, k, v, tr, None).paths}); positions read {int(runner.forward(q, k, v, tr, host).attended.sum())}"
+    paths = runner.forward(q, k, v, tr, host, model_inputs=fed)
+    print(f"  paths taken: {paths.paths} (kvsieve backend: "
+          f"{runner.forward(q, k, v, tr, None, model_inputs=fed).paths}); positions read {int(paths.attended.sum())}"
           f" of {b * length * hkv}; load average after {Path('/proc/loadavg').read_text().split()[0]}")
 
 
 if __name__ == "__main__":
-    main()
+    with torch.inference_mode():  # as vLLM runs its forward
+        main()

@@ -104,7 +104,7 @@ def _inputs(name: str, sel, q, k_new, v_new, md, geo, knobs: dict, seed: int = 1
     inputs = SelectorInputs(q=q, k=k_new, v=v_new, metadata=md, layer_idx=0, num_kv_heads=hkv, sm_scale=geo.sm_scale,
                             rows=md.generation_rows, phases=frozenset({"generation"}), model_inputs=model_inputs)
     if name == "dsa":
-        k_pool, _ = sel._pools(inputs)
+        k_pool, _ = sel.index_pools(inputs)
         k_pool.normal_(generator=torch.Generator().manual_seed(seed + 1))
     elif hasattr(sel, "summaries") and knobs.get("scoring", "summary") == "summary":
         lens = md.kv_lens_host.copy()

@@ -11,7 +11,11 @@
   vLLM's kernels, :mod:`.host`); elsewhere prompt rows a layer does not select take SDPA over a
   block-wise gather of the view (:func:`.step.dense_context_rows`), whatever the backend;
 * ``KVSIEVE_CAPTURE=/dir``: for tests, every layer also runs kvsieve's Vanilla golden on the same
-  selection and appends the largest difference to ``/dir/capture-<pid>.jsonl``.
+  selection and appends the largest difference to ``/dir/capture-<pid>.jsonl``;
+* ``KVSIEVE_CHECK_STATE=1`` (or ``check_state: true`` in the file; ``0``/``false`` off, the
+  default): a debug check, at every layer step, of the selector's per-block state against a
+  recomputation (:mod:`.state_check`), raising on a difference; refused for a selector with no
+  per-block state it knows.
 
 The plug-in is active only when ``KVSIEVE_SELECTOR`` or ``KVSIEVE_CONFIG`` is set; setting both
 is an error. Selectors that evict prompt tokens (``snapkv``, ``rocketkv`` stage 1) are refused.
@@ -30,26 +34,31 @@ import yaml
 
 from ...selectors.dsa import IndexerInputs
 from ...sparse import LayerPlan, SparseAttentionConfig, lower_config
+from .state_check import check_supported
 
 __all__ = ["PluginConfig", "WorkerRanks", "read_plugin_config", "lower_plans", "parse_selector_spec", "DENSE", "ENV_SELECTOR", "ENV_CONFIG",
-           "ENV_BACKEND", "ENV_CAPTURE"]
+           "ENV_BACKEND", "ENV_CAPTURE", "ENV_CHECK_STATE"]
 
 ENV_SELECTOR = "KVSIEVE_SELECTOR"
 ENV_CONFIG = "KVSIEVE_CONFIG"
 ENV_BACKEND = "KVSIEVE_BACKEND"
 ENV_CAPTURE = "KVSIEVE_CAPTURE"
+ENV_CHECK_STATE = "KVSIEVE_CHECK_STATE"
 DENSE = "dense"
-_FILE_KEYS = ("selector", "params", "dense_layers", "phases", "backend")
+_FILE_KEYS = ("selector", "params", "dense_layers", "phases", "backend", "check_state")
+_FLAGS = {"1": True, "true": True, "0": False, "false": False}
 
 
 @dataclass(frozen=True)
 class PluginConfig:
     """``sparse``: the kvsieve config (``None`` = dense); ``backend``: kvsieve backend name or
-    ``None`` for the device default; ``capture_dir``: where the golden check writes, or ``None``."""
+    ``None`` for the device default; ``capture_dir``: where the golden check writes, or ``None``;
+    ``check_state``: check the selector's per-block state at every layer step (:mod:`.state_check`)."""
 
     sparse: SparseAttentionConfig | None
     backend: str | None = None
     capture_dir: Path | None = None
+    check_state: bool = False
     source: str = field(default="", compare=False)
 
 
@@ -93,14 +102,17 @@ def parse_selector_spec(spec: str) -> SparseAttentionConfig | None:
     return SparseAttentionConfig(selector=name, params=params)
 
 
-def _from_file(path: Path) -> tuple[SparseAttentionConfig | None, str | None]:
+def _read_file(path: Path) -> Any:
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
-        raw = json.loads(text)
-    elif path.suffix in (".yaml", ".yml"):
-        raw = yaml.safe_load(text)
-    else:
-        raise ValueError(f"{ENV_CONFIG}={path}: the file must end in .json, .yaml or .yml")
+        return json.loads(text)
+    if path.suffix in (".yaml", ".yml"):
+        return yaml.safe_load(text)
+    raise ValueError(f"{ENV_CONFIG}={path}: the file must end in .json, .yaml or .yml")
+
+
+def _from_file(path: Path) -> tuple[SparseAttentionConfig | None, str | None]:
+    raw = _read_file(path)
     if not isinstance(raw, dict):
         raise ValueError(f"{ENV_CONFIG}={path}: the file must hold a mapping with keys {list(_FILE_KEYS)}")
     unknown = sorted(set(raw) - set(_FILE_KEYS))
@@ -139,7 +151,24 @@ def read_plugin_config(environ: dict[str, str] | None = None) -> PluginConfig | 
         raise ValueError(f"{ENV_BACKEND}={env_backend!r} contradicts backend {backend!r} in {path}")
     capture = env.get(ENV_CAPTURE)
     return PluginConfig(sparse=sparse, backend=env_backend or backend, capture_dir=Path(capture) if capture else None,
+                        check_state=_check_state(env.get(ENV_CHECK_STATE), Path(path) if path else None),
                         source=source)
+
+
+def _check_state(flag: str | None, path: Path | None) -> bool:
+    """``KVSIEVE_CHECK_STATE`` (``1``/``true``/``0``/``false``) and the file's ``check_state`` (a bool);
+    they must agree when both are given."""
+    env = None
+    if flag is not None:
+        if flag.strip().lower() not in _FLAGS:
+            raise ValueError(f"{ENV_CHECK_STATE}={flag!r}: give 1, true, 0 or false")
+        env = _FLAGS[flag.strip().lower()]
+    raw = None if path is None else _read_file(path).get("check_state")  # the file was checked (_from_file)
+    if raw is not None and not isinstance(raw, bool):
+        raise ValueError(f"{ENV_CONFIG}={path}: check_state must be true or false, got {raw!r}")
+    if env is not None and raw is not None and env != raw:
+        raise ValueError(f"{ENV_CHECK_STATE}={flag!r} contradicts check_state: {raw} in {path}")
+    return bool(env if env is not None else raw)
 
 
 def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, device: str = "cpu",
@@ -197,8 +226,12 @@ def check_plugin_config(config: PluginConfig, *, device: str) -> None:
     ``device`` and nothing in :func:`lower_plans` refuses it (before the model's layer count is known)."""
     sparse = config.sparse
     if sparse is None:
+        if config.check_state:
+            check_supported(None)
         return
     span = max([i + 1 if i >= 0 else -i for i in sparse.dense_layers] + [1])
     from ...sparse.backends import default_backend
 
-    lower_plans(config, num_layers=span, backend_name=config.backend or default_backend(device), device=device)
+    plans = lower_plans(config, num_layers=span, backend_name=config.backend or default_backend(device), device=device)
+    if config.check_state:
+        check_supported(next((p.selector for p in plans if p is not None), None))

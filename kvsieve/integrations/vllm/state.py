@@ -19,6 +19,7 @@ from .host import HostAttention
 from .indexer_feed import IndexerFeed
 from .layouts import kv_views
 from .native_decode import DeviceDecodeLayer, NativeDecodeLayer, decode_layer_path
+from .state_check import StateCheck
 from .step import LayerRunner, StepTranslator, VllmStep, make_backend
 
 __all__ = ["PluginState", "current_plugin_state", "plugin_state"]
@@ -63,6 +64,7 @@ class PluginState:
         self.translators: dict[tuple, StepTranslator] = {}
         self.runners: dict[int, LayerRunner] = {}
         self.decode_paths: dict[int, tuple[int, NativeDecodeLayer | DeviceDecodeLayer | None]] = {}  # layer -> (cache address, path)
+        self.state_check = StateCheck() if config.check_state else None  # shared by the layers
         self.indexer_layers = frozenset(i for i, p in enumerate(self.plans)
                                         if p is not None and p.selector.model_inputs_type is IndexerInputs)
         self.feed: IndexerFeed | None = None
@@ -128,19 +130,20 @@ class PluginState:
                                          head_dim=head_size, sm_scale=scale)
             self.runners[layer_idx] = LayerRunner(layer_idx=layer_idx, geometry=geometry, plan=self.plans[layer_idx],
                                                   backend=self.backend, capture_dir=self.config.capture_dir,
-                                                  ranks=self.ranks)
+                                                  ranks=self.ranks, state_check=self.state_check)
         return self.runners[layer_idx]
 
     def decode_path(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, *, num_heads: int,
                     num_kv_heads: int, head_size: int, scale: float) -> NativeDecodeLayer | DeviceDecodeLayer | None:
         """The layer's one-call decode path (:mod:`.native_decode`) over ``kv_cache``, decided once per
-        layer and cache; ``None`` where it has none, and always while the golden capture is on (every
-        call then takes :class:`LayerRunner`, which compares with the golden)."""
+        layer and cache; ``None`` where it has none, and always while the golden capture or the state
+        check is on (every call then takes :class:`LayerRunner`, which compares with the golden and
+        checks the selector's per-block state)."""
         have = self.decode_paths.get(layer_idx)
         if have is not None and have[0] == kv_cache.data_ptr():
             return have[1]
         path = None
-        if self.config.capture_dir is None:
+        if self.config.capture_dir is None and not self.config.check_state:
             k_view, v_view = kv_views(layout, kv_cache)
             view = self.translator(layout, kv_cache, k_view).view
             runner = self.runner(layer_idx, num_heads, num_kv_heads, head_size, scale)

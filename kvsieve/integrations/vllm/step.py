@@ -38,6 +38,7 @@ from ...sparse.backends.sdpa import causal_sdpa
 from ...sparse.params import is_dense
 from .config import WorkerRanks
 from .host import HostAttention, native_runs_attention, per_head_block_tables, token_runs
+from .state_check import StateCheck
 
 __all__ = ["VllmStep", "StepTranslator", "LayerRunner", "dense_context_rows"]
 
@@ -161,13 +162,14 @@ class LayerRunner:
     ``capture_dir``: also run the Vanilla golden on the same selection and append one JSON line
     per call (layer, tokens, contexts, attended and dense positions, largest difference to the
     golden, and to the host engine's own attention output when the caller passes it; the
-    worker's ``ranks`` and the layer's head counts on this worker)."""
+    worker's ``ranks`` and the layer's head counts on this worker). ``state_check``: after the
+    selector's hooks, compare its per-block state with a recomputation (:mod:`.state_check`)."""
 
     def __init__(self, *, layer_idx: int, geometry: AttentionGeometry, plan: LayerPlan | None,
                  backend: AttentionBackend, capture_dir: Path | None = None,
-                 ranks: WorkerRanks = WorkerRanks()) -> None:
+                 ranks: WorkerRanks = WorkerRanks(), state_check: StateCheck | None = None) -> None:
         self.layer_idx, self.geometry, self.plan, self.backend = layer_idx, geometry, plan, backend
-        self.capture_dir, self.ranks = capture_dir, ranks
+        self.capture_dir, self.ranks, self.state_check = capture_dir, ranks, state_check
         self.golden = VanillaBackend() if capture_dir is not None else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepTranslator,
@@ -289,6 +291,8 @@ class LayerRunner:
         inputs = selector_inputs(q, k, v, md, layer_idx=self.layer_idx, geometry=self.geometry, plan=self.plan,
                                  model_inputs=model_inputs)
         selection = run_selector(self.plan, inputs)
+        if self.state_check is not None:
+            self.state_check.check(self.plan.selector, inputs)
         if selection.kept is not None:
             raise _eviction_refused(self.plan.selector.name, "predict_kv")
         if selection.params is not None and selection.params.sparse_kv_indices is not None:

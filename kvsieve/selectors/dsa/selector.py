@@ -162,7 +162,7 @@ class DSASelector(SparseSelector):
         """Compute index q/k/weights for the step's tokens (from ``inputs.model_inputs``, this step's
         :class:`IndexerInputs`, which the layer checked) and write k into the aux pool."""
         md = inputs.metadata
-        q, k, w = self._index_qkw(inputs.layer_idx, inputs.model_inputs, md.positions)
+        q, k, w = self.index_tensors(inputs.layer_idx, inputs.model_inputs, md.positions)
         if q.shape[0] != md.num_tokens:
             raise ValueError(f"dsa: IndexerInputs cover {q.shape[0]} tokens, the step has {md.num_tokens}")
         self._write_keys(inputs, k)
@@ -175,11 +175,12 @@ class DSASelector(SparseSelector):
             q = q.to(self.k_dtype)
         inputs.state["index_qw"] = (q, w.float().contiguous())
 
-    def _index_qkw(self, layer: int, ii: IndexerInputs, positions: torch.Tensor
+    def index_tensors(self, layer: int, ii: IndexerInputs, positions: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 index ``q [T, H, Di]``, ``k [T, Di]`` and ``w [T, H]`` of the step's tokens (at
         ``positions [T]``) from this layer's :class:`IndexerInputs`: given finished, or projected
-        from the hidden state by the layer's :class:`IndexerProjections`."""
+        from the hidden state by the layer's :class:`IndexerProjections`. Writes nothing: a debug
+        check may call it again (:mod:`kvsieve.integrations.vllm.state_check`)."""
         if ii.is_finished:
             q, k, w = ii.q_index.float(), ii.k_index.float(), ii.weights.float()
         else:
@@ -210,10 +211,12 @@ class DSASelector(SparseSelector):
     def decode_step_inputs(self, layer_idx: int, model_inputs: IndexerInputs, positions: torch.Tensor) -> IndexerStep:
         """The rows' index queries rounded to the key pool's dtype (as ``on_append`` rounds them),
         weights and keys, fp32."""
-        q, k, w = self._index_qkw(layer_idx, model_inputs, positions)
+        q, k, w = self.index_tensors(layer_idx, model_inputs, positions)
         return IndexerStep(q.to(self.k_dtype).float().contiguous(), w.float().contiguous(), k.float().contiguous())
 
-    def _pools(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def index_pools(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This layer's aux pools: index keys ``[num_blocks, tokens_per_block, head_dim]`` and, for FP8
+        keys, their scales ``[num_blocks, tokens_per_block]`` (else ``None``), by physical block id."""
         cache = inputs.cache
         p, d = cache.tokens_per_block, self.config.head_dim
         k_pool = cache.add_aux_pool(INDEX_K_POOL, (p, d), self.k_dtype)[inputs.layer_idx]
@@ -224,16 +227,21 @@ class DSASelector(SparseSelector):
 
     def _write_keys(self, inputs: SelectorInputs, k: torch.Tensor) -> None:
         md = inputs.metadata
-        k_pool, s_pool = self._pools(inputs)
+        k_pool, s_pool = self.index_pools(inputs)
         blk, off = inputs.cache.physical(md.slots[md.token_to_req_host], md.positions_host)
-        if s_pool is None:
-            k_pool[blk, off] = k.to(self.k_dtype)
-        else:
-            from ...kernels.dsa_indexer.quant import quantize_pow2_fp8
+        keys, scales = self.stored_keys(k)
+        k_pool[blk, off] = keys
+        if s_pool is not None:
+            s_pool[blk, off] = scales
 
-            kq, ks = quantize_pow2_fp8(k)
-            k_pool[blk, off] = kq
-            s_pool[blk, off] = ks
+    def stored_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Index keys ``k [T, head_dim]`` as the aux pool holds them: ``(keys [T, head_dim]`` in
+        ``index_k_dtype``, per-token power-of-two scales ``[T]`` fp32 for FP8 keys, else ``None)``."""
+        if self.k_dtype != torch.float8_e4m3fn:
+            return k.to(self.k_dtype), None
+        from ...kernels.dsa_indexer.quant import quantize_pow2_fp8
+
+        return quantize_pow2_fp8(k)
 
     def predict_attn(self, inputs: SelectorInputs) -> SparseRuntimeParams | None:
         layer = inputs.layer_idx
@@ -270,7 +278,7 @@ class DSASelector(SparseSelector):
         md = inputs.metadata
         if self._workspace is None or self._workspace.max_rows < md.max_num_tokens:
             self._workspace = TopKWorkspace(self.topk_decision, md.max_num_tokens, md.token_kv_lens.device)
-        k_pool, s_pool = self._pools(inputs)
+        k_pool, s_pool = self.index_pools(inputs)
         lens, r0 = md.token_kv_lens, inputs.rows.start
         out = torch.empty(inputs.num_rows, self.config.index_topk, dtype=torch.int32, device=lens.device)
         for rows, logits in self._logits_chunks(inputs, q, w, k_pool, s_pool):

@@ -45,7 +45,9 @@ def test_references_match_torch_topk(n):
     for k in KS:
         radix = naive.radix_topk(scores, lens, k)
         _check_against_torch(scores, lens, radix, k)
-        _check_against_torch(scores, lens, naive.torch_topk(scores, lens, k), k)
+        by_torch = naive.torch_topk(scores, lens, k)
+        _check_against_torch(scores, lens, by_torch, k)
+        assert torch.equal(by_torch.sort(dim=1).values, radix.sort(dim=1).values)  # the same tie rule
         # the tie rule: ascending positions, lowest positions kept among threshold ties
         valid = radix >= 0
         assert bool((radix[:, 1:][valid[:, 1:]] > radix[:, :-1][valid[:, 1:]]).all())
@@ -55,8 +57,21 @@ def test_references_match_torch_topk(n):
 
 def test_tie_rule_keeps_lowest_positions():
     scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 3.0]])
-    got = naive.radix_topk(scores, torch.tensor([6], dtype=torch.int32), 3)
-    assert got.tolist() == [[1, 2, 4]]
+    lens = torch.tensor([6], dtype=torch.int32)
+    assert naive.radix_topk(scores, lens, 3).tolist() == [[1, 2, 4]]
+    assert naive.torch_topk(scores, lens, 3).tolist() == [[1, 2, 4]]
+
+
+def test_torch_engine_choice_does_not_depend_on_the_row_width():
+    """The same query's scores in a wider row (more columns past its length, as when its step holds
+    longer requests) select the same positions: DSA's choice does not depend on the step's batch."""
+    g = torch.Generator().manual_seed(0)
+    row = torch.randint(0, 3, (1, 300), generator=g).float()  # heavy ties, as the indexer's ReLU zeros
+    lens = torch.tensor([300], dtype=torch.int32)
+    narrow = naive.torch_topk(row, lens, 64)
+    for width in (301, 512, 4096):
+        wide = torch.cat([row, torch.randn(1, width - 300, generator=g)], dim=1)
+        assert torch.equal(naive.torch_topk(wide, lens, 64).sort().values, narrow.sort().values)
 
 
 @pytest.mark.parametrize("n,k", [(1, 128), (300, 128), (2049, 2048), (9295, 512), (131072, 2048)])

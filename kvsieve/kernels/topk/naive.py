@@ -10,8 +10,9 @@ Contract shared by every engine (``torch``, ``radix``, ``gvr`` and the CuTe-DSL 
 * The selected *value multiset* equals ``torch.topk(scores[r, :n], min(k, n))``'s.
 * ``radix`` and ``gvr`` (kernel and reference) are deterministic: positions come out in
   ascending order, and among entries equal to the k-th largest value the lowest positions are
-  kept (tie rule). ``-0.0`` and ``+0.0`` are one value. The ``torch`` engine breaks ties as
-  ``torch.topk`` does and returns positions in that order.
+  kept (tie rule). ``-0.0`` and ``+0.0`` are one value. The ``torch`` engine keeps the same
+  positions (in descending score order). So no engine's choice depends on the row's width: a query
+  selects the same positions whatever else shares its step (chunked prefill, batching).
 """
 from __future__ import annotations
 

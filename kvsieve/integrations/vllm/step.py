@@ -40,7 +40,13 @@ from .config import WorkerRanks
 from .host import HostAttention, native_runs_attention, per_head_block_tables, token_runs
 from .state_check import StateCheck
 
-__all__ = ["VllmStep", "StepTranslator", "LayerRunner", "dense_context_rows"]
+__all__ = ["VllmStep", "StepTranslator", "LayerRunner", "SelectorFailed", "dense_context_rows"]
+
+
+class SelectorFailed(RuntimeError):
+    """A selector's hook raised inside a vLLM worker: names the selector, the layer, the worker and
+    the exception (chained as ``__cause__``), so the engine ends with it rather than an anonymous
+    traceback from inside the model's forward."""
 
 _RUN_ROWS = 512  # query rows per runs call on a selecting prompt: its runs take rows x selected x Hkv entries
 
@@ -284,13 +290,21 @@ class LayerRunner:
         """The plan's selector on this step (:func:`~kvsieve.sparse.selector_step.run_selector`, the
         steps kvsieve's own layer runs after its K/V write; vLLM wrote the K/V) -> its validated answer
         placed in the step's rows, ``None`` = dense. ``model_inputs``: what the selector declares it
-        reads per step (checked as kvsieve's layer checks them). A selector that evicts is refused."""
+        reads per step (checked as kvsieve's layer checks them). A selector that evicts is refused; one
+        whose hooks raise is :class:`SelectorFailed`."""
         check_model_inputs(self.layer_idx, self.plan, model_inputs)
         if self.plan is None:
             return None
         inputs = selector_inputs(q, k, v, md, layer_idx=self.layer_idx, geometry=self.geometry, plan=self.plan,
                                  model_inputs=model_inputs)
-        selection = run_selector(self.plan, inputs)
+        try:
+            selection = run_selector(self.plan, inputs)
+        except Exception as e:
+            r = self.ranks
+            raise SelectorFailed(
+                f"kvsieve vLLM plug-in: selector {self.plan.selector.name!r} raised in layer {self.layer_idx} (worker "
+                f"tensor-parallel rank {r.tp_rank} of {r.tp_size}, pipeline stage {r.pp_rank} of {r.pp_size}): "
+                f"{type(e).__name__}: {e}") from e
         if self.state_check is not None:
             self.state_check.check(self.plan.selector, inputs)
         if selection.kept is not None:

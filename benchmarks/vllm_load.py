@@ -1,7 +1,7 @@
 """The plug-in under load in vLLM's offline engine: preemption, aborts, block reuse and prefix-cache
 eviction, every finished request's greedy tokens compared with the same request run alone.
 
-    python benchmarks/vllm_load.py [--model smollm2] [--requests 48] [--modes 'own;dense;quest;dsa']
+    python benchmarks/vllm_load.py [--model smollm2] [--requests 32] [--modes 'own;dense;quest;dsa']
                                    [--kv-blocks 24] [--check-state] [--out bench_out]
 
 Runs in the vLLM virtual environment (docs/vllm.md). One engine process per mode (the plug-in is
@@ -50,12 +50,13 @@ from benchmarks._timing import cpu_isa, load_averages  # noqa: E402
 
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
 NUM_LAYERS, HIDDEN = 30, 576  # SmolLM2-135M
-# the selector modes: Quest on 16-token pages (4 of them, against up to ~20 per request), DSA keeping
-# 64 tokens (a random indexer, {projections}) with fp32 index keys, and with its default bf16 keys:
-# rounding a key to bf16 turns a last-bit difference of a hidden state between a batched step and a
-# lone one into a whole bf16 step, which can swap two near-tied tokens at the top-k boundary
-# (docs/results/vllm_load.md)
-SELECTORS = {"quest": "quest:budget=64,page_size=16",
+# the selector modes: Quest on 16-token pages (4 of them, against up to ~20 per request) and DSA keeping
+# 64 tokens (a random indexer, {projections}), with their state in fp32, and with their default bf16
+# (page summaries, index keys): rounding to bf16 turns a last-bit difference of a key or hidden state
+# between a batched step and a lone one into a whole bf16 step, which can swap two near-tied pages or
+# tokens at the top-k boundary (docs/results/vllm_load.md)
+SELECTORS = {"quest": "quest:budget=64,page_size=16,summary_dtype=float32",
+             "quest-bf16": "quest:budget=64,page_size=16",
              "dsa": "dsa:projections={projections},index_topk=64,index_k_dtype=float32",
              "dsa-bf16": "dsa:projections={projections},index_topk=64"}
 
@@ -240,8 +241,9 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 or a checkpoint folder (SmolLM2's geometry)")
     ap.add_argument("--modes", default="own;dense;quest;dsa",
-                    help="';'-separated: own, dense, quest, dsa, dsa-bf16 (SELECTORS) or a KVSIEVE_SELECTOR string")
-    ap.add_argument("--requests", type=int, default=48)
+                    help="';'-separated: own, dense, quest, quest-bf16, dsa, dsa-bf16 (SELECTORS) or a KVSIEVE_SELECTOR "
+                         "string")
+    ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--suffix-tokens", default="16,160", help="LO,HI: each prompt's own tokens after its prefix")
     ap.add_argument("--max-tokens", default="16,48", help="LO,HI: tokens each request generates")
@@ -319,9 +321,9 @@ def main() -> None:
     for mode in args.modes.split(";"):
         before = load_averages()
         t0 = time.monotonic()
-        res = run_mode(model, mode_spec(mode, workdir), args, workdir, check_state=args.check_state,
-                       timeout=args.time_limit * 3 + 600)
-        row = {"mode": mode, **res["figures"], "mismatches": len(mismatches(res)), "wall_s": round(time.monotonic() - t0),
+        spec = mode_spec(mode, workdir)
+        res = run_mode(model, spec, args, workdir, check_state=args.check_state, timeout=args.time_limit * 3 + 600)
+        row = {"mode": mode, "spec": spec, **res["figures"], "mismatches": len(mismatches(res)), "wall_s": round(time.monotonic() - t0),
                "rss_mib_first": round(res["rss_mib"][0][1]), "rss_mib_peak": round(max(r for _, r in res["rss_mib"])),
                "load_before": before, "load_after": load_averages(), "check_state": args.check_state,
                "bad": mismatches(res), "rss_mib": res["rss_mib"]}

@@ -3,9 +3,9 @@
 SmolLM2-135M in fp32, a KV cache of 16 blocks of 32 tokens, at most 4 running requests and 64
 batched tokens per step (chunked prefill), prefix caching on.
 
-For vLLM's own attention, dense through the plug-in, Quest and DSA (a random indexer, fp32 index
-keys: with bf16 keys a last-bit difference of a hidden state between a batched and a lone step can
-swap two near-tied tokens, see ``SELECTORS`` in the benchmark): every
+For vLLM's own attention, dense through the plug-in, Quest and DSA (a random indexer), their state
+in fp32 (with bf16 page summaries or index keys a last-bit difference between a batched and a lone
+step can swap two near-tied pages or tokens: ``SELECTORS`` in the benchmark): every
 finished request's greedy tokens equal the same request run alone (and an aborted request's
 tokens are the start of its alone run); and the load really happened: vLLM preempted requests,
 requests were aborted mid-decode, blocks were handed out again and cached prefix blocks were

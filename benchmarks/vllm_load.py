@@ -102,16 +102,19 @@ def _rss_mib() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-class BlockCounters:
-    """Wraps vLLM's ``BlockPool`` (engine core in this process) to count what vLLM 0.32 does not:
-    cached blocks evicted (``_maybe_evict_cached_block`` returning True: a hash removed so the block
-    can hold other tokens), blocks handed out (``get_new_blocks``) and, of those, blocks handed out
-    again after an earlier allocation."""
+class EngineCounters:
+    """Wraps vLLM's engine core (in this process) to count what vLLM 0.32 does not: on its
+    ``BlockPool``, cached blocks evicted (``_maybe_evict_cached_block`` returning True: a hash removed
+    so the block can hold other tokens), blocks handed out (``get_new_blocks``) and, of those, blocks
+    handed out again after an earlier allocation; on its scheduler, which request each preemption
+    hit and how many tokens it had generated then (``_preempt_request``; their number is vLLM's own
+    ``vllm:num_preemptions``)."""
 
-    def __init__(self, pool) -> None:  # noqa: ANN001 (vLLM's BlockPool)
+    def __init__(self, pool, scheduler) -> None:  # noqa: ANN001 (vLLM's BlockPool and Scheduler)
         self.evictions = self.allocated = self.reused = 0
+        self.preempted: list[tuple[str, int]] = []
         self._seen: set[int] = set()
-        evict, new_blocks = pool._maybe_evict_cached_block, pool.get_new_blocks
+        evict, new_blocks, preempt = pool._maybe_evict_cached_block, pool.get_new_blocks, scheduler._preempt_request
 
         def counting_evict(block) -> bool:  # noqa: ANN001
             evicted = evict(block)
@@ -126,7 +129,12 @@ class BlockCounters:
             self._seen |= ids
             return blocks
 
+        def logging_preempt(request, *args, **kwargs) -> None:  # noqa: ANN001
+            self.preempted.append((request.request_id, request.num_output_tokens))
+            return preempt(request, *args, **kwargs)
+
         pool._maybe_evict_cached_block, pool.get_new_blocks = counting_evict, counting_new
+        scheduler._preempt_request = logging_preempt
 
 
 def _metric(llm, name: str) -> float:  # noqa: ANN001
@@ -150,7 +158,8 @@ def run_load(args: argparse.Namespace) -> dict:
               enable_chunked_prefill=True, enable_prefix_caching=True, disable_log_stats=False,
               kv_cache_memory_bytes=args.kv_blocks * BLOCK_SIZE * args.kv_bytes_per_token)
     engine = llm.llm_engine
-    counters = BlockCounters(engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool)
+    scheduler = engine.engine_core.engine_core.scheduler
+    counters = EngineCounters(scheduler.kv_cache_manager.block_pool, scheduler)
     params = {r.rid: SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in work}
     rss = [(0, _rss_mib())]
 
@@ -186,6 +195,7 @@ def run_load(args: argparse.Namespace) -> dict:
                "prefix_cache_hit_tokens": int(_metric(llm, "vllm:prefix_cache_hits")),
                "aborts": len(aborted), "finished": len(finished), "evictions": counters.evictions,
                "blocks_allocated": counters.allocated, "blocks_reused": counters.reused,
+               "preempted_decoding": sum(n > 0 for _, n in counters.preempted),
                "kv_blocks": int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)}
 
     alone: dict[str, list[int]] = {}
@@ -204,7 +214,8 @@ def run_load(args: argparse.Namespace) -> dict:
     return {"figures": figures, "rss_mib": rss, "requests": [
         {**{k: v for k, v in asdict(r).items() if k != "prompt"}, "prompt_len": len(r.prompt),
          "load": tokens.get(r.rid, []),
-         "alone": alone[r.rid], "finished": r.rid in finished, "aborted": r.rid in aborted} for r in work]}
+         "alone": alone[r.rid], "finished": r.rid in finished, "aborted": r.rid in aborted,
+         "preempted_after": [n for rid, n in counters.preempted if rid == r.rid]} for r in work]}
 
 
 def mismatches(result: dict) -> list[str]:

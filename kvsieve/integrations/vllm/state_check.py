@@ -29,7 +29,9 @@ is checked, per selector:
 
 The check only reads: the pools, the cache and the selector's outputs are left as they were (the DSA
 projections run once more on the step's hidden state). It costs a gather of every key of the step's
-requests per layer and step: a debug and test option, off by default.
+requests per layer and step: a debug and test option, off by default. With it on, every layer step
+of a selector takes :class:`~.step.LayerRunner` (the one-call native decode path is off,
+:meth:`~.state.PluginState.decode_path`), so the state checked is what the selector's hooks wrote.
 """
 from __future__ import annotations
 

@@ -39,6 +39,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from .host import PerHeadTables
 from .layer_checks import refuse_features, refusing_backend, worker_ranks
 from .layouts import kv_views
+from .request_settings import row_settings
 from .state import PluginState, plugin_state
 from .step import VllmStep
 
@@ -58,7 +59,8 @@ class KvsieveCPUAttentionMetadata(CPUAttentionMetadata):
 
 class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM's builder with the KV write kept in a layout kvsieve can view (``vec``/``vec16``); its
-    metadata also carries the step's tables on the host (:class:`KvsieveCPUAttentionMetadata`)."""
+    metadata also carries the step's tables on the host and each row's per-request setting
+    (:class:`KvsieveCPUAttentionMetadata`, :func:`.request_settings.row_settings`)."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:  # noqa: ANN001 (vLLM's signature)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -70,7 +72,8 @@ class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False  # noqa: ANN001
               ) -> KvsieveCPUAttentionMetadata:
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        step = VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens)
+        step = VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens,
+                                     settings=row_settings(md.seq_lens.shape[0]))
         return KvsieveCPUAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, step=step)
 
 

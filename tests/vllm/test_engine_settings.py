@@ -1,0 +1,59 @@
+"""Sparsity per request inside vLLM's offline engine (vLLM venv, SmolLM2-135M, fp32): requests of
+one batch carry different budgets, ``dense`` and a budget covering the whole context; each request's
+greedy tokens equal the same prompt run with its setting as the process default; settings the
+process's selector cannot honour are refused by name at admission and the engine serves the batch
+after them. The settings reach the layers through the ``vllm.logits_processors`` entry point
+(docs/vllm.md, "Per-request settings")."""
+from __future__ import annotations
+
+import json
+from importlib.metadata import entry_points
+
+import pytest
+
+pytest.importorskip("vllm.platforms", reason="vLLM is not installed (it runs in its own venv, see .ci/run)")
+
+from test_engine import _run_engine, model_dir  # noqa: E402,F401 (model_dir: the fixture)
+
+PROCESS = "quest:budget=48,page_size=16"
+ARGS = ("--prompt-tokens", "300", "--max-tokens", "12", "--dtype", "float32")
+# one request each, cycling through run_engine's prompts: two short ones and the 300-token one (index 2)
+SETTINGS = [None, "dense=true", None, "budget=32", {"budget": 64}, "budget=32", {"dense": True}, None, {"budget": 64},
+            "budget=2048", "budget=32", "dense=true", "budget=48", "budget=2048", "budget=2048"]
+# the process default each setting equals ("budget=48" is the default itself; 2048 covers every context)
+ALONE = {None: PROCESS, "budget=48": PROCESS, "budget=32": "quest:budget=32,page_size=16",
+         '{"budget": 64}': "quest:budget=64,page_size=16", "dense=true": "dense", '{"dense": true}': "dense",
+         "budget=2048": "dense"}
+REFUSED = {"page_size=32": "field 'page_size' is a field of selector 'quest' fixed for the process",
+           "budget=8": "field 'budget': quest.budget: a budget of 8 tokens is not a whole number",
+           "index_topk=64": "field 'index_topk' is not a per-request field",
+           "budget=abc": "field 'budget' must be a whole number of tokens"}
+
+
+def _key(setting: object) -> object:
+    return setting if setting is None or isinstance(setting, str) else json.dumps(setting)
+
+
+def test_settings_processor_entry_point_is_installed():
+    found = [e.value for e in entry_points(group="vllm.logits_processors") if "kvsieve" in e.value]
+    assert found == ["kvsieve.integrations.vllm.settings_processor:KvsieveRequestSettings"], (
+        "kvsieve's vllm.logits_processors entry point is not installed in this venv: pip install --no-deps -e . "
+        f"(.ci/run does); found {found}")
+
+
+def test_each_request_equals_its_setting_run_as_the_process_default(model_dir, tmp_path):  # noqa: F811
+    mixed = _run_engine(model_dir, tmp_path / "mixed.json", *ARGS, "--settings", json.dumps(SETTINGS),
+                        *(a for r in REFUSED for a in ("--refused", r)), KVSIEVE_SELECTOR=PROCESS)
+    for (setting, message), error in zip(REFUSED.items(), mixed["refused"]):
+        assert error is not None and message in error, (setting, error)
+    alone = {spec: _run_engine(model_dir, tmp_path / f"alone{i}.json", *ARGS, KVSIEVE_SELECTOR=spec)
+             for i, spec in enumerate(sorted(set(ALONE.values())))}
+    # on the long prompt every other setting gives tokens other than the process default's (and budget 32 other
+    # than dense), so a setting that did not reach its rows would show
+    long_prompt = {spec: run["tokens"][2] for spec, run in alone.items()}
+    assert all(t != long_prompt[PROCESS] for spec, t in long_prompt.items() if spec != PROCESS), long_prompt
+    assert long_prompt["quest:budget=32,page_size=16"] != long_prompt["dense"]
+    assert len(mixed["tokens"]) == len(SETTINGS)
+    for i, setting in enumerate(SETTINGS):
+        want = alone[ALONE[_key(setting)]]["tokens"][i % 3]
+        assert mixed["tokens"][i] == want, (i, setting, ALONE[_key(setting)])

@@ -13,7 +13,10 @@ import pytest
 
 pytest.importorskip("vllm.platforms", reason="vLLM is not installed (it runs in its own venv, see .ci/run)")
 
-from test_engine import _run_engine, model_dir  # noqa: E402,F401 (model_dir: the fixture)
+import test_engine  # noqa: E402
+from test_engine import _run_engine  # noqa: E402
+
+model_dir = test_engine.model_dir  # the SmolLM2 checkpoint fixture
 
 PROCESS = "quest:budget=48,page_size=16"
 ARGS = ("--prompt-tokens", "300", "--max-tokens", "12", "--dtype", "float32")
@@ -41,7 +44,7 @@ def test_settings_processor_entry_point_is_installed():
         f"(.ci/run does); found {found}")
 
 
-def test_each_request_equals_its_setting_run_as_the_process_default(model_dir, tmp_path):  # noqa: F811
+def test_each_request_equals_its_setting_run_as_the_process_default(model_dir, tmp_path):
     mixed = _run_engine(model_dir, tmp_path / "mixed.json", *ARGS, "--settings", json.dumps(SETTINGS),
                         *(a for r in REFUSED for a in ("--refused", r)), KVSIEVE_SELECTOR=PROCESS)
     for (setting, message), error in zip(REFUSED.items(), mixed["refused"]):

@@ -61,6 +61,24 @@ def test_request_settings_refused_without_a_selector():
         parse_request_setting("budget=32", hints)
 
 
+def test_worker_state_refuses_speculative_decoding():
+    """vLLM builds no custom logits processor with speculative decoding, so settings could not
+    reach the layers: the worker's state refuses it at start-up, by name."""
+    from types import SimpleNamespace
+
+    from kvsieve.integrations.vllm.state import PluginState
+
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=256, hf_config=SimpleNamespace(num_hidden_layers=2)),
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=256),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
+        speculative_config=None)
+    assert PluginState(QUEST, vllm_config, torch.device("cpu")).plans[0] is not None
+    vllm_config.speculative_config = SimpleNamespace(method="ngram")
+    with pytest.raises(NotImplementedError, match="speculative decoding is not supported"):
+        PluginState(QUEST, vllm_config, torch.device("cpu"))
+
+
 def test_batch_settings_follow_removals_additions_and_moves():
     table, a, b = BatchSettings(), BUDGET_32, RequestSetting(dense=True)
     assert table.rows(3) is None

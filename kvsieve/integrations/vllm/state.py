@@ -49,6 +49,11 @@ class PluginState:
                     f"kvsieve vLLM plug-in: {name}={getattr(parallel, name)} is not supported: context parallelism "
                     "spreads one request's tokens over several workers' caches, and a selector here sees one "
                     "worker's cache only; use tensor or pipeline parallelism")
+        if getattr(vllm_config, "speculative_config", None) is not None:
+            raise NotImplementedError(
+                "kvsieve vLLM plug-in: speculative decoding is not supported: vLLM then builds no custom logits "
+                "processor, so per-request kvsieve settings would not reach the layers (docs/vllm.md, per-request "
+                "settings)")
         self.config = config
         self.device = device
         self.ranks = ranks

@@ -24,7 +24,9 @@ kinds drawn with a fixed seed, :data:`KINDS`):
 Every request has a timeout, the run a deadline (``--deadline-s``). The sum of the resident memory
 (``VmRSS``) of the server process and its descendants (the engine core) is sampled every
 ``--sample-every`` finished requests; growth = (median of the last three samples) / (median of the
-samples in the 100 requests after ``--warmup``) - 1. The benchmark prints the summary and a
+samples in the 100 requests after ``--warmup``) - 1, with each process's growth in MiB beside it.
+``--selector own`` runs the same load on vLLM's own attention without the plug-in (valid requests
+carry no setting; bad settings must be refused as "plug-in is not enabled"), for comparison. The benchmark prints the summary and a
 markdown table, writes them to ``--out/vllm_server_load-<UTC time>.json`` and exits 1 when a
 request was lost, crashed the server or differs from its reference, a refusal does not name its
 field, or memory grew by more than ``--max-growth`` (5%).
@@ -96,16 +98,16 @@ class Outcome:
     seconds: float = 0.0
 
 
-def plan(num_requests: int, seed: int = 0) -> list[Request]:
+def plan(num_requests: int, seed: int = 0, settings: list[str | None] = SETTINGS) -> list[Request]:
     """``num_requests`` requests of kinds drawn by :data:`KINDS`'s weights (fixed ``seed``), at least
-    one of each kind when there are as many requests as kinds."""
+    one of each kind when there are as many requests as kinds; valid requests take one of ``settings``."""
     rng = random.Random(seed)
     kinds = list(KINDS) + rng.choices(list(KINDS), weights=list(KINDS.values()), k=max(0, num_requests - len(KINDS)))
     kinds = kinds[:num_requests]
     rng.shuffle(kinds)
     bad = list(BAD_SETTINGS)
     return [Request(i, k, prompt=rng.randrange(len(PROMPTS)),
-                    setting=rng.choice(bad) if k == "bad_setting" else rng.choice(SETTINGS), variant=rng.randrange(4))
+                    setting=rng.choice(bad) if k == "bad_setting" else rng.choice(settings), variant=rng.randrange(4))
             for i, k in enumerate(kinds)]
 
 
@@ -177,8 +179,9 @@ def send(host: str, port: int, req: Request, max_tokens: int, timeout: float = R
     return out
 
 
-def tree_rss_bytes(pid: int) -> int:
-    """The resident memory (``VmRSS``) of process ``pid`` and all its descendants, summed, in bytes."""
+def tree_rss_bytes(pid: int) -> dict[str, int]:
+    """The resident memory (``VmRSS``, bytes) of process ``pid`` and each of its descendants, by
+    ``"<pid> <name>"`` (the server's API process, its engine core)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -188,17 +191,16 @@ def tree_rss_bytes(pid: int) -> int:
                 continue
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
             children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
+    found, todo = {}, [pid]
     while todo:
         p = todo.pop()
         todo.extend(children.get(p, []))
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines())
         except OSError:
             continue
-    return total
+        found[f"{p} {status['Name'].strip()}"] = int(status.get("VmRSS", "0 kB").split()[0]) * 1024
+    return found
 
 
 def _free_port() -> int:
@@ -208,8 +210,10 @@ def _free_port() -> int:
 
 
 @contextmanager
-def served(model: str, selector: str, log: Path, *, max_num_seqs: int = 8) -> Iterator[tuple[int, subprocess.Popen]]:
-    """vLLM's OpenAI-compatible server on 127.0.0.1 with ``KVSIEVE_SELECTOR=selector`` (fp32, eager,
+def served(model: str, selector: str | None, log: Path, *, max_num_seqs: int = 8
+           ) -> Iterator[tuple[int, subprocess.Popen]]:
+    """vLLM's OpenAI-compatible server on 127.0.0.1 with ``KVSIEVE_SELECTOR=selector`` (``None``:
+    without the plug-in, vLLM's own attention; fp32, eager,
     one OpenMP thread unless the environment sets one), ready (``/health``) within
     :data:`START_TIMEOUT_S`; yields ``(port, process)`` and stops the server's process group after."""
     port = _free_port()
@@ -218,7 +222,9 @@ def served(model: str, selector: str, log: Path, *, max_num_seqs: int = 8) -> It
            "--max-num-seqs", str(max_num_seqs), "--distributed-executor-backend", "uni",
            "--served-model-name", "served", "--disable-uvicorn-access-log"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSIEVE_") or k == "KVSIEVE_CACHE"}
-    env.update(KVSIEVE_SELECTOR=selector, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+    if selector is not None:
+        env["KVSIEVE_SELECTOR"] = selector
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
                VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -251,11 +257,11 @@ def healthy(port: int) -> bool:
         conn.close()
 
 
-def references(port: int, max_tokens: int) -> dict[tuple[int, str | None], str]:
+def references(port: int, max_tokens: int, settings: list[str | None] = SETTINGS) -> dict[tuple[int, str | None], str]:
     """Every (prompt, setting) pair's greedy text, one request at a time (non-streaming)."""
     refs = {}
     for p in range(len(PROMPTS)):
-        for s in SETTINGS:
+        for s in settings:
             out = send("127.0.0.1", port, Request(-1, "complete", p, s), max_tokens)
             if out.status != 200:
                 raise RuntimeError(f"reference of prompt {p} with setting {s!r} failed: {out.status} {out.message}")
@@ -265,10 +271,11 @@ def references(port: int, max_tokens: int) -> dict[tuple[int, str | None], str]:
 
 @dataclass
 class LoadRun:
-    """Outcomes of a load run and the memory samples ``(finished requests, seconds, RSS bytes)``."""
+    """Outcomes of a load run and the memory samples ``(finished requests, seconds, RSS bytes by
+    process)``."""
 
     outcomes: list[Outcome] = field(default_factory=list)
-    rss: list[tuple[int, float, int]] = field(default_factory=list)
+    rss: list[tuple[int, float, dict[str, int]]] = field(default_factory=list)
 
 
 def run_load(port: int, server_pid: int, requests: list[Request], *, clients: int, max_tokens: int,
@@ -296,10 +303,11 @@ def run_load(port: int, server_pid: int, requests: list[Request], *, clients: in
     return run
 
 
-def judge(run: LoadRun, refs: dict[tuple[int, str | None], str]) -> dict:
+def judge(run: LoadRun, refs: dict[tuple[int, str | None], str], plugin: bool = True) -> dict:
     """Counts per outcome and every problem: a valid request that failed or differs from its reference,
-    a refusal that does not name its field (or a bad request served), a malformed or over-long one
-    not refused with a 4xx, a cancelled stream that never started."""
+    a refusal that does not name its field (without the plug-in: that it is not enabled) or a bad
+    request served, a malformed or over-long one not refused with a 4xx, a cancelled stream that
+    never started."""
     problems, counts = [], dict.fromkeys(("served", "refused_setting", "refused_malformed", "refused_overlong",
                                           "cancelled"), 0)
     mismatches = 0
@@ -320,7 +328,7 @@ def judge(run: LoadRun, refs: dict[tuple[int, str | None], str]) -> dict:
             else:
                 problems.append(f"request {r.index} (cancel) did not stream: {o.status} {o.message[:200]}")
         elif r.kind == "bad_setting":
-            named = f"'{BAD_SETTINGS[r.setting]}'" in o.message
+            named = f"'{BAD_SETTINGS[r.setting]}'" in o.message if plugin else "plug-in is not enabled" in o.message
             if o.status == 400 and named:
                 counts["refused_setting"] += 1
             else:
@@ -334,22 +342,28 @@ def judge(run: LoadRun, refs: dict[tuple[int, str | None], str]) -> dict:
     return {"requests": len(run.outcomes), **counts, "mismatches": mismatches, "problems": problems}
 
 
-def rss_growth(rss: list[tuple[int, float, int]], warmup: int) -> dict:
-    """Baseline: median RSS of the samples taken in the 100 requests after ``warmup`` finished ones;
-    final: median of the last three samples; growth = final / baseline - 1."""
-    base = [b for n, _, b in rss if warmup <= n <= warmup + 100]
+def rss_growth(rss: list[tuple[int, float, dict[str, int]]], warmup: int) -> dict:
+    """Of the summed RSS: baseline, the median of the samples taken in the 100 requests after
+    ``warmup`` finished ones; final, the median of the last three samples; growth = final / baseline
+    - 1 (also per process)."""
+    total = [(n, s, sum(b.values())) for n, s, b in rss]
+    base = [b for n, _, b in total if warmup <= n <= warmup + 100]
     if not base or len(rss) < 3 or rss[-1][0] <= warmup + 100:
         raise ValueError(f"memory growth needs samples past warm-up + 100 = {warmup + 100} requests; "
                          f"the run has {rss[-1][0]}")
-    baseline, final = statistics.median(base), statistics.median(b for _, _, b in rss[-3:])
+    baseline, final = statistics.median(base), statistics.median(b for _, _, b in total[-3:])
+    after = next(b for n, _, b in rss if n >= warmup)
+    per_process = {name: round((rss[-1][2].get(name, 0) - mib) / 2**20, 1) for name, mib in after.items()}
     return {"warmup": warmup, "baseline_mib": round(baseline / 2**20, 1), "final_mib": round(final / 2**20, 1),
-            "max_mib": round(max(b for _, _, b in rss) / 2**20, 1), "growth_pct": round(100 * (final / baseline - 1), 2)}
+            "max_mib": round(max(b for _, _, b in total) / 2**20, 1), "growth_pct": round(100 * (final / baseline - 1), 2),
+            "growth_mib_by_process": per_process}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--selector", default="quest:budget=64,page_size=16")
+    ap.add_argument("--selector", default="quest:budget=64,page_size=16",
+                    help="KVSIEVE_SELECTOR of the server, or 'own' (no plug-in: vLLM's own attention, no settings)")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -366,19 +380,22 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     print(f"CPU: {cpu_isa()}; load average before: {load_averages()}", flush=True)
-    with served(model_dir(args.model), args.selector, out_dir / f"vllm_server_load-{stamp}.log") as (port, proc):
+    plugin = args.selector != "own"
+    settings = SETTINGS if plugin else [None]
+    with served(model_dir(args.model), args.selector if plugin else None,
+                out_dir / f"vllm_server_load-{stamp}.log") as (port, proc):
         t0 = time.monotonic()
-        refs = references(port, args.max_tokens)
+        refs = references(port, args.max_tokens, settings)
         print(f"{len(refs)} references in {time.monotonic() - t0:.0f} s", flush=True)
-        run = run_load(port, proc.pid, plan(args.requests, args.seed), clients=args.clients,
+        run = run_load(port, proc.pid, plan(args.requests, args.seed, settings), clients=args.clients,
                        max_tokens=args.max_tokens, sample_every=args.sample_every, deadline_s=args.deadline_s)
         alive = healthy(port) and send("127.0.0.1", port, Request(-1, "complete", 0, None), args.max_tokens).text \
             == refs[(0, None)]
-    summary = judge(run, refs)
+    summary = judge(run, refs, plugin)
     memory = rss_growth(run.rss, args.warmup)
     result = {"args": vars(args), "date": stamp, "cpu": cpu_isa(), "load_average_after": load_averages(),
               "wall_s": round(time.monotonic() - t0, 1), "server_alive_after": alive, **summary, "memory": memory,
-              "rss_samples": [(n, s, round(b / 2**20, 1)) for n, s, b in run.rss],
+              "rss_samples": [(n, s, {k: round(v / 2**20, 1) for k, v in b.items()}) for n, s, b in run.rss],
               "kinds": {k: sum(o.request.kind == k for o in run.outcomes) for k in KINDS},
               "seconds_median": {k: round(statistics.median([o.seconds for o in run.outcomes if o.request.kind == k]), 2)
                                  for k in KINDS if any(o.request.kind == k for o in run.outcomes)}}

@@ -53,7 +53,7 @@ def main() -> None:
     if args.max_num_batched_tokens:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=not args.dynamo_eager,
-              max_num_seqs=4, seed=0, distributed_executor_backend="mp" if parallel else "uni",
+              max_num_seqs=4, seed=0, disable_log_stats=False, distributed_executor_backend="mp" if parallel else "uni",
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
               attention_config={"backend": args.attention_backend} if args.attention_backend else None, **extra)
     tok = llm.get_tokenizer()
@@ -79,7 +79,8 @@ def main() -> None:
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs],
-              "prompt_lens": [len(o.prompt_token_ids) for o in outs], "generate_s": wall, "refused": refused}
+              "prompt_lens": [len(o.prompt_token_ids) for o in outs], "generate_s": wall, "refused": refused,
+              "preemptions": sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")}
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f)
 

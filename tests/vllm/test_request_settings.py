@@ -92,12 +92,21 @@ def test_batch_settings_follow_removals_additions_and_moves():
     assert table.rows(3) == (None, None, b) and table.rows(2) is None
 
 
-HKV, G, D, P, BLOCKS = 2, 2, 32, 16, 96
+HKV, G, D, P, BLOCKS, HIDDEN = 2, 2, 32, 16, 96, 48
 # per step: (request, query tokens), in vLLM's order (decode rows first, a new prompt mixed in)
 STEPS = [((0, 1, 2, 3), (100, 80, 60, 90)), ((3, 1, 0, 2), (1, 1, 1, 1)), ((2, 0, 4, 1, 3), (1, 1, 50, 1, 1)),
          ((0, 1, 2, 3, 4), (1, 1, 1, 1, 1)), ((4, 3, 2, 1, 0), (1, 1, 1, 1, 1))]
-SETTINGS = {0: None, 1: BUDGET_32, 2: RequestSetting(dense=True), 3: BUDGET_32,
-            4: RequestSetting(knob=(("budget", 48),))}
+DENSE = RequestSetting(dense=True)
+# (process selector, its budget in tokens, the budget knob's unit in tokens, the settings of requests 0-4):
+# Quest selects decode rows only; DSA (fed each token's hidden state) selects prompt rows too, so a dense
+# request's prompt rows sit beside selecting ones and list every position
+CASES = {
+    "quest": ("quest:budget=64,page_size=16,summary_dtype=float32", 64, P,
+              {0: None, 1: BUDGET_32, 2: DENSE, 3: BUDGET_32, 4: RequestSetting(knob=(("budget", 48),))}),
+    "dsa": ("dsa:index_topk=24,index_k_dtype=float32", 24, 1, {0: RequestSetting(knob=(("index_topk", 12),)), 1: None, 2: DENSE,
+                                         3: RequestSetting(knob=(("index_topk", 40),)),
+                                         4: RequestSetting(knob=(("index_topk", 12),))}),
+}
 
 
 class _Side:
@@ -114,48 +123,64 @@ class _Side:
             get_backend("torch").required_translations))
         geometry = AttentionGeometry(kind="gqa", num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D, sm_scale=D ** -.5)
         plan = lower_plans(config, num_layers=1, backend_name="torch")[0]
+        self.reads_hidden = plan is not None and plan.selector.model_inputs_type is not None
         self.runner = LayerRunner(layer_idx=0, geometry=geometry, plan=plan, backend=get_backend("torch"))
         self.per_request = per_request
 
-    def forward(self, step: VllmStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    def forward(self, step: VllmStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """vLLM-ordered q/k/v -> (out, attended per token row), vLLM's order."""
+        """vLLM-ordered q/k/v (and ``hidden [T, HIDDEN]``, fed to a selector reading it) -> (out,
+        attended per token row summed over the KV heads), vLLM's order."""
+        from kvsieve.selectors.dsa import IndexerInputs
+
         tr = self.translator
         tr.prepare(step if self.per_request else VllmStep(step.query_start_loc, step.seq_lens, step.block_table))
-        res = self.runner.forward(tr.to_kvsieve(q), tr.to_kvsieve(k), tr.to_kvsieve(v), tr)
+        fed = IndexerInputs(hidden=tr.to_kvsieve(hidden)) if self.reads_hidden else None
+        res = self.runner.forward(tr.to_kvsieve(q), tr.to_kvsieve(k), tr.to_kvsieve(v), tr, model_inputs=fed)
         out, attended = torch.empty_like(res.out), torch.empty(q.shape[0], dtype=torch.int64)
         tr.to_vllm(res.out, out)
         tr.to_vllm(res.attended.sum(1), attended)
         return out, attended
 
 
-def _config_of(setting: RequestSetting | None) -> PluginConfig:
+def _config_of(spec: str, setting: RequestSetting | None) -> PluginConfig:
     if setting is not None and setting.dense:
         return PluginConfig(sparse=None)
-    sparse = parse_selector_spec("quest:budget=64,page_size=16,summary_dtype=float32")
+    sparse = parse_selector_spec(spec)
     sparse.params.update(dict(setting.knob) if setting is not None else {})
     return PluginConfig(sparse=sparse)
 
 
-def test_rows_of_several_settings_equal_each_setting_run_as_the_process_default():
-    """Quest with budget 64 as the process default; in the same steps requests ask budget 32,
-    budget 48 and dense (a prompt arriving mid-decode too). Every request's rows equal the same
-    layer run with its setting as the process default, and the budget rows attend what their
-    budget allows (fewer positions than the default's rows of the same length would)."""
+@pytest.mark.parametrize("case", list(CASES))
+def test_rows_of_several_settings_equal_each_setting_run_as_the_process_default(case, tmp_path):
+    """In the same steps requests ask the process default, two other budgets and dense (a prompt
+    arriving mid-decode too). Every request's rows equal the same layer run with its setting as the
+    process default (fp32, 1e-5; the same positions read), and decode rows past their budget read
+    what it allows (dense rows every position)."""
+    from kvsieve.selectors.dsa.projections import IndexerProjections, save_projections
+
+    spec, default_budget, unit, settings = CASES[case]
+    if case == "dsa":  # random index projections (8 heads x 16, RoPE on 8 channels), as distill-indexer saves them;
+        # with fewer heads many index logits are exactly 0 (every head's ReLU off), and a top-k among such ties
+        # may pick differently in batches of other shapes
+        torch.manual_seed(3)
+        save_projections(str(tmp_path / "indexer.pt"), {0: IndexerProjections(HIDDEN, 8, 16, 8)})
+        spec += f",projections={tmp_path / 'indexer.pt'}"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         gen = torch.Generator().manual_seed(0)
         raw = torch.full((BLOCKS, HKV, P, 2 * D), float("nan"))
         k_view, v_view = kv_views("vllm-cpu", raw)
-        mixed = _Side(QUEST, raw, per_request=True)
-        alone = {s: _Side(_config_of(s), raw, per_request=False) for s in set(SETTINGS.values())}
-        blocks = {r: list(np.random.default_rng(r).permutation(np.arange(1 + 16 * r, 17 + 16 * r))) for r in SETTINGS}
-        lens = dict.fromkeys(SETTINGS, 0)
+        mixed = _Side(PluginConfig(sparse=parse_selector_spec(spec)), raw, per_request=True)
+        alone = {s: _Side(_config_of(spec, s), raw, per_request=False) for s in set(settings.values())}
+        blocks = {r: list(np.random.default_rng(r).permutation(np.arange(1 + 16 * r, 17 + 16 * r))) for r in settings}
+        lens = dict.fromkeys(settings, 0)
         checked = set()
         for rids, qlens in STEPS:
             t = sum(qlens)
             q, k, v = (torch.randn(t, h, D, generator=gen) for h in (HKV * G, HKV, HKV))
+            hidden = torch.randn(t, HIDDEN, generator=gen)
             rows = np.repeat(np.arange(len(rids)), qlens)
             for j, r in enumerate(rids):  # this step's K/V into each request's blocks (vLLM wrote them)
                 pos = np.arange(lens[r], lens[r] + qlens[j])
@@ -168,25 +193,26 @@ def test_rows_of_several_settings_equal_each_setting_run_as_the_process_default(
                 table[j] = blocks[r]
             step = VllmStep(np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32),
                             np.array([lens[r] for r in rids], dtype=np.int32), table,
-                            tuple(SETTINGS[r] for r in rids))
-            got, attended = mixed.forward(step, q, k, v)
+                            tuple(settings[r] for r in rids))
+            got, attended = mixed.forward(step, q, k, v, hidden)
             for s, side in alone.items():
-                want, want_attended = side.forward(step, q, k, v)
+                want, want_attended = side.forward(step, q, k, v, hidden)
                 for j, r in enumerate(rids):
-                    if SETTINGS[r] == s:
+                    if settings[r] == s:
                         torch.testing.assert_close(got[rows == j], want[rows == j], rtol=1e-5, atol=1e-5)
                         assert torch.equal(attended[rows == j], want_attended[rows == j])
                         checked.add((r, qlens[j] == 1))
-            for j, r in enumerate(rids):  # decode rows past the default's budget: at most what their budget allows
-                setting, kv_len = SETTINGS[r], lens[r]
-                if qlens[j] > 1 or kv_len <= 64:
+            for j, r in enumerate(rids):  # decode rows past their budget: at most what it allows
+                setting, kv_len = settings[r], lens[r]
+                budget = default_budget if setting is None else dict(setting.knob).get("budget", dict(
+                    setting.knob).get("index_topk"))
+                if qlens[j] > 1 or (budget is not None and kv_len <= budget):
                     continue
                 got_attended = int(attended[rows == j].sum())  # summed over the KV heads
                 if setting is not None and setting.dense:
                     assert got_attended == HKV * kv_len, r
                 else:
-                    budget = dict(setting.knob)["budget"] if setting is not None else 64
-                    assert HKV * (budget - P) < got_attended <= HKV * budget, (r, setting, got_attended)
-        assert checked == {(r, d) for r in SETTINGS for d in (False, True)}  # every request, prompt and decode
+                    assert HKV * (budget - unit) < got_attended <= HKV * budget, (r, setting, got_attended)
+        assert checked == {(r, d) for r in settings for d in (False, True)}  # every request, prompt and decode
     finally:
         torch.set_num_threads(threads)

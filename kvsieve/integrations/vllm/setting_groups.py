@@ -12,8 +12,8 @@ query rows. Per group (:func:`select_by_setting`), on the group's own metadata o
    positions into the per-block state, which lives once per process (Quest's page summaries, DSA's
    index keys, in the view's auxiliary pools) and is shared by every setting: each request's blocks
    are written once, by its own group; then the predictions;
-2. the selector is the process's own for default rows and, for a budget, the same selector with its
-   budget knob set (:func:`with_setting`: a shallow copy holding the same state objects); a
+2. the selector is the process's own for default rows and, for a budget, the same selector class
+   built with its budget knob set (:func:`with_setting`), which finds the same auxiliary pools; a
    ``dense`` group runs ``on_append`` only (its blocks stay in sync for whoever shares them);
 3. the answers placed in the step's rows and joined (segments concatenated in row order, offsets
    added); rows of a dense group (or of a group whose selector answers dense) select every unit up
@@ -21,10 +21,11 @@ query rows. Per group (:func:`select_by_setting`), on the group's own metadata o
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -37,16 +38,26 @@ __all__ = ["select_by_setting", "with_setting", "setting_groups", "RequestsMetad
 
 #: the metadata of a slice of a step's requests alone, over the same view
 RequestsMetadata = Callable[[slice], AttentionMetadata]
+#: budget variants kept per process selector (:func:`with_setting`)
+MAX_VARIANTS = 16
+_VARIANTS: WeakKeyDictionary[SparseSelector, OrderedDict[RequestSetting, SparseSelector]] = WeakKeyDictionary()
 
 
 def with_setting(selector: SparseSelector, setting: RequestSetting) -> SparseSelector:
-    """``selector`` with its budget knob set to ``setting.knob``: a shallow copy whose ``config`` is
-    replaced (checked by the config's ``__post_init__``) and whose every other attribute is the
-    process selector's own object, so per-block state is read, never duplicated. A selector served
-    per request reads its budget knob from ``self.config`` when it predicts (every built-in does)."""
-    variant = copy.copy(selector)
-    variant.config = dataclasses.replace(selector.config, **dict(setting.knob))
-    return variant
+    """``selector``'s class built on its config with the budget knob set to ``setting.knob`` (the
+    config's ``__post_init__`` checks it): the selector a process started with that budget would run.
+    Built once per (process selector, setting) and shared by the layers (the last
+    :data:`MAX_VARIANTS` settings kept). Per-block state lives in the cache's auxiliary pools, by
+    name and at the blocks' ids (Quest's page summaries, DSA's index keys), where a new instance finds
+    the same pools: it is never duplicated per setting. A selector served per request keeps its
+    per-block state there, as every built-in does."""
+    variants = _VARIANTS.setdefault(selector, OrderedDict())
+    if setting not in variants:
+        variants[setting] = type(selector)(dataclasses.replace(selector.config, **dict(setting.knob)))
+        if len(variants) > MAX_VARIANTS:
+            variants.popitem(last=False)
+    variants.move_to_end(setting)
+    return variants[setting]
 
 
 def setting_groups(settings: tuple[RequestSetting | None, ...], requests: slice) -> list[tuple[int, int]]:

@@ -48,6 +48,39 @@ def test_settings_processor_entry_point_is_installed():
         f"(.ci/run does); found {found}")
 
 
+def test_processor_follows_the_batch_and_changes_no_logit(monkeypatch):
+    """The logits processor alone: admission refuses by name, ``update_state`` keeps each batch row's
+    setting through vLLM's removals, additions and moves (the rows the metadata builder reads), and
+    the logits pass unchanged."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+    from kvsieve.integrations.vllm import settings_processor
+    from kvsieve.integrations.vllm.request_settings import RequestSetting, row_settings
+
+    monkeypatch.setenv("KVSIEVE_SELECTOR", PROCESS)
+    settings_processor._plugin_config.cache_clear()
+    try:
+        cls = settings_processor.KvsieveRequestSettings
+        with pytest.raises(ValueError, match="field 'page_size' is a field of selector 'quest'"):
+            cls.validate_params(SamplingParams(extra_args={"kvsieve": "page_size=32"}))
+        cls.validate_params(SamplingParams(extra_args={"kvsieve": "budget=32"}))
+        proc = cls(None, torch.device("cpu"), False)
+        params = [SamplingParams(extra_args=e) for e in ({"kvsieve": "budget=32"}, None, {"kvsieve": {"dense": True}})]
+        proc.update_state(BatchUpdate(3, removed=[], added=[(i, p, None, []) for i, p in enumerate(params)], moved=[]))
+        b32, dense = RequestSetting(knob=(("budget", 32),)), RequestSetting(dense=True)
+        assert row_settings(3) == (b32, None, dense)
+        proc.update_state(BatchUpdate(2, removed=[0], added=[], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]))
+        assert row_settings(2) == (dense, None)
+        proc.update_state(BatchUpdate(2, removed=[], added=[], moved=[(0, 1, MoveDirectionality.SWAP)]))
+        assert row_settings(2) == (None, dense)
+        logits = torch.randn(2, 7)
+        assert proc.apply(logits) is logits and proc.is_argmax_invariant()
+    finally:
+        settings_processor._plugin_config.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def alone(model_dir, tmp_path_factory) -> dict[str, dict]:
     """The three prompts run with each setting as the process default."""

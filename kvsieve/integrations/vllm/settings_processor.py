@@ -17,20 +17,28 @@ V2 it refuses to start while the plug-in is enabled (the V2 batch is not followe
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as LogitsProcessorV2
 
-from .config import read_plugin_config
+from .config import PluginConfig, read_plugin_config
 from .request_settings import EXTRA_ARGS_KEY, RequestSetting, batch_settings, parse_request_setting
 
 __all__ = ["KvsieveRequestSettings"]
 
 
+@lru_cache(maxsize=1)
+def _plugin_config() -> PluginConfig | None:
+    """The process's plug-in config (its environment does not change), read once."""
+    return read_plugin_config()
+
+
 def _setting(params: SamplingParams) -> RequestSetting | None:
     extra = params.extra_args or {}
-    return parse_request_setting(extra[EXTRA_ARGS_KEY], read_plugin_config()) if EXTRA_ARGS_KEY in extra else None
+    return parse_request_setting(extra[EXTRA_ARGS_KEY], _plugin_config()) if EXTRA_ARGS_KEY in extra else None
 
 
 class KvsieveRequestSettings(LogitsProcessor, LogitsProcessorV2):
@@ -38,7 +46,7 @@ class KvsieveRequestSettings(LogitsProcessor, LogitsProcessorV2):
     unchanged (module docstring)."""
 
     def __init__(self, vllm_config: object, *runner_args: object) -> None:
-        if not isinstance(runner_args[0], torch.device) and read_plugin_config() is not None:
+        if not isinstance(runner_args[0], torch.device) and _plugin_config() is not None:
             raise NotImplementedError(
                 "kvsieve vLLM plug-in: per-request settings follow vLLM's V1 model runner batch; the V2 model runner "
                 "is in use (set VLLM_USE_V2_MODEL_RUNNER=0)")

@@ -22,9 +22,11 @@ kinds drawn with a fixed seed, :data:`KINDS`):
 * ``overlong``: a prompt longer than the model length: 400.
 
 Every request has a timeout, the run a deadline (``--deadline-s``). The sum of the resident memory
-(``VmRSS``) of the server process and its descendants (the engine core) is sampled every
-``--sample-every`` finished requests; growth = (median of the last three samples) / (median of the
-samples in the 100 requests after ``--warmup``) - 1, with each process's growth in MiB beside it.
+(``VmRSS``) of the server process and its descendants (the engine core, the worker) is sampled
+every ``--sample-every`` finished requests; growth = (median of the last three samples) / (median
+of the samples in the 100 requests after ``--warmup``) - 1, with each process's growth in MiB
+beside it, and the same for ``RssAnon`` (anonymous memory only: what a leak grows; ``VmRSS`` also
+moves as the kernel drops and reads back the memory-mapped weights).
 ``--selector own`` runs the same load on vLLM's own attention without the plug-in (valid requests
 carry no setting; bad settings must be refused as "plug-in is not enabled"), for comparison. The benchmark prints the summary and a
 markdown table, writes them to ``--out/vllm_server_load-<UTC time>.json`` and exits 1 when a
@@ -179,9 +181,11 @@ def send(host: str, port: int, req: Request, max_tokens: int, timeout: float = R
     return out
 
 
-def tree_rss_bytes(pid: int) -> dict[str, int]:
-    """The resident memory (``VmRSS``, bytes) of process ``pid`` and each of its descendants, by
-    ``"<pid> <name>"`` (the server's API process, its engine core)."""
+def tree_rss_bytes(pid: int) -> dict[str, tuple[int, int]]:
+    """The resident memory of process ``pid`` and each of its descendants, by ``"<pid> <name>"`` (the
+    server's API process, its engine core, its worker): ``(VmRSS, RssAnon)`` in bytes. ``RssAnon``
+    leaves out file-backed pages (the model's memory-mapped weights, libraries), which the kernel
+    drops and reads back as other processes need the page cache."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -199,7 +203,8 @@ def tree_rss_bytes(pid: int) -> dict[str, int]:
             status = dict(line.split(":", 1) for line in Path(f"/proc/{p}/status").read_text().splitlines())
         except OSError:
             continue
-        found[f"{p} {status['Name'].strip()}"] = int(status.get("VmRSS", "0 kB").split()[0]) * 1024
+        found[f"{p} {status['Name'].strip()}"] = tuple(int(status.get(k, "0 kB").split()[0]) * 1024
+                                                       for k in ("VmRSS", "RssAnon"))
     return found
 
 
@@ -271,11 +276,11 @@ def references(port: int, max_tokens: int, settings: list[str | None] = SETTINGS
 
 @dataclass
 class LoadRun:
-    """Outcomes of a load run and the memory samples ``(finished requests, seconds, RSS bytes by
-    process)``."""
+    """Outcomes of a load run and the memory samples ``(finished requests, seconds,
+    :func:`tree_rss_bytes`)``."""
 
     outcomes: list[Outcome] = field(default_factory=list)
-    rss: list[tuple[int, float, dict[str, int]]] = field(default_factory=list)
+    rss: list[tuple[int, float, dict[str, tuple[int, int]]]] = field(default_factory=list)
 
 
 def run_load(port: int, server_pid: int, requests: list[Request], *, clients: int, max_tokens: int,
@@ -342,21 +347,27 @@ def judge(run: LoadRun, refs: dict[tuple[int, str | None], str], plugin: bool = 
     return {"requests": len(run.outcomes), **counts, "mismatches": mismatches, "problems": problems}
 
 
-def rss_growth(rss: list[tuple[int, float, dict[str, int]]], warmup: int) -> dict:
-    """Of the summed RSS: baseline, the median of the samples taken in the 100 requests after
-    ``warmup`` finished ones; final, the median of the last three samples; growth = final / baseline
-    - 1 (also per process)."""
-    total = [(n, s, sum(b.values())) for n, s, b in rss]
-    base = [b for n, _, b in total if warmup <= n <= warmup + 100]
-    if not base or len(rss) < 3 or rss[-1][0] <= warmup + 100:
+def rss_growth(rss: list[tuple[int, float, dict[str, tuple[int, int]]]], warmup: int) -> dict:
+    """Of the summed ``VmRSS`` (and beside it ``RssAnon``): baseline, the median of the samples taken
+    in the 100 requests after ``warmup`` finished ones; final, the median of the last three samples;
+    growth = final / baseline - 1; and each process's growth in MiB from the first sample at or past
+    ``warmup`` to the last."""
+    if len(rss) < 3 or rss[-1][0] <= warmup + 100:
         raise ValueError(f"memory growth needs samples past warm-up + 100 = {warmup + 100} requests; "
                          f"the run has {rss[-1][0]}")
-    baseline, final = statistics.median(base), statistics.median(b for _, _, b in total[-3:])
     after = next(b for n, _, b in rss if n >= warmup)
-    per_process = {name: round((rss[-1][2].get(name, 0) - mib) / 2**20, 1) for name, mib in after.items()}
-    return {"warmup": warmup, "baseline_mib": round(baseline / 2**20, 1), "final_mib": round(final / 2**20, 1),
-            "max_mib": round(max(b for _, _, b in total) / 2**20, 1), "growth_pct": round(100 * (final / baseline - 1), 2),
-            "growth_mib_by_process": per_process}
+    out: dict = {"warmup": warmup}
+    for i, kind in enumerate(("rss", "anon")):
+        total = [(n, sum(v[i] for v in b.values())) for n, _, b in rss]
+        baseline = statistics.median(b for n, b in total if warmup <= n <= warmup + 100)
+        final = statistics.median(b for _, b in total[-3:])
+        out[kind] = {"baseline_mib": round(baseline / 2**20, 1), "final_mib": round(final / 2**20, 1),
+                     "max_mib": round(max(b for _, b in total) / 2**20, 1),
+                     "growth_pct": round(100 * (final / baseline - 1), 2),
+                     "growth_mib_by_process": {name: round((rss[-1][2].get(name, (0, 0))[i] - v[i]) / 2**20, 1)
+                                               for name, v in after.items()}}
+    out["growth_pct"] = out["rss"]["growth_pct"]
+    return out
 
 
 def main() -> None:
@@ -395,7 +406,7 @@ def main() -> None:
     memory = rss_growth(run.rss, args.warmup)
     result = {"args": vars(args), "date": stamp, "cpu": cpu_isa(), "load_average_after": load_averages(),
               "wall_s": round(time.monotonic() - t0, 1), "server_alive_after": alive, **summary, "memory": memory,
-              "rss_samples": [(n, s, {k: round(v / 2**20, 1) for k, v in b.items()}) for n, s, b in run.rss],
+              "rss_samples": [(n, s, {k: [round(x / 2**20, 1) for x in v] for k, v in b.items()}) for n, s, b in run.rss],
               "kinds": {k: sum(o.request.kind == k for o in run.outcomes) for k in KINDS},
               "seconds_median": {k: round(statistics.median([o.seconds for o in run.outcomes if o.request.kind == k]), 2)
                                  for k in KINDS if any(o.request.kind == k for o in run.outcomes)}}

@@ -77,6 +77,9 @@ def test_processor_follows_the_batch_and_changes_no_logit(monkeypatch):
         assert row_settings(2) == (None, dense)
         logits = torch.randn(2, 7)
         assert proc.apply(logits) is logits and proc.is_argmax_invariant()
+        # vLLM's V2 model runner builds it with its request state, not a device: refused while the plug-in is on
+        with pytest.raises(NotImplementedError, match="V2 model runner is in use"):
+            cls(None, object())
     finally:
         settings_processor._plugin_config.cache_clear()
 

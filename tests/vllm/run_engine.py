@@ -1,7 +1,9 @@
 """Run vLLM's offline engine once (in its own process) and write the greedy tokens as JSON.
 
 ``python run_engine.py MODEL_DIR OUT_JSON [--prompt-tokens N] [--max-tokens M]``; the kvsieve
-plug-in is on or off as the environment says (``KVSIEVE_SELECTOR`` / ``KVSIEVE_CONFIG``).
+plug-in is on or off as the environment says (``KVSIEVE_SELECTOR`` / ``KVSIEVE_CONFIG``);
+``--settings`` gives each request a per-request kvsieve setting, ``--refused`` sends settings
+expected to be refused (each alone, before the batch) and records vLLM's error.
 Prompts: two short chat-style prompts, plus (with ``--prompt-tokens``) one long prompt of that
 many tokens cut from repeated text, so a sparse selector has more context than its budget."""
 from __future__ import annotations
@@ -29,12 +31,18 @@ def main() -> None:
     ap.add_argument("--kv-cache-mib", type=int, default=None,
                     help="KV cache per worker in MiB (instead of VLLM_CPU_KVCACHE_SPACE's whole GiB; unset that)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--settings", default=None,
+                    help="JSON list of per-request kvsieve settings (null, a mapping or a 'budget=256' string), one "
+                         "request each, cycling through the prompts")
+    ap.add_argument("--refused", action="append", default=[],
+                    help="a kvsieve setting sent alone (on the first prompt) before the batch; its error is recorded")
     ap.add_argument("--dynamo-eager", action="store_true",
                     help="trace the model once with dynamo, run it eagerly (instead of --enforce-eager): vLLM's CPU "
                          "worker sets up pipeline stages > 0 only in the warm-up this mode runs")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.exceptions import VLLMValidationError
 
     # one process (no engine-core or worker process): each would import vLLM again; with tensor or
     # pipeline parallelism one worker process per rank ("mp")
@@ -45,7 +53,7 @@ def main() -> None:
     if args.max_num_batched_tokens:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=not args.dynamo_eager,
-              max_num_seqs=4, seed=0, distributed_executor_backend="mp" if parallel else "uni",
+              max_num_seqs=4, seed=0, disable_log_stats=False, distributed_executor_backend="mp" if parallel else "uni",
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
               attention_config={"backend": args.attention_backend} if args.attention_backend else None, **extra)
     tok = llm.get_tokenizer()
@@ -54,6 +62,19 @@ def main() -> None:
         ids = tok.encode(FILLER * (args.prompt_tokens // 20 + 1))[: args.prompt_tokens - 8]
         prompts.append(TokensPrompt(prompt_token_ids=ids + tok.encode(" The price of grain was")))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    refused = []
+    for setting in args.refused:
+        try:
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, extra_args={"kvsieve": setting}),
+                         use_tqdm=False)
+            refused.append(None)
+        except VLLMValidationError as e:  # vLLM's refusal of one request at admission
+            refused.append(str(e))
+    if args.settings is not None:
+        settings = json.loads(args.settings)
+        prompts = [prompts[i % len(prompts)] for i in range(len(settings))]
+        params = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                                 extra_args=None if s is None else {"kvsieve": s}) for s in settings]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -61,7 +82,8 @@ def main() -> None:
 
     state = current_plugin_state()  # this process's (one process: no engine-core or worker process)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs],
-              "prompt_lens": [len(o.prompt_token_ids) for o in outs], "generate_s": wall,
+              "prompt_lens": [len(o.prompt_token_ids) for o in outs], "generate_s": wall, "refused": refused,
+              "preemptions": sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"),
               "native_layers": None if state is None else state.native_layers()}
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f)

@@ -5,8 +5,11 @@ Enable it with ``KVSIEVE_SELECTOR="quest:budget=256"`` (or ``"dense"``) or ``KVS
 (:mod:`.config`); with neither set the plug-in leaves vLLM untouched. Modules: :mod:`.config`
 (settings and refusals), :mod:`.layouts` (vLLM cache tensors as K/V views), :mod:`.step` (vLLM
 step -> kvsieve metadata, one layer's selector + backend), :mod:`.plugin` (the entry point),
-:mod:`.cpu` / :mod:`.cuda` (vLLM backend classes), :mod:`.convert` (SmolLM2 GGUF -> safetensors).
-Only :mod:`.plugin`, :mod:`.cpu` and :mod:`.cuda` import vLLM.
+:mod:`.cpu` / :mod:`.cuda` (vLLM backend classes), :mod:`.convert` (SmolLM2 GGUF -> safetensors),
+:mod:`.request_settings` / :mod:`.setting_groups` (per-request settings: what a request may ask,
+rows of several settings in one step) and :mod:`.settings_processor` (the logits processor that
+carries them through vLLM's batch). Only :mod:`.plugin`, :mod:`.cpu`, :mod:`.cuda` and
+:mod:`.settings_processor` import vLLM.
 """
 from __future__ import annotations
 

@@ -36,8 +36,8 @@ from ...selectors.dsa import IndexerInputs
 from ...sparse import LayerPlan, SparseAttentionConfig, lower_config
 from .state_check import check_supported
 
-__all__ = ["PluginConfig", "WorkerRanks", "read_plugin_config", "lower_plans", "parse_selector_spec", "DENSE", "ENV_SELECTOR", "ENV_CONFIG",
-           "ENV_BACKEND", "ENV_CAPTURE", "ENV_CHECK_STATE"]
+__all__ = ["PluginConfig", "WorkerRanks", "read_plugin_config", "lower_plans", "parse_selector_spec", "parse_fields",
+           "DENSE", "ENV_SELECTOR", "ENV_CONFIG", "ENV_BACKEND", "ENV_CAPTURE", "ENV_CHECK_STATE"]
 
 ENV_SELECTOR = "KVSIEVE_SELECTOR"
 ENV_CONFIG = "KVSIEVE_CONFIG"
@@ -81,20 +81,27 @@ def _scalar(text: str) -> Any:
     return value
 
 
+def parse_fields(text: str, where: str) -> dict[str, Any]:
+    """``"key=value,key=value"`` (the field syntax of ``KVSIEVE_SELECTOR`` after the name; values
+    parsed as YAML scalars) -> a dict; errors name ``where`` and the item."""
+    params: dict[str, Any] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"{where}: parameter {item!r} must look like key=value")
+        if key.strip() in params:
+            raise ValueError(f"{where}: parameter {key.strip()!r} given twice")
+        params[key.strip()] = _scalar(value.strip())
+    return params
+
+
 def parse_selector_spec(spec: str) -> SparseAttentionConfig | None:
     """``"name"`` or ``"name:key=value,key=value"`` -> a config; ``"dense"`` -> ``None``."""
     name, _, rest = spec.strip().partition(":")
     name = name.strip()
     if not name:
         raise ValueError(f"{ENV_SELECTOR}={spec!r}: give a selector name, e.g. 'quest:budget=256'")
-    params: dict[str, Any] = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"{ENV_SELECTOR}={spec!r}: parameter {item!r} must look like key=value")
-        if key.strip() in params:
-            raise ValueError(f"{ENV_SELECTOR}={spec!r}: parameter {key.strip()!r} given twice")
-        params[key.strip()] = _scalar(value.strip())
+    params = parse_fields(rest, f"{ENV_SELECTOR}={spec!r}")
     if name == DENSE:
         if params:
             raise ValueError(f"{ENV_SELECTOR}={spec!r}: 'dense' takes no parameters")

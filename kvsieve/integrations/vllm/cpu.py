@@ -40,6 +40,7 @@ from ...selectors.dsa import IndexerInputs
 from .host import PerHeadTables
 from .layer_checks import refuse_features, refusing_backend, worker_ranks
 from .layouts import kv_views
+from .request_settings import row_settings
 from .state import PluginState, current_plugin_state, plugin_state
 from .step import VllmStep
 
@@ -59,9 +60,10 @@ class KvsieveCPUAttentionMetadata(CPUAttentionMetadata):
 
 class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM's builder with the KV write kept in a layout kvsieve can view (``vec``/``vec16``); its
-    metadata also carries the step's tables on the host (:class:`KvsieveCPUAttentionMetadata`). In a
-    process where every layer is vLLM's own attention (``dense``, no capture) neither: vLLM's own ISA
-    (``amx`` on CPUs with AMX) and metadata, so dense through the plug-in is vLLM's attention."""
+    metadata also carries the step's tables on the host and each row's per-request setting
+    (:class:`KvsieveCPUAttentionMetadata`, :func:`.request_settings.row_settings`). In a process where
+    every layer is vLLM's own attention (``dense``, no capture) neither: vLLM's own ISA (``amx`` on CPUs
+    with AMX) and metadata, so dense through the plug-in is vLLM's attention."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:  # noqa: ANN001 (vLLM's signature)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -80,7 +82,8 @@ class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
         step = None
         if self.reads_cache:
-            step = VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens)
+            step = VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens,
+                                         settings=row_settings(md.seq_lens.shape[0]))
         return KvsieveCPUAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, step=step)
 
 
@@ -144,7 +147,8 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
         if step is None:
             step = VllmStep.from_tensors(attn_metadata.query_start_loc, attn_metadata.seq_lens,
                                          attn_metadata.block_table, n)
-        if step.decode_only:  # one native call (selection, tables, attention) where the selector has a program
+        if step.decode_only and step.settings is None:  # one native call (selection, tables, attention) where
+            # the selector has a program and every row takes the process's setting
             native = self.state.decode_path(layer_idx, LAYOUT, kv_cache, num_heads=self.num_heads,
                                             num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                                             scale=self.scale)
@@ -152,6 +156,9 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
                 model_inputs = None if hidden is None else IndexerInputs(hidden=hidden)
                 native.run(step.block_table, step.seq_lens, step.positions, query[:n],
                            output[:n].view(n, self.num_heads, self.head_size), model_inputs)
+                if self.state.state_check is not None:  # debug: the pools the native call left, checked
+                    self.state.check_decode_step(layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], step,
+                                                 model_inputs)
                 return output
         host = VllmHostAttention(self, layer, query, key, value, kv_cache, attn_metadata)
         self.state.run_layer(

@@ -21,6 +21,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl, TritonAttentionMetadata
 
 from .layer_checks import refuse_features, refusing_backend, worker_ranks
+from .request_settings import row_settings
 from .state import PluginState, plugin_state
 from .step import VllmStep
 
@@ -82,7 +83,7 @@ class KvsieveTritonAttentionImpl(TritonAttentionImpl):
         self.state.run_layer(
             layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n],
             step=VllmStep.from_tensors(attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                                       attn_metadata.block_table, n),
+                                       attn_metadata.block_table, n, settings=row_settings(attn_metadata.seq_lens.shape[0])),
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size, scale=self.scale)
         return output
 

@@ -14,6 +14,7 @@ from torch import nn
 from ...metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
 from ...selectors.dsa import DSASelector, IndexerInputs
 from ...sparse import AttentionGeometry
+from ...sparse.selector_step import selector_inputs
 from .config import PluginConfig, WorkerRanks, lower_plans, read_plugin_config
 from .host import HostAttention
 from .indexer_feed import IndexerFeed
@@ -51,6 +52,11 @@ class PluginState:
                     f"kvsieve vLLM plug-in: {name}={getattr(parallel, name)} is not supported: context parallelism "
                     "spreads one request's tokens over several workers' caches, and a selector here sees one "
                     "worker's cache only; use tensor or pipeline parallelism")
+        if getattr(vllm_config, "speculative_config", None) is not None:
+            raise NotImplementedError(
+                "kvsieve vLLM plug-in: speculative decoding is not supported: vLLM then builds no custom logits "
+                "processor, so per-request kvsieve settings would not reach the layers (docs/vllm.md, per-request "
+                "settings)")
         self.config = config
         self.device = device
         self.ranks = ranks
@@ -136,20 +142,34 @@ class PluginState:
     def decode_path(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, *, num_heads: int,
                     num_kv_heads: int, head_size: int, scale: float) -> NativeDecodeLayer | DeviceDecodeLayer | None:
         """The layer's one-call decode path (:mod:`.native_decode`) over ``kv_cache``, decided once per
-        layer and cache; ``None`` where it has none, and always while the golden capture or the state
-        check is on (every call then takes :class:`LayerRunner`, which compares with the golden and
-        checks the selector's per-block state)."""
+        layer and cache; ``None`` where it has none, and always while the golden capture is on (every
+        call then takes :class:`LayerRunner`, which compares with the golden). With the state check on,
+        the caller checks each native step afterwards (:meth:`check_decode_step`)."""
         have = self.decode_paths.get(layer_idx)
         if have is not None and have[0] == kv_cache.data_ptr():
             return have[1]
         path = None
-        if self.config.capture_dir is None and not self.config.check_state:
+        if self.config.capture_dir is None:
             k_view, v_view = kv_views(layout, kv_cache)
             view = self.translator(layout, kv_cache, k_view).view
             runner = self.runner(layer_idx, num_heads, num_kv_heads, head_size, scale)
             path = decode_layer_path(runner.plan, view, layer_idx, k_view, v_view, runner.geometry)
         self.decode_paths[layer_idx] = (kv_cache.data_ptr(), path)
         return path
+
+    def check_decode_step(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor, step: VllmStep, model_inputs: object = None) -> None:
+        """The state check (:mod:`.state_check`) of a decode step the native path ran: the step's
+        metadata prepared (as :class:`LayerRunner` would), then the selector's pools, as the native call
+        left them, against their recomputation. q ``[N, Hq, D]``, k/v ``[N, Hkv, D]`` (every row a decode
+        row, so vLLM's order is kvsieve's); ``model_inputs``: the layer's, as handed to the native call."""
+        k_view, v_view = kv_views(layout, kv_cache)
+        tr = self.translator(layout, kv_cache, k_view)
+        tr.view.bind_layer(layer_idx, kv_cache, k_view, v_view)
+        runner = self.runners[layer_idx]
+        inputs = selector_inputs(q, k, v, tr.prepare(step), layer_idx=layer_idx, geometry=runner.geometry,
+                                 plan=runner.plan, model_inputs=model_inputs)
+        self.state_check.check(runner.plan.selector, inputs)
 
     def native_layers(self) -> list[int]:
         """The layers whose decode steps have taken the one-call path so far in this process."""

@@ -29,9 +29,10 @@ is checked, per selector:
 
 The check only reads: the pools, the cache and the selector's outputs are left as they were (the DSA
 projections run once more on the step's hidden state). It costs a gather of every key of the step's
-requests per layer and step: a debug and test option, off by default. With it on, every layer step
-of a selector takes :class:`~.step.LayerRunner` (the one-call native decode path is off,
-:meth:`~.state.PluginState.decode_path`), so the state checked is what the selector's hooks wrote.
+requests per layer and step: a debug and test option, off by default. Decode steps on the one-call
+native path are checked after the call (:meth:`~.state.PluginState.check_decode_step`), so the state
+checked is what each path wrote: the selector's hooks on prompt and mixed steps, the native kernel on
+decode steps.
 """
 from __future__ import annotations
 

@@ -38,6 +38,8 @@ from ...sparse.backends.sdpa import causal_sdpa
 from ...sparse.params import is_dense
 from .config import WorkerRanks
 from .host import HostAttention, native_runs_attention, per_head_block_tables, token_runs
+from .request_settings import RequestSetting, setting_ids
+from .setting_groups import RequestsMetadata, select_by_setting
 from .state_check import StateCheck
 
 __all__ = ["VllmStep", "StepTranslator", "LayerRunner", "SelectorFailed", "dense_context_rows"]
@@ -54,11 +56,14 @@ _RUN_ROWS = 512  # query rows per runs call on a selecting prompt: its runs take
 @dataclass(frozen=True)
 class VllmStep:
     """What kvsieve reads of vLLM's step metadata, on the host: ``query_start_loc [B+1]``,
-    ``seq_lens [B]``, ``block_table [B, W]`` (int32 numpy) and ``num_tokens`` (= the last query start)."""
+    ``seq_lens [B]``, ``block_table [B, W]`` (int32 numpy) and ``num_tokens`` (= the last query start);
+    ``settings``: each row's per-request setting (:mod:`.request_settings`; ``None`` entries the
+    process default), or ``None`` when every row uses the process default."""
 
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
     block_table: np.ndarray
+    settings: tuple[RequestSetting | None, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,16 +80,17 @@ class VllmStep:
         return torch.from_numpy(self.seq_lens.astype(np.int64) - 1)
 
     def same_as(self, other: VllmStep) -> bool:
-        return all(np.array_equal(a, b) for a, b in zip(
+        return self.settings == other.settings and all(np.array_equal(a, b) for a, b in zip(
             (self.query_start_loc, self.seq_lens, self.block_table),
             (other.query_start_loc, other.seq_lens, other.block_table)))
 
     @classmethod
     def from_tensors(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                     num_actual_tokens: int) -> VllmStep:
+                     num_actual_tokens: int, settings: tuple[RequestSetting | None, ...] | None = None) -> VllmStep:
         b = seq_lens.shape[0]
         qsl = query_start_loc[: b + 1].cpu().numpy().astype(np.int32)
-        step = cls(qsl, seq_lens.cpu().numpy().astype(np.int32), block_table[:b].cpu().numpy().astype(np.int32))
+        step = cls(qsl, seq_lens.cpu().numpy().astype(np.int32), block_table[:b].cpu().numpy().astype(np.int32),
+                   settings)
         if step.num_tokens != num_actual_tokens:
             raise ValueError(f"vLLM step: query_start_loc ends at {step.num_tokens} but num_actual_tokens="
                              f"{num_actual_tokens}")
@@ -101,18 +107,26 @@ class StepTranslator:
         self.metadata = AttentionMetadata(kv_cache_manager=view, max_num_requests=view.spec.max_requests,
                                           max_num_tokens=max_num_tokens, translations=translations)
         self._step: VllmStep | None = None
-        self._generation: AttentionMetadata | None = None  # the step's generation requests alone, built on demand
-        self._generation_ready = False
+        self._parts: dict[tuple[int, int], AttentionMetadata] = {}  # slices of the step's requests, on demand
+        self._spare: list[AttentionMetadata] = []  # metadata objects of earlier steps' slices, reused
         self.token_order: torch.Tensor | None = None  # kvsieve row t is vLLM token token_order[t]; None = same
+        self.row_settings: tuple[RequestSetting | None, ...] | None = None  # per request row, kvsieve order
 
     def prepare(self, step: VllmStep) -> AttentionMetadata:
         """Prepare the metadata for ``step``; the layers after the first of a step find it prepared
-        (the metadata is a function of the step's three tables, so equal tables reuse it)."""
+        (the metadata is a function of the step's tables, so equal tables reuse it). Rows are
+        ordered context first, then generation, and inside a phase by per-request setting (the
+        default first), so each setting's rows are one slice (:mod:`.setting_groups`)."""
         if self._step is step or (self._step is not None and self._step.same_as(step)):
             return self.metadata
         qlens = np.diff(step.query_start_loc)
         is_gen = qlens == 1
-        order = np.concatenate([np.flatnonzero(~is_gen), np.flatnonzero(is_gen)]).astype(np.int64)
+        if step.settings is None:
+            order = np.concatenate([np.flatnonzero(~is_gen), np.flatnonzero(is_gen)]).astype(np.int64)
+            self.row_settings = None
+        else:
+            order = np.lexsort((np.arange(qlens.size), setting_ids(step.settings), is_gen)).astype(np.int64)
+            self.row_settings = tuple(step.settings[i] for i in order)
         if bool((order != np.arange(order.size)).any()):
             starts = step.query_start_loc[order].astype(np.int64)
             counts = qlens[order].astype(np.int64)
@@ -127,26 +141,30 @@ class StepTranslator:
         md.num_contexts = int((~is_gen).sum())
         md.prepare()
         self._step = step
-        self._generation_ready = False
+        self._spare.extend(self._parts.values())
+        self._parts.clear()
         return md
 
     def generation_metadata(self) -> AttentionMetadata:
-        """The prepared step's generation requests alone, as their own metadata over the same view
-        (rows ``[0, num_generation_tokens)`` = the step's :attr:`~AttentionMetadata.generation_rows`);
-        prepared once per step, on first use."""
-        md = self.metadata
-        if self._generation is None:
-            self._generation = AttentionMetadata(kv_cache_manager=self.view, max_num_requests=md.max_num_requests,
-                                                 max_num_tokens=md.max_num_tokens, translations=md.translations)
-        if not self._generation_ready:
-            reqs = md.phase_requests("generation")
-            gen = self._generation
-            gen.request_ids = md.request_ids[reqs]
-            gen.seq_lens = md.seq_lens[reqs]
-            gen.num_contexts = 0
-            gen.prepare()
-            self._generation_ready = True
-        return self._generation
+        """The prepared step's generation requests alone (rows ``[0, num_generation_tokens)`` = the
+        step's :attr:`~AttentionMetadata.generation_rows`; :meth:`requests_metadata`)."""
+        return self.requests_metadata(self.metadata.phase_requests("generation"))
+
+    def requests_metadata(self, requests: slice) -> AttentionMetadata:
+        """The prepared step's requests ``requests`` (a slice of its rows) alone, as their own metadata
+        over the same view; prepared once per step and slice, on first use."""
+        key = (requests.start, requests.stop)
+        if key not in self._parts:
+            md = self.metadata
+            part = self._spare.pop() if self._spare else AttentionMetadata(
+                kv_cache_manager=self.view, max_num_requests=md.max_num_requests, max_num_tokens=md.max_num_tokens,
+                translations=md.translations)
+            part.request_ids = md.request_ids[requests]
+            part.seq_lens = md.seq_lens[requests]
+            part.num_contexts = max(0, min(md.num_contexts, requests.stop) - requests.start)
+            part.prepare()
+            self._parts[key] = part
+        return self._parts[key]
 
     def to_kvsieve(self, x: torch.Tensor) -> torch.Tensor:
         """Rows of a ``[num_tokens, ...]`` tensor in kvsieve's (context-first) order."""
@@ -198,7 +216,8 @@ class LayerRunner:
         skip-softmax, a cache or shape the native kernel does not take) as without ``host``; the capture also compares dense layer
         calls with the host's own attention."""
         md = step.metadata
-        params = self.select(q, k, v, md, model_inputs)
+        params = self.select(q, k, v, md, model_inputs, settings=step.row_settings,
+                             requests_metadata=step.requests_metadata)
         res = None if host is None else self._on_host(q, step, params, host)
         if res is None and "context" in md.phases() and is_dense(params, "context"):
             res = self._dense_context_first(q, step, params)
@@ -286,26 +305,34 @@ class LayerRunner:
         return None if out is None else (out, torch.from_numpy(runs.attended), "native_runs")
 
     def select(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
-               model_inputs: object = None) -> SparseRuntimeParams | None:
+               model_inputs: object = None, *, settings: tuple[RequestSetting | None, ...] | None = None,
+               requests_metadata: RequestsMetadata | None = None) -> SparseRuntimeParams | None:
         """The plan's selector on this step (:func:`~kvsieve.sparse.selector_step.run_selector`, the
         steps kvsieve's own layer runs after its K/V write; vLLM wrote the K/V) -> its validated answer
         placed in the step's rows, ``None`` = dense. ``model_inputs``: what the selector declares it
-        reads per step (checked as kvsieve's layer checks them). A selector that evicts is refused; one
-        whose hooks raise is :class:`SelectorFailed`."""
+        reads per step (checked as kvsieve's layer checks them); ``settings``: each request row's
+        per-request setting (:meth:`StepTranslator.prepare`'s order), the selector then running per
+        group of requests on ``requests_metadata`` (:func:`.setting_groups.select_by_setting`). A
+        selector that evicts is refused; one whose hooks raise is :class:`SelectorFailed`."""
         check_model_inputs(self.layer_idx, self.plan, model_inputs)
         if self.plan is None:
             return None
         inputs = selector_inputs(q, k, v, md, layer_idx=self.layer_idx, geometry=self.geometry, plan=self.plan,
                                  model_inputs=model_inputs)
         try:
-            selection = run_selector(self.plan, inputs)
+            if settings is None:
+                selection = run_selector(self.plan, inputs)
+            else:
+                selection = select_by_setting(self.plan, q, k, v, md, settings, requests_metadata,
+                                              layer_idx=self.layer_idx, geometry=self.geometry,
+                                              model_inputs=model_inputs)
         except Exception as e:
             r = self.ranks
             raise SelectorFailed(
                 f"kvsieve vLLM plug-in: selector {self.plan.selector.name!r} raised in layer {self.layer_idx} (worker "
                 f"tensor-parallel rank {r.tp_rank} of {r.tp_size}, pipeline stage {r.pp_rank} of {r.pp_size}): "
                 f"{type(e).__name__}: {e}") from e
-        if self.state_check is not None:
+        if self.state_check is not None:  # the pools are shared by every setting's selector: checked once
             self.state_check.check(self.plan.selector, inputs)
         if selection.kept is not None:
             raise _eviction_refused(self.plan.selector.name, "predict_kv")

@@ -64,25 +64,37 @@ def _with_pools(spec: dict, k: torch.Tensor, table: np.ndarray, dtype: torch.dty
     return DecodeProgram(**spec, pool=pool, index_keys=index_keys)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("layout", ["vllm-cpu", "rows"])
-@pytest.mark.parametrize("name", sorted(PROGRAMS))
-def test_native_equals_naive(name, layout, dtype):
-    gen = torch.Generator().manual_seed(0)
+def _case(name: str, layout: str, dtype: torch.dtype, seed: int, rows: int
+          ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray, DecodeProgram, torch.Tensor, IndexerStep | None]:
+    """``(k, v, table, lens, program, q, index)``: a cache, the rows of :data:`LENS` over shuffled blocks,
+    the program with its pools, ``rows`` query rows and, for the indexer, its step inputs (positive
+    weights: scores tie only at 0, below the top-k boundary)."""
+    gen = torch.Generator().manual_seed(seed)
     k, v = _cache(layout, dtype, gen)
     per = -(-max(LENS) // BS)
     table = (torch.randperm(BLOCKS - 1, generator=gen)[: per * len(LENS)].numpy().astype(np.int32) + 1)
     table = table.reshape(len(LENS), per)
-    lens = np.array(LENS, dtype=np.int32)
     program = _with_pools(PROGRAMS[name], k, table, dtype, gen)
-    q = torch.randn(len(LENS), HKV * G, D, generator=gen).to(dtype)
+    q = torch.randn(rows, HKV * G, D, generator=gen).to(dtype)
     index = None
-    if program.kind == "indexer":  # positive weights: scores tie only at 0, below the boundary
-        iq = torch.randn(len(LENS), 4, 16, generator=gen).to(dtype).float()
-        index = IndexerStep(iq, torch.rand(len(LENS), 4, generator=gen) + 0.1,
-                            torch.randn(len(LENS), 16, generator=gen))
-    twin = replace(program, pool=None if program.pool is None else program.pool.clone(),
+    if program.kind == "indexer":
+        index = IndexerStep(torch.randn(rows, 4, 16, generator=gen).to(dtype).float(),
+                            torch.rand(rows, 4, generator=gen) + 0.1, torch.randn(rows, 16, generator=gen))
+    return k, v, table, np.array(LENS, dtype=np.int32), program, q, index
+
+
+def _twin(program: DecodeProgram) -> DecodeProgram:
+    """The program over copies of its pools."""
+    return replace(program, pool=None if program.pool is None else program.pool.clone(),
                    index_keys=None if program.index_keys is None else program.index_keys.clone())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["vllm-cpu", "rows"])
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_native_equals_naive(name, layout, dtype):
+    k, v, table, lens, program, q, index = _case(name, layout, dtype, 0, len(LENS))
+    twin = _twin(program)
     out = torch.empty(len(LENS), HKV * G, D, dtype=torch.float32)
     attended = DecodeLayerCall(k, v, program, num_q_heads=HKV * G, sm_scale=D ** -0.5).run(table, lens, q, out, index)
     want, want_attended = decode_layer_naive(k, v, twin, table, lens, q, sm_scale=D ** -0.5, index=index)
@@ -138,21 +150,9 @@ def test_device_path_equals_native(name, layout, dtype):
     writes nothing and gets zeros."""
     from kvsieve.kernels.decode_layer.device import decode_layer_device
 
-    gen = torch.Generator().manual_seed(4)
-    k, v = _cache(layout, dtype, gen)
-    per = -(-max(LENS) // BS)
-    table = (torch.randperm(BLOCKS - 1, generator=gen)[: per * len(LENS)].numpy().astype(np.int32) + 1)
-    table = table.reshape(len(LENS), per)
-    lens = np.array(LENS, dtype=np.int32)
-    program = _with_pools(PROGRAMS[name], k, table, dtype, gen)
-    q = torch.randn(len(LENS) + 1, HKV * G, D, generator=gen).to(dtype)
-    index = None
-    if program.kind == "indexer":
-        index = IndexerStep(torch.randn(len(LENS) + 1, 4, 16, generator=gen).to(dtype).float(),
-                            torch.rand(len(LENS) + 1, 4, generator=gen) + 0.1,
-                            torch.randn(len(LENS) + 1, 16, generator=gen))
-    twin = replace(program, pool=None if program.pool is None else program.pool.clone(),
-                   index_keys=None if program.index_keys is None else program.index_keys.clone())
+    k, v, table, lens, program, q, index = _case(name, layout, dtype, 4, len(LENS) + 1)
+    per = table.shape[1]
+    twin = _twin(program)
     out = torch.empty(len(LENS), HKV * G, D, dtype=torch.float32)
     attended = DecodeLayerCall(k, v, program, num_q_heads=HKV * G, sm_scale=D ** -0.5).run(
         table, lens, q[:-1], out, None if index is None else IndexerStep(index.q[:-1], index.weights[:-1],

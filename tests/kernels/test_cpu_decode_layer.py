@@ -138,7 +138,11 @@ def test_refused_inputs_name_the_problem():
         call.run(np.array([[1]], dtype=np.int32), np.array([5], dtype=np.int32), q.transpose(1, 2).contiguous()
                  .transpose(1, 2), out)
     with pytest.raises(ValueError, match="needs pool"):
-        DecodeProgram("pages", units=2, unit=16, page_size=16)
+        DecodeProgram("pages", units=2, unit=16, mode="bound", page_size=16)
+    pool = torch.zeros(BLOCKS, HKV, 2, 2, D)
+    for kind, mode in (("pages", None), ("pages", "max"), ("blocks_exact", "sign"), ("streaming", "bound")):
+        with pytest.raises(ValueError, match=f"decode program '{kind}' takes mode"):
+            DecodeProgram(kind, units=2, unit=16, mode=mode, pool=pool, page_size=16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

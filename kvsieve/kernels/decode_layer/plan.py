@@ -10,6 +10,7 @@ __all__ = ["KINDS", "MODES", "DecodeProgram", "IndexerStep"]
 
 KINDS = {"pages": 1, "streaming": 2, "tokens_exact": 3, "blocks_exact": 4, "blocks_bound": 5, "indexer": 6}
 MODES = {None: 0, "bound": 0, "sign": 1, "max": 0, "mean": 1}
+_KIND_MODES = {"pages": ("bound", "sign"), "blocks_exact": ("max", "mean")}  # the others take none
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,10 @@ class DecodeProgram:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"decode program kind must be one of {sorted(KINDS)}, got {self.kind!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"decode program mode must be one of {sorted(m for m in MODES if m)}, got {self.mode!r}")
+        modes = _KIND_MODES.get(self.kind, (None,))
+        if self.mode not in modes:  # a mode another kind takes would be read as this kind's (same code)
+            raise ValueError(f"decode program {self.kind!r} takes mode {' or '.join(map(repr, modes))}, "
+                             f"got {self.mode!r}")
         needs = {"pages": "pool", "blocks_bound": "pool", "indexer": "index_keys"}.get(self.kind)
         if needs is not None and getattr(self, needs) is None:
             raise ValueError(f"decode program {self.kind!r} needs {needs}")

@@ -23,19 +23,33 @@ import torch
 from ...kernels.common.native import NativeUnavailable
 from ...kernels.decode_layer.device import decode_layer_device
 from ...kernels.decode_layer.native import DecodeLayerCall, supports_decode_layer
-from ...kernels.decode_layer.plan import DecodeProgram
+from ...kernels.decode_layer.plan import DecodeProgram, IndexerStep
 from ...metadata.foreign_paged import ForeignPagedKV
 from ...sparse import AttentionGeometry, LayerPlan
 
 __all__ = ["DeviceDecodeLayer", "NativeDecodeLayer", "decode_layer_path"]
 
 
-class NativeDecodeLayer:
+class _OneCallLayer:
+    """What both one-call paths share: the layer's selector, and the per-step inputs of a program
+    that reads model inputs (DSA's index queries, weights and keys, from this layer's hidden state)."""
+
+    def __init__(self, plan: LayerPlan, layer_idx: int) -> None:
+        self.selector, self.layer_idx = plan.selector, layer_idx
+        self.reads_model_inputs = plan.selector.model_inputs_type is not None
+
+    def _step_inputs(self, model_inputs: object, positions: torch.Tensor) -> IndexerStep | None:
+        if not self.reads_model_inputs:
+            return None
+        return self.selector.decode_step_inputs(self.layer_idx, model_inputs, positions)
+
+
+class NativeDecodeLayer(_OneCallLayer):
     """One layer's decode steps through one :class:`DecodeLayerCall` each."""
 
     def __init__(self, call: DecodeLayerCall, plan: LayerPlan, layer_idx: int) -> None:
-        self.call, self.selector, self.layer_idx = call, plan.selector, layer_idx
-        self.reads_model_inputs = plan.selector.model_inputs_type is not None
+        super().__init__(plan, layer_idx)
+        self.call = call
 
     def run(self, table: np.ndarray, kv_lens: np.ndarray, positions: torch.Tensor, q: torch.Tensor,
             out: torch.Tensor, model_inputs: object = None) -> np.ndarray:
@@ -43,32 +57,25 @@ class NativeDecodeLayer:
         int64 their new tokens' positions (``kv_lens - 1``), q/out ``[N, Hq, D]``; ``model_inputs``: what
         the selector reads per step (its type, this layer's, vLLM's row order). Writes ``out``;
         returns ``attended [N, Hkv]`` int64."""
-        index = None
-        if self.reads_model_inputs:
-            index = self.selector.decode_step_inputs(self.layer_idx, model_inputs, positions)
-        return self.call.run(table, kv_lens, q, out, index)
+        return self.call.run(table, kv_lens, q, out, self._step_inputs(model_inputs, positions))
 
 
-class DeviceDecodeLayer:
+class DeviceDecodeLayer(_OneCallLayer):
     """One layer's decode steps on the device (:func:`decode_layer_device`): ``k``/``v [num_blocks,
     Hkv, block_size, D]`` views of the layer's cache, the program bound once."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, program: DecodeProgram, plan: LayerPlan, layer_idx: int,
                  sm_scale: float) -> None:
+        super().__init__(plan, layer_idx)
         self.k, self.v, self.program, self.sm_scale = k, v, program, sm_scale
-        self.selector, self.layer_idx = plan.selector, layer_idx
-        self.reads_model_inputs = plan.selector.model_inputs_type is not None
 
     def run(self, table: torch.Tensor, kv_lens: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
             out: torch.Tensor, model_inputs: object = None) -> torch.Tensor:
         """As :meth:`NativeDecodeLayer.run` with ``table [N, W]``, ``kv_lens [N]`` and ``positions [N]``
         on the device (vLLM's own tensors; a row of length 0 is padding); returns ``attended [N, Hkv]``
         on the device."""
-        index = None
-        if self.reads_model_inputs:
-            index = self.selector.decode_step_inputs(self.layer_idx, model_inputs, positions)
         return decode_layer_device(self.k, self.v, self.program, table, kv_lens, q, out, sm_scale=self.sm_scale,
-                                   index=index)
+                                   index=self._step_inputs(model_inputs, positions))
 
 
 def decode_layer_path(plan: LayerPlan | None, view: ForeignPagedKV, layer_idx: int, k: torch.Tensor,

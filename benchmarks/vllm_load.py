@@ -29,9 +29,8 @@ configured per process: ``own`` = vLLM's own attention, ``dense``, ``quest`` / `
   process's resident memory.
 
 :func:`mismatches` compares each request's load tokens with its alone tokens (a finished request
-all of them, an aborted one the tokens it had; in a mode whose selector selects in the generation
-phase only, a request preempted while decoding the tokens it had then: ``mismatches_after_preemption``
-counts those that differ later). ``--check-state`` turns on the plug-in's per-step
+all of them, an aborted one the tokens it had), a request vLLM preempted and recomputed included.
+``--check-state`` turns on the plug-in's per-step
 check of the selector's per-block state (``KVSIEVE_CHECK_STATE=1``, docs/vllm.md) in the selector
 modes. Prints one JSON line per mode and a table; writes everything to
 ``--out/vllm_load-<UTC time>.json``. The CI-sized run is ``tests/vllm/test_load.py``.
@@ -222,43 +221,23 @@ def run_load(args: argparse.Namespace) -> dict:
          "preempted_after": [n for rid, n in preempted if rid == r.rid]} for r in work]}
 
 
-def mismatches(result: dict, *, dense_prompts: bool = False) -> list[str]:
+def mismatches(result: dict) -> list[str]:
     """One line per request whose load tokens differ from its alone tokens: a finished request must
     have all of them, an aborted one a prefix of them; any other request (neither) is listed too.
-
-    ``dense_prompts``: the mode attends prompts densely (a selector of the generation phase only,
-    :func:`prompts_dense`). vLLM recomputes a request it preempted as one prompt of its prompt and
-    its generated tokens, so the positions it had decoded through the selector are attended densely
-    in the recompute, and its later tokens may differ from its alone run: such a request is compared
-    up to the tokens it had when first preempted while decoding."""
+    A request vLLM preempted while decoding is recomputed as one prompt of its prompt and generated
+    tokens; the plug-in selects those generated tokens as their decode steps did (docs/vllm.md,
+    preemption), so it is held to the same rule."""
     bad = []
     for r in result["requests"]:
         load, alone = r["load"], r["alone"]
-        decoding = [n for n in r["preempted_after"] if n > 0]
-        if dense_prompts and decoding:
-            n = decoding[0]
-            if load[:n] != alone[:n]:
-                bad.append(f"{r['rid']} (prompt {r['prompt_len']}, preempted after {n} tokens): load {load[:n]} != "
-                           f"alone {alone[:n]}")
-        elif r["finished"] and load != alone:
-            bad.append(f"{r['rid']} (prompt {r['prompt_len']}, finished): load {load} != alone {alone}")
+        where = f"{r['rid']} (prompt {r['prompt_len']}, preempted after {r['preempted_after']} tokens"
+        if r["finished"] and load != alone:
+            bad.append(f"{where}, finished): load {load} != alone {alone}")
         elif r["aborted"] and load != alone[: len(load)]:
-            bad.append(f"{r['rid']} (prompt {r['prompt_len']}, aborted): load {load} is not a prefix of {alone}")
+            bad.append(f"{where}, aborted): load {load} is not a prefix of {alone}")
         elif not r["finished"] and not r["aborted"]:
             bad.append(f"{r['rid']}: neither finished nor aborted")
     return bad
-
-
-def prompts_dense(spec: str) -> bool:
-    """Whether the mode ``spec`` (``own``, ``dense`` or a ``KVSIEVE_SELECTOR`` string) attends prompts
-    densely while its decode steps select: a selector whose capabilities select in the generation
-    phase only (Quest)."""
-    if spec in ("own", "dense"):
-        return False
-    from kvsieve.integrations.vllm.config import parse_selector_spec
-    from kvsieve.sparse.registry import get_selector_class
-
-    return get_selector_class(parse_selector_spec(spec).selector).capabilities.phases == frozenset({"generation"})
 
 
 def engine_command(model: str, out: Path, args: argparse.Namespace) -> list[str]:
@@ -361,16 +340,15 @@ def main() -> None:
         t0 = time.monotonic()
         spec = mode_spec(mode, workdir)
         res = run_mode(model, spec, args, workdir, check_state=args.check_state, timeout=args.time_limit * 3 + 600)
-        strict, allowed = mismatches(res), mismatches(res, dense_prompts=prompts_dense(spec))
-        row = {"mode": mode, "spec": spec, **res["figures"], "mismatches": len(allowed),
-               "mismatches_after_preemption": len(strict) - len(allowed), "wall_s": round(time.monotonic() - t0),
+        bad = mismatches(res)
+        row = {"mode": mode, "spec": spec, **res["figures"], "mismatches": len(bad), "wall_s": round(time.monotonic() - t0),
                "rss_mib_first": round(res["rss_mib"][0][1]), "rss_mib_peak": round(max(r for _, r in res["rss_mib"])),
                "load_before": before, "load_after": load_averages(), "check_state": args.check_state,
-               "bad": strict, "rss_mib": res["rss_mib"]}
+               "bad": bad, "rss_mib": res["rss_mib"]}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "rss_mib"}), flush=True)
     cols = ("mode", "finished", "aborts", "preemptions", "preempted_decoding", "evictions", "blocks_reused",
-            "prefix_cache_hit_tokens", "mismatches", "mismatches_after_preemption", "steps", "rss_mib_peak")
+            "prefix_cache_hit_tokens", "mismatches", "steps", "rss_mib_peak")
     print(" | ".join(cols))
     for row in rows:
         print(" | ".join(str(row[c]) for c in cols))

@@ -57,7 +57,7 @@ def test_processor_follows_the_batch_and_changes_no_logit(monkeypatch):
     from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
     from kvsieve.integrations.vllm import settings_processor
-    from kvsieve.integrations.vllm.request_settings import RequestSetting, row_settings
+    from kvsieve.integrations.vllm.request_settings import RequestSetting, row_prompt_lens, row_settings
 
     monkeypatch.setenv("KVSIEVE_SELECTOR", PROCESS)
     settings_processor._plugin_config.cache_clear()
@@ -68,11 +68,12 @@ def test_processor_follows_the_batch_and_changes_no_logit(monkeypatch):
         cls.validate_params(SamplingParams(extra_args={"kvsieve": "budget=32"}))
         proc = cls(None, torch.device("cpu"), False)
         params = [SamplingParams(extra_args=e) for e in ({"kvsieve": "budget=32"}, None, {"kvsieve": {"dense": True}})]
-        proc.update_state(BatchUpdate(3, removed=[], added=[(i, p, None, []) for i, p in enumerate(params)], moved=[]))
+        proc.update_state(BatchUpdate(3, removed=[], added=[(i, p, [7] * (5 + i), []) for i, p in enumerate(params)],
+                                      moved=[]))
         b32, dense = RequestSetting(knob=(("budget", 32),)), RequestSetting(dense=True)
-        assert row_settings(3) == (b32, None, dense)
+        assert row_settings(3) == (b32, None, dense) and row_prompt_lens(3).tolist() == [5, 6, 7]
         proc.update_state(BatchUpdate(2, removed=[0], added=[], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]))
-        assert row_settings(2) == (dense, None)
+        assert row_settings(2) == (dense, None) and row_prompt_lens(2).tolist() == [7, 6]
         proc.update_state(BatchUpdate(2, removed=[], added=[], moved=[(0, 1, MoveDirectionality.SWAP)]))
         assert row_settings(2) == (None, dense)
         logits = torch.randn(2, 7)

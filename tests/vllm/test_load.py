@@ -6,10 +6,9 @@ batched tokens per step (chunked prefill), prefix caching on.
 For vLLM's own attention, dense through the plug-in, Quest and DSA (a random indexer, fp32 index
 keys: with bf16 keys a last-bit difference between a batched and a lone step can swap two near-tied
 tokens, ``SELECTORS`` in the benchmark): every finished request's greedy tokens equal the same
-request run alone (and an aborted request's tokens are the start of its alone run); for Quest, which
-selects in the generation phase only, a request vLLM preempted while decoding is compared up to the
-tokens it had then (vLLM recomputes it as one prompt, densely: ``mismatches`` in the benchmark);
-and the load really happened: vLLM preempted requests, requests were aborted mid-decode, blocks
+request run alone (and an aborted request's tokens are the start of its alone run), a request vLLM
+preempted while decoding and recomputed included (the plug-in selects its recomputed generated tokens
+as their decode steps did: docs/vllm.md, preemption); and the load really happened: vLLM preempted requests, requests were aborted mid-decode, blocks
 were handed out again and cached prefix blocks were evicted and hit. Quest and DSA run with the plug-in's per-block state check on
 (``KVSIEVE_CHECK_STATE=1``): a stale page summary or index key would end the engine, naming it.
 The full-size run is the benchmark (docs/results/vllm_load.md)."""
@@ -21,7 +20,7 @@ pytest.importorskip("vllm.platforms", reason="vLLM is not installed (it runs in 
 
 import test_engine  # noqa: E402
 
-from benchmarks.vllm_load import SELECTORS, mismatches, mode_spec, parser, prompts_dense, run_mode  # noqa: E402
+from benchmarks.vllm_load import SELECTORS, mismatches, mode_spec, parser, run_mode  # noqa: E402
 
 model_dir = test_engine.model_dir  # the fixture: SmolLM2-135M converted once
 
@@ -38,10 +37,9 @@ def test_under_load_every_request_equals_itself_alone(mode, model_dir, tmp_path)
     spec = mode_spec(mode, tmp_path)
     res = run_mode(str(model_dir), spec, args, tmp_path, check_state=mode in SELECTORS, timeout=ENGINE_TIMEOUT_S)
     figures, requests = res["figures"], res["requests"]
-    assert prompts_dense(spec) == (mode == "quest")
-    assert mismatches(res, dense_prompts=prompts_dense(spec)) == []
+    assert mismatches(res) == []
     assert figures["finished"] + figures["aborts"] == len(requests) == args.requests
-    assert figures["preemptions"] > 0 and figures["aborts"] > 0, figures
+    assert figures["preempted_decoding"] > 0 and figures["aborts"] > 0, figures  # recomputed generated tokens
     assert figures["evictions"] > 0 and figures["blocks_reused"] > 0 and figures["prefix_cache_hit_tokens"] > 0, figures
     assert all(len(r["load"]) >= args.abort_after for r in requests if r["aborted"])  # aborted while decoding
     assert all(len(r["load"]) == r["max_tokens"] for r in requests if r["finished"])

@@ -15,6 +15,7 @@ from kvsieve.integrations.vllm.config import PluginConfig, lower_plans
 from kvsieve.integrations.vllm.host import token_runs
 from kvsieve.integrations.vllm.layouts import kv_views
 from kvsieve.integrations.vllm.native_decode import decode_layer_path
+from kvsieve.integrations.vllm.state_check import StateCheck
 from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
 from kvsieve.kernels.common.native import native_status
 from kvsieve.kernels.decode_layer.native import SOURCE
@@ -57,7 +58,7 @@ def _projections(path) -> str:  # noqa: ANN001
 class _Side:
     """One plug-in process's state over its own caches: view, translator, runners."""
 
-    def __init__(self, cfg: SparseAttentionConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: SparseAttentionConfig, dtype: torch.dtype, check_state: bool = False) -> None:
         spec = ForeignKVSpec(num_layers=LAYERS, num_blocks=BLOCKS, tokens_per_block=P, num_kv_heads=HKV, head_dim=D,
                              dtype=dtype, device=torch.device("cpu"), layout="vllm-cpu", max_requests=8,
                              max_blocks_per_seq=16)
@@ -69,8 +70,9 @@ class _Side:
         self.geometry = AttentionGeometry(kind="gqa", num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D,
                                           sm_scale=D ** -0.5)
         plans = lower_plans(PluginConfig(sparse=cfg), num_layers=LAYERS, backend_name="torch")
-        self.runners = [LayerRunner(layer_idx=i, geometry=self.geometry, plan=p, backend=get_backend("torch"))
-                        for i, p in enumerate(plans)]
+        check = StateCheck() if check_state else None
+        self.runners = [LayerRunner(layer_idx=i, geometry=self.geometry, plan=p, backend=get_backend("torch"),
+                                    state_check=check) for i, p in enumerate(plans)]
 
     def write(self, layer: int, blocks: np.ndarray, offsets: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
         self.view.k_cache(layer)[blocks, :, offsets] = k
@@ -134,3 +136,87 @@ def test_native_decode_equals_the_python_path(tmp_path, selector, dtype):
             valid = np.unique(table)
             torch.testing.assert_close(b.view.aux_pools[pool_name][layer][valid], pools[layer][valid], rtol=0, atol=0)
     assert skipped, "the selector attends fewer positions than the context on some decode row"
+
+
+@pytest.mark.parametrize("selector", SELECTORS, ids=lambda s: f"{s[0]}-" + "-".join(f"{v}" for v in s[1].values()))
+def test_a_recomputed_request_selects_its_generated_tokens_as_its_decode_steps_did(tmp_path, selector):
+    """vLLM computes a request it preempted again as one prompt of its prompt and generated tokens.
+    Side A serves the requests as they first ran (the prompts, then ``DECODES`` one-token steps); side
+    B gets the same K/V, queries and hidden states in one recompute step whose rows cross their
+    prompt lengths. B's generated tokens must attend what A's decode steps attended (same count per
+    (row, KV head), same output), its prompt tokens what A's prompt step attended, and both sides
+    must end with the same per-block state (the plug-in's state check on at every step of both, where
+    the selector keeps some)."""
+    name, params = selector
+    if name == "dsa":
+        params = {**params, "projections": _projections(tmp_path / "indexer.pt")}
+    cfg = SparseAttentionConfig(name, params)
+    stateful = name in ("quest", "dsa") or params.get("scoring") == "summary"  # what the state check checks
+    a, b = _Side(cfg, torch.float32, check_state=stateful), _Side(cfg, torch.float32, check_state=stateful)
+    gen = torch.Generator().manual_seed(1)
+    per = -(-(max(PROMPTS) + DECODES) // P)
+    table = (torch.randperm(BLOCKS - 1, generator=gen)[: per * len(PROMPTS)].numpy().astype(np.int32) + 1).reshape(
+        len(PROMPTS), per)
+    prompts = np.array(PROMPTS, dtype=np.int32)
+    total = prompts + DECODES
+    # every position's q, k, v and hidden state, per layer and request
+    data = [[{x: torch.randn(int(n), h, generator=gen) for x, h in (("q", HKV * G * D), ("k", HKV * D),
+                                                                    ("v", HKV * D), ("hidden", 40))}
+             for n in total] for _ in range(LAYERS)]
+
+    def run(side: _Side, step: VllmStep) -> list[tuple[torch.Tensor, np.ndarray]]:
+        q_lens = np.diff(step.query_start_loc)
+        pos = np.concatenate([np.arange(n - q, n) for n, q in zip(step.seq_lens, q_lens)])
+        req = np.repeat(np.arange(len(PROMPTS)), q_lens)
+        got = []
+        for layer in range(LAYERS):
+            x = {key: torch.cat([data[layer][r][key][n - q: n] for r, (n, q) in enumerate(zip(step.seq_lens, q_lens))])
+                 for key in ("q", "k", "v", "hidden")}
+            q, k, v = (x[key].view(len(pos), -1, D) for key in ("q", "k", "v"))
+            side.write(layer, table[req, pos // P], pos % P, k, v)
+            fed = IndexerInputs(hidden=x["hidden"]) if name == "dsa" else None
+            md = side.translator.prepare(step)
+            res = side.runners[layer].forward(side.translator.to_kvsieve(q), side.translator.to_kvsieve(k),
+                                              side.translator.to_kvsieve(v), side.translator,
+                                              model_inputs=None if fed is None else IndexerInputs(
+                                                  hidden=side.translator.to_kvsieve(fed.hidden)))
+            out = torch.empty_like(q)
+            side.translator.to_vllm(res.out, out)
+            attended = np.empty((len(pos), HKV), dtype=np.int64)
+            attended[side.translator.token_order.numpy() if side.translator.token_order is not None
+                     else np.arange(len(pos))] = res.attended.numpy()
+            assert md.num_tokens == len(pos)
+            got.append((out, attended))
+        return got
+
+    def qsl(q_lens: np.ndarray) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+
+    first = [run(a, VllmStep(qsl(prompts), prompts.copy(), table.copy(), prompt_lens=prompts))]
+    for i in range(1, DECODES + 1):
+        ones = np.ones(len(PROMPTS), dtype=np.int32)
+        step = VllmStep(qsl(ones), prompts + i, table.copy(), prompt_lens=prompts)
+        assert step.decode_only
+        first.append(run(a, step))
+    recompute = VllmStep(qsl(total), total.copy(), table.copy(), prompt_lens=prompts)
+    assert not recompute.decode_only and recompute.context_tokens.tolist() == list(PROMPTS)
+    again = run(b, recompute)
+    starts = qsl(total)
+    for layer in range(LAYERS):
+        for r in range(len(PROMPTS)):
+            s = int(starts[r])
+            p0 = qsl(prompts)[r]
+            out0, att0 = first[0][layer]
+            torch.testing.assert_close(again[layer][0][s: s + prompts[r]], out0[p0: p0 + prompts[r]],
+                                       rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(again[layer][1][s: s + prompts[r]], att0[p0: p0 + prompts[r]])
+            for i in range(DECODES):
+                row = s + int(prompts[r]) + i
+                out_i, att_i = first[1 + i][layer]
+                torch.testing.assert_close(again[layer][0][row], out_i[r], rtol=1e-5, atol=1e-5)
+                np.testing.assert_array_equal(again[layer][1][row], att_i[r])
+    for pool_name, pools in a.view.aux_pools.items():
+        for layer in range(LAYERS):
+            valid = np.unique(table)
+            torch.testing.assert_close(b.view.aux_pools[pool_name][layer][valid], pools[layer][valid],
+                                       rtol=1e-6, atol=1e-6)

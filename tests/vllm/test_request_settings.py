@@ -9,7 +9,7 @@ import torch
 
 from kvsieve.integrations.vllm.config import PluginConfig, lower_plans, parse_selector_spec
 from kvsieve.integrations.vllm.layouts import kv_views
-from kvsieve.integrations.vllm.request_settings import BatchSettings, RequestSetting, parse_request_setting
+from kvsieve.integrations.vllm.request_settings import BatchRows, RequestSetting, parse_request_setting
 from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
 from kvsieve.metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
 from kvsieve.sparse import AttentionGeometry, get_backend
@@ -61,9 +61,52 @@ def test_request_settings_refused_without_a_selector():
         parse_request_setting("budget=32", hints)
 
 
-def test_worker_state_refuses_speculative_decoding():
+def test_settings_under_a_selector_selecting_in_the_prompt_need_the_prefix_cache_off(tmp_path):
+    """Under DSA (selects in the prompt) a request's setting changes its prompt's K/V, which vLLM's
+    prefix cache would share with other settings' requests: refused at admission unless the process
+    says it serves without the prefix cache, which its workers check at start-up."""
+    from types import SimpleNamespace
+
+    from kvsieve.integrations.vllm.config import read_plugin_config, selects_in_prompt
+    from kvsieve.integrations.vllm.state import PluginState
+
+    from kvsieve.selectors.dsa.projections import IndexerProjections, save_projections
+
+    save_projections(str(tmp_path / "x.pt"), {i: IndexerProjections(40, 4, 16, 8) for i in range(2)})
+    spec = f"dsa:projections={tmp_path / 'x.pt'},index_topk=64"
+    dsa = PluginConfig(sparse=parse_selector_spec(spec), source=f"KVSIEVE_SELECTOR={spec}")
+    assert selects_in_prompt(dsa) and not selects_in_prompt(QUEST)
+    for raw in ("budget=32", "dense=true"):
+        with pytest.raises(ValueError, match="selects in the prompt.*--no-enable-prefix-caching.*KVSIEVE_PROMPT_SETTINGS=1"):
+            parse_request_setting(raw, dsa)
+    assert parse_request_setting("budget=64", dsa) is None  # the process default
+    env = {"KVSIEVE_SELECTOR": spec, "KVSIEVE_PROMPT_SETTINGS": "1"}
+    opted = read_plugin_config(env)
+    assert opted.prompt_settings
+    assert parse_request_setting("budget=32", opted) == RequestSetting(knob=(("index_topk", 32),))
+    decode_only = tmp_path / "plan.yaml"
+    decode_only.write_text(f"selector: dsa\nparams: {{projections: {tmp_path / 'x.pt'}, index_topk: 64}}\n"
+                           "phases: [generation]\n")
+    assert not selects_in_prompt(read_plugin_config({"KVSIEVE_CONFIG": str(decode_only)}))
+    assert parse_request_setting("budget=32", read_plugin_config({"KVSIEVE_CONFIG": str(decode_only)})) is not None
+    with pytest.raises(ValueError, match="KVSIEVE_PROMPT_SETTINGS='yes': give 1, true, 0 or false"):
+        read_plugin_config({**env, "KVSIEVE_PROMPT_SETTINGS": "yes"})
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=256, hf_config=SimpleNamespace(num_hidden_layers=2)),
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=256),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
+        speculative_config=None, cache_config=SimpleNamespace(enable_prefix_caching=True))
+    quest_opted = PluginConfig(sparse=QUEST.sparse, prompt_settings=True, source="test")
+    with pytest.raises(NotImplementedError, match="prefix cache is on.*enable_prefix_caching=False"):
+        PluginState(quest_opted, vllm_config, torch.device("cpu"))
+    vllm_config.cache_config.enable_prefix_caching = False
+    assert PluginState(quest_opted, vllm_config, torch.device("cpu")).plans[0] is not None
+
+
+def test_worker_state_refuses_speculative_decoding_and_prompt_embeddings():
     """vLLM builds no custom logits processor with speculative decoding, so settings could not
-    reach the layers: the worker's state refuses it at start-up, by name."""
+    reach the layers; a prompt given as embeddings carries no token ids, so its prompt length is not
+    known: the worker's state refuses both at start-up, by name."""
     from types import SimpleNamespace
 
     from kvsieve.integrations.vllm.state import PluginState
@@ -77,19 +120,27 @@ def test_worker_state_refuses_speculative_decoding():
     vllm_config.speculative_config = SimpleNamespace(method="ngram")
     with pytest.raises(NotImplementedError, match="speculative decoding is not supported"):
         PluginState(QUEST, vllm_config, torch.device("cpu"))
+    vllm_config.speculative_config = None
+    vllm_config.model_config.enable_prompt_embeds = True
+    with pytest.raises(NotImplementedError, match="enable_prompt_embeds is not supported"):
+        PluginState(QUEST, vllm_config, torch.device("cpu"))
 
 
-def test_batch_settings_follow_removals_additions_and_moves():
-    table, a, b = BatchSettings(), BUDGET_32, RequestSetting(dense=True)
-    assert table.rows(3) is None
-    table.update([], [(0, a), (1, None), (2, b)], [])
-    assert table.rows(3) == (a, None, b)
+def test_batch_rows_follow_removals_additions_and_moves():
+    table, a, b = BatchRows(), BUDGET_32, RequestSetting(dense=True)
+    assert table.settings(3) is None and table.prompt_lens(1) is None
+    table.update([], [(0, a, 10), (1, None, 11), (2, b, 12)], [])
+    assert table.settings(3) == (a, None, b) and table.prompt_lens(3).tolist() == [10, 11, 12]
     table.update([0], [], [(2, 0, False)])  # condense: the last row moves into the hole
-    assert table.rows(2) == (b, None)
-    table.update([], [(2, a)], [(0, 2, True)])  # a new row, then a swap
-    assert table.rows(3) == (a, None, b)
-    table.update([], [(0, None)], [])  # a new request at a used index replaces its setting
-    assert table.rows(3) == (None, None, b) and table.rows(2) is None
+    assert table.settings(2) == (b, None) and table.prompt_lens(2).tolist() == [12, 11]
+    assert table.prompt_lens(3) is None  # row 2 is empty now
+    table.update([], [(2, a, 20)], [(0, 2, True)])  # a new row, then a swap
+    assert table.settings(3) == (a, None, b) and table.prompt_lens(3).tolist() == [20, 11, 12]
+    table.update([], [(0, None, 30)], [])  # a new request at a used index replaces its setting and length
+    assert table.settings(3) == (None, None, b) and table.settings(2) is None
+    assert table.prompt_lens(3).tolist() == [30, 11, 12]
+    table.update([], [(1, None, None)], [])  # a prompt without token ids: its length is not known
+    assert table.prompt_lens(3) is None and table.prompt_lens(1).tolist() == [30]
 
 
 HKV, G, D, P, BLOCKS, HIDDEN = 2, 2, 32, 16, 96, 48

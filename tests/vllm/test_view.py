@@ -372,3 +372,32 @@ def test_config_file_knobs_are_checked_not_coerced(tmp_path):
     path.write_text('{"selector": "quest", "params": {"budget": 64}, "dense_layers": [1.5]}')
     with pytest.raises(ValueError, match=r"dense_layers must be a tuple of ints, got tuple \(1.5,\)"):
         read_plugin_config({"KVSIEVE_CONFIG": str(path)})
+
+
+def test_rows_are_split_at_their_prompt_length():
+    """With each request's prompt length known, a query token before it is a context token and every
+    later one a generation token, whatever the row's length: a recomputed request (prompt and
+    generated tokens in one row) is two requests over the same blocks, and a one-token row that is
+    a prompt's last token is a context row. Without prompt lengths, one-token rows are generation."""
+    view = _foreign()
+    translator = StepTranslator(view, max_num_tokens=512, translations=get_backend("torch").required_translations)
+    table = np.array([[1, 2], [3, 4], [5, 6]], dtype=np.int32)
+    # vLLM rows: a decode row (position 40 >= prompt 30), a recompute of prompt 20 + 5 generated tokens,
+    # a prompt's last token (position 9 of a 10-token prompt)
+    qsl, lens, prompts = (np.array(x, dtype=np.int32) for x in ([0, 1, 26, 27], [41, 25, 10], [30, 20, 10]))
+    step = VllmStep(qsl, lens, table, prompt_lens=prompts)
+    assert step.context_tokens.tolist() == [0, 20, 1] and not step.decode_only
+    md = translator.prepare(step)
+    # requests: row 1's prompt part, row 2's token (context); row 0's token, row 1's generated part
+    assert md.num_contexts == 2 and md.seq_lens.tolist() == [20, 1, 1, 5]
+    assert md.kv_lens_host.tolist() == [20, 10, 41, 25]
+    assert translator.token_order.tolist() == [*range(1, 21), 26, 0, *range(21, 26)]
+    assert md.positions_host.tolist() == [*range(20), 9, 40, *range(20, 25)]
+    assert view.block_table[md.slots[:4], :2].tolist() == [[3, 4], [5, 6], [1, 2], [3, 4]]
+    unknown = VllmStep(qsl, lens, table)
+    assert unknown.context_tokens.tolist() == [0, 25, 0]
+    md = translator.prepare(unknown)
+    assert md.num_contexts == 1 and md.seq_lens.tolist() == [25, 1, 1]
+    decoding = VllmStep(np.array([0, 1, 2], dtype=np.int32), np.array([31, 21], dtype=np.int32), table[:2],
+                        prompt_lens=np.array([30, 20], dtype=np.int32))
+    assert decoding.decode_only and translator.prepare(decoding).num_contexts == 0

@@ -15,7 +15,12 @@
 * ``KVSIEVE_CHECK_STATE=1`` (or ``check_state: true`` in the file; ``0``/``false`` off, the
   default): a debug check, at every layer step, of the selector's per-block state against a
   recomputation (:mod:`.state_check`), raising on a difference; refused for a selector with no
-  per-block state it knows.
+  per-block state it knows;
+* ``KVSIEVE_PROMPT_SETTINGS=1`` (or ``prompt_settings: true`` in the file): under a selector that
+  selects in the prompt, a request may carry its own setting (:mod:`.request_settings`), which
+  changes its prompt's K/V; the process then serves without vLLM's prefix cache (checked at
+  start-up), which would otherwise hand one setting's prompt blocks to another. Without it such a
+  request is refused at admission.
 
 The plug-in is active only when ``KVSIEVE_SELECTOR`` or ``KVSIEVE_CONFIG`` is set; setting both
 is an error. Selectors that evict prompt tokens (``snapkv``, ``rocketkv`` stage 1) are refused.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,19 +39,21 @@ from typing import Any
 import yaml
 
 from ...selectors.dsa import IndexerInputs
-from ...sparse import LayerPlan, SparseAttentionConfig, lower_config
+from ...sparse import LayerPlan, SparseAttentionConfig, get_selector_class, lower_config
 from .state_check import check_supported
 
 __all__ = ["PluginConfig", "WorkerRanks", "read_plugin_config", "lower_plans", "parse_selector_spec", "parse_fields",
-           "DENSE", "ENV_SELECTOR", "ENV_CONFIG", "ENV_BACKEND", "ENV_CAPTURE", "ENV_CHECK_STATE"]
+           "DENSE", "ENV_SELECTOR", "ENV_CONFIG", "ENV_BACKEND", "ENV_CAPTURE", "ENV_CHECK_STATE",
+           "ENV_PROMPT_SETTINGS", "selects_in_prompt"]
 
 ENV_SELECTOR = "KVSIEVE_SELECTOR"
 ENV_CONFIG = "KVSIEVE_CONFIG"
 ENV_BACKEND = "KVSIEVE_BACKEND"
 ENV_CAPTURE = "KVSIEVE_CAPTURE"
 ENV_CHECK_STATE = "KVSIEVE_CHECK_STATE"
+ENV_PROMPT_SETTINGS = "KVSIEVE_PROMPT_SETTINGS"
 DENSE = "dense"
-_FILE_KEYS = ("selector", "params", "dense_layers", "phases", "backend", "check_state")
+_FILE_KEYS = ("selector", "params", "dense_layers", "phases", "backend", "check_state", "prompt_settings")
 _FLAGS = {"1": True, "true": True, "0": False, "false": False}
 
 
@@ -53,12 +61,15 @@ _FLAGS = {"1": True, "true": True, "0": False, "false": False}
 class PluginConfig:
     """``sparse``: the kvsieve config (``None`` = dense); ``backend``: kvsieve backend name or
     ``None`` for the device default; ``capture_dir``: where the golden check writes, or ``None``;
-    ``check_state``: check the selector's per-block state at every layer step (:mod:`.state_check`)."""
+    ``check_state``: check the selector's per-block state at every layer step (:mod:`.state_check`);
+    ``prompt_settings``: per-request settings may change prompts' K/V, served without the prefix
+    cache (module docstring)."""
 
     sparse: SparseAttentionConfig | None
     backend: str | None = None
     capture_dir: Path | None = None
     check_state: bool = False
+    prompt_settings: bool = False
     source: str = field(default="", compare=False)
 
 
@@ -158,24 +169,34 @@ def read_plugin_config(environ: dict[str, str] | None = None) -> PluginConfig | 
         raise ValueError(f"{ENV_BACKEND}={env_backend!r} contradicts backend {backend!r} in {path}")
     capture = env.get(ENV_CAPTURE)
     return PluginConfig(sparse=sparse, backend=env_backend or backend, capture_dir=Path(capture) if capture else None,
-                        check_state=_check_state(env.get(ENV_CHECK_STATE), Path(path) if path else None),
+                        check_state=_flag(env, ENV_CHECK_STATE, "check_state", Path(path) if path else None),
+                        prompt_settings=_flag(env, ENV_PROMPT_SETTINGS, "prompt_settings", Path(path) if path else None),
                         source=source)
 
 
-def _check_state(flag: str | None, path: Path | None) -> bool:
-    """``KVSIEVE_CHECK_STATE`` (``1``/``true``/``0``/``false``) and the file's ``check_state`` (a bool);
-    they must agree when both are given."""
-    env = None
+def _flag(env: Mapping[str, str], name: str, key: str, path: Path | None) -> bool:
+    """The environment's flag ``name`` (``1``/``true``/``0``/``false``) and the file's ``key`` (a
+    bool); they must agree when both are given."""
+    flag, value = env.get(name), None
     if flag is not None:
         if flag.strip().lower() not in _FLAGS:
-            raise ValueError(f"{ENV_CHECK_STATE}={flag!r}: give 1, true, 0 or false")
-        env = _FLAGS[flag.strip().lower()]
-    raw = None if path is None else _read_file(path).get("check_state")  # the file was checked (_from_file)
+            raise ValueError(f"{name}={flag!r}: give 1, true, 0 or false")
+        value = _FLAGS[flag.strip().lower()]
+    raw = None if path is None else _read_file(path).get(key)  # the file was checked (_from_file)
     if raw is not None and not isinstance(raw, bool):
-        raise ValueError(f"{ENV_CONFIG}={path}: check_state must be true or false, got {raw!r}")
-    if env is not None and raw is not None and env != raw:
-        raise ValueError(f"{ENV_CHECK_STATE}={flag!r} contradicts check_state: {raw} in {path}")
-    return bool(env if env is not None else raw)
+        raise ValueError(f"{ENV_CONFIG}={path}: {key} must be true or false, got {raw!r}")
+    if value is not None and raw is not None and value != raw:
+        raise ValueError(f"{name}={flag!r} contradicts {key}: {raw} in {path}")
+    return bool(value if value is not None else raw)
+
+
+def selects_in_prompt(config: PluginConfig) -> bool:
+    """Whether the process's selector selects in the prompt (context) phase, where a request's
+    setting changes the K/V its prompt leaves in the cache."""
+    if config.sparse is None:
+        return False
+    phases = config.sparse.phases or get_selector_class(config.sparse.selector).capabilities.phases
+    return "context" in phases
 
 
 def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, device: str = "cpu",

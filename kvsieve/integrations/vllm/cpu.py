@@ -40,7 +40,7 @@ from ...selectors.dsa import IndexerInputs
 from .host import PerHeadTables
 from .layer_checks import refuse_features, refusing_backend, worker_ranks
 from .layouts import kv_views
-from .request_settings import row_settings
+from .request_settings import row_prompt_lens, row_settings
 from .state import PluginState, current_plugin_state, plugin_state
 from .step import VllmStep
 
@@ -60,8 +60,8 @@ class KvsieveCPUAttentionMetadata(CPUAttentionMetadata):
 
 class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM's builder with the KV write kept in a layout kvsieve can view (``vec``/``vec16``); its
-    metadata also carries the step's tables on the host and each row's per-request setting
-    (:class:`KvsieveCPUAttentionMetadata`, :func:`.request_settings.row_settings`). In a process where
+    metadata also carries the step's tables on the host, each row's per-request setting and its
+    request's prompt length (:class:`KvsieveCPUAttentionMetadata`, :mod:`.request_settings`). In a process where
     every layer is vLLM's own attention (``dense``, no capture) neither: vLLM's own ISA (``amx`` on CPUs
     with AMX) and metadata, so dense through the plug-in is vLLM's attention."""
 
@@ -82,8 +82,9 @@ class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
         step = None
         if self.reads_cache:
+            b = md.seq_lens.shape[0]
             step = VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens,
-                                         settings=row_settings(md.seq_lens.shape[0]))
+                                         settings=row_settings(b), prompt_lens=row_prompt_lens(b))
         return KvsieveCPUAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, step=step)
 
 
@@ -145,8 +146,10 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
             hidden = self.state.feed.take(layer_idx, n, query.shape[0])
         step = getattr(attn_metadata, "step", None)  # None: metadata vLLM built without the plug-in's builder
         if step is None:
+            b = attn_metadata.seq_lens.shape[0]
             step = VllmStep.from_tensors(attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                                         attn_metadata.block_table, n)
+                                         attn_metadata.block_table, n, settings=row_settings(b),
+                                         prompt_lens=row_prompt_lens(b))
         if step.decode_only and step.settings is None:  # one native call (selection, tables, attention) where
             # the selector has a program and every row takes the process's setting
             native = self.state.decode_path(layer_idx, LAYOUT, kv_cache, num_heads=self.num_heads,

@@ -21,7 +21,7 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl, TritonAttentionMetadata
 
 from .layer_checks import refuse_features, refusing_backend, worker_ranks
-from .request_settings import row_settings
+from .request_settings import row_prompt_lens, row_settings
 from .state import PluginState, plugin_state
 from .step import VllmStep
 
@@ -71,7 +71,10 @@ class KvsieveTritonAttentionImpl(TritonAttentionImpl):
             raise NotImplementedError("kvsieve vLLM plug-in: non-causal attention steps are not supported")
         n = attn_metadata.num_actual_tokens
         layer_idx = extract_layer_index(layer.layer_name)
-        if attn_metadata.max_query_len == 1:  # a decode step: one fixed-shape device call, nothing read to the host
+        rows = attn_metadata.seq_lens.shape[0]
+        settings = row_settings(rows)
+        # a decode step whose rows take the process's setting: one fixed-shape device call, nothing read to the host
+        if attn_metadata.max_query_len == 1 and settings is None:
             path = self.state.decode_path(layer_idx, LAYOUT, kv_cache, num_heads=self.num_heads,
                                           num_kv_heads=self.num_kv_heads, head_size=self.head_size, scale=self.scale)
             if path is not None:
@@ -83,7 +86,8 @@ class KvsieveTritonAttentionImpl(TritonAttentionImpl):
         self.state.run_layer(
             layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n],
             step=VllmStep.from_tensors(attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                                       attn_metadata.block_table, n, settings=row_settings(attn_metadata.seq_lens.shape[0])),
+                                       attn_metadata.block_table, n, settings=settings,
+                                       prompt_lens=row_prompt_lens(rows)),
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size, scale=self.scale)
         return output
 

@@ -63,15 +63,16 @@ def per_head_block_tables(params: SparseRuntimeParams, md: AttentionMetadata, vi
     ids (module docstring; built by :func:`kvsieve.kernels.head_tables.dispatch.head_tables`), or ``None``
     when the selection is not whole cache blocks (``sparse_attn_indices_block_size`` other than the
     cache's block size) or some (row, KV head) selects nothing (the caller then takes kvsieve's
-    backend). ``params`` validated; ``md`` is the step's metadata over ``view``; every generation
-    row is one request's one token."""
+    backend). ``params`` validated; ``md`` is the step's metadata over ``view``; each generation row
+    attends its causal length ``position + 1``."""
     bs = view.tokens_per_block
     if params.sparse_attn_indices_block_size != bs or not params.selects_positions("generation"):
         return None
-    rows, reqs = md.generation_rows, md.phase_requests("generation")
+    rows = md.generation_rows
+    reqs = md.token_to_req_host[rows]  # a request may have several generation rows (a recomputed one)
     off = params.sparse_attn_offsets.numpy()[rows.start: rows.stop + 1]  # the rows' segments (host numpy)
     idx = params.sparse_attn_indices.numpy()[:, off[0]: off[-1]]
-    built = head_tables(idx, off - off[0], view.block_table[md.slots[reqs]], md.kv_lens_host[reqs], bs)
+    built = head_tables(idx, off - off[0], view.block_table[md.slots[reqs]], md.positions_host[rows] + 1, bs)
     if built is None:
         return None
     return PerHeadTables(torch.from_numpy(built[0]), torch.from_numpy(built[1]))

@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 
 from ...sparse import get_selector_class, lower_budget
-from .config import PluginConfig, parse_fields
+from .config import ENV_PROMPT_SETTINGS, PluginConfig, parse_fields, selects_in_prompt
 
-__all__ = ["EXTRA_ARGS_KEY", "REQUEST_FIELDS", "RequestSetting", "parse_request_setting", "BatchSettings",
-           "batch_settings", "row_settings", "setting_ids"]
+__all__ = ["EXTRA_ARGS_KEY", "REQUEST_FIELDS", "RequestSetting", "parse_request_setting", "BatchRows",
+           "batch_rows", "row_settings", "row_prompt_lens", "setting_ids"]
 
 #: the key of ``SamplingParams.extra_args`` (and of the OpenAI server's ``vllm_xargs``)
 EXTRA_ARGS_KEY = "kvsieve"
@@ -86,7 +86,8 @@ def parse_request_setting(raw: object, config: PluginConfig | None) -> RequestSe
     if not isinstance(dense, bool):
         raise ValueError(f"{where}: field 'dense' must be true or false, got {dense!r}")
     if "budget" not in fields:
-        return RequestSetting(dense=True) if dense and sparse is not None else None
+        return _prompt_settings_allowed(RequestSetting(dense=True), where, config) if dense and sparse is not None \
+            else None
     budget = fields["budget"]
     if dense:
         raise ValueError(f"{where}: fields 'dense' and 'budget' contradict each other; give one")
@@ -106,51 +107,81 @@ def parse_request_setting(raw: object, config: PluginConfig | None) -> RequestSe
     default = {f.name: f.default for f in dataclasses.fields(selector.config_class)}
     if all(sparse.params.get(k, default[k]) == v for k, v in knob.items()):
         return None
-    return RequestSetting(knob=tuple(sorted(knob.items())))
+    return _prompt_settings_allowed(RequestSetting(knob=tuple(sorted(knob.items()))), where, config)
 
 
-class BatchSettings:
-    """The setting of each row of vLLM's persistent batch (batch index -> setting; rows not listed
-    use the process default), kept from vLLM's batch updates in vLLM's order: removed, then
-    added, then moved (:meth:`update`). The batch index is the row of the step's attention
-    metadata (vLLM's model runner builds ``query_start_loc`` over ``input_batch.req_ids``)."""
+def _prompt_settings_allowed(setting: RequestSetting, where: str, config: PluginConfig) -> RequestSetting:
+    """``setting``, unless the process's selector selects in the prompt and the process did not say it
+    serves without vLLM's prefix cache (:data:`.config.ENV_PROMPT_SETTINGS`): the request's prompt K/V
+    then depend on its setting, and the prefix cache would share them with other settings' requests."""
+    if selects_in_prompt(config) and not config.prompt_settings:
+        raise ValueError(
+            f"{where}: selector {config.sparse.selector!r} selects in the prompt, so a request's setting changes the "
+            "K/V its prompt leaves in the cache, and vLLM's prefix cache would hand them to requests of other "
+            f"settings; start the server without the prefix cache (--no-enable-prefix-caching) and with "
+            f"{ENV_PROMPT_SETTINGS}=1 ({config.source})")
+    return setting
+
+
+class BatchRows:
+    """What kvsieve keeps of each row of vLLM's persistent batch (batch index -> the row's request
+    setting and its request's prompt length; rows without a setting use the process default), kept
+    from vLLM's batch updates in vLLM's order: removed, then added, then moved (:meth:`update`). The
+    batch index is the row of the step's attention metadata (vLLM's model runner builds
+    ``query_start_loc`` over ``input_batch.req_ids``). The prompt length tells a recomputed request's
+    generated tokens from its prompt: vLLM computes a request it preempted again as one prompt of
+    its prompt and the tokens it had generated, re-adding it with its original prompt."""
 
     def __init__(self) -> None:
-        self._rows: dict[int, RequestSetting] = {}
+        self._settings: dict[int, RequestSetting] = {}
+        self._prompt_lens: dict[int, int] = {}
 
-    def update(self, removed: Iterable[int], added: Iterable[tuple[int, RequestSetting | None]],
+    def update(self, removed: Iterable[int], added: Iterable[tuple[int, RequestSetting | None, int | None]],
                moved: Iterable[tuple[int, int, bool]]) -> None:
-        """``removed``: indices left empty; ``added``: ``(index, setting)``, replacing what the index
-        held; ``moved``: ``(a, b, swap)``, the row at ``a`` goes to ``b`` (and ``b``'s to ``a`` when
-        ``swap``)."""
+        """``removed``: indices left empty; ``added``: ``(index, setting, prompt length)`` (``None``:
+        not known), replacing what the index held; ``moved``: ``(a, b, swap)``, the row at ``a`` goes to ``b`` (and ``b``'s
+        to ``a`` when ``swap``)."""
         for i in removed:
-            self._rows.pop(i, None)
-        for i, setting in added:
-            self._rows.pop(i, None)
+            self._settings.pop(i, None)
+            self._prompt_lens.pop(i, None)
+        for i, setting, prompt_len in added:
+            self._settings.pop(i, None)
             if setting is not None:
-                self._rows[i] = setting
+                self._settings[i] = setting
+            self._prompt_lens.pop(i, None)
+            if prompt_len is not None:
+                self._prompt_lens[i] = prompt_len
         for a, b, swap in moved:
-            at_a, at_b = self._rows.pop(a, None), self._rows.pop(b, None)
-            if at_a is not None:
-                self._rows[b] = at_a
-            if swap and at_b is not None:
-                self._rows[a] = at_b
+            for table in (self._settings, self._prompt_lens):
+                at_a, at_b = table.pop(a, None), table.pop(b, None)
+                if at_a is not None:
+                    table[b] = at_a
+                if swap and at_b is not None:
+                    table[a] = at_b
 
-    def rows(self, num_rows: int) -> tuple[RequestSetting | None, ...] | None:
+    def settings(self, num_rows: int) -> tuple[RequestSetting | None, ...] | None:
         """The settings of rows ``[0, num_rows)`` (``None`` entries: the default), or ``None`` when
         every row uses the process default."""
-        if not any(i < num_rows for i in self._rows):
+        if not any(i < num_rows for i in self._settings):
             return None
-        return tuple(self._rows.get(i) for i in range(num_rows))
+        return tuple(self._settings.get(i) for i in range(num_rows))
+
+    def prompt_lens(self, num_rows: int) -> np.ndarray | None:
+        """int32 ``[num_rows]``: the prompt length of each row's request, or ``None`` when some row's
+        is not known."""
+        if any(i not in self._prompt_lens for i in range(num_rows)):
+            return None
+        return np.fromiter((self._prompt_lens[i] for i in range(num_rows)), dtype=np.int32, count=num_rows)
 
 
-_CURRENT: list[BatchSettings | None] = [None]
+_CURRENT: list[BatchRows | None] = [None]
 
 
-def batch_settings() -> BatchSettings:
-    """A new table for this process's persistent batch, the one :func:`row_settings` reads from now
-    on (vLLM builds its logits processors again when it rebuilds the batch)."""
-    _CURRENT[0] = BatchSettings()
+def batch_rows() -> BatchRows:
+    """A new table for this process's persistent batch, the one :func:`row_settings` and
+    :func:`row_prompt_lens` read from now on (vLLM builds its logits processors again when it
+    rebuilds the batch)."""
+    _CURRENT[0] = BatchRows()
     return _CURRENT[0]
 
 
@@ -158,7 +189,14 @@ def row_settings(num_rows: int) -> tuple[RequestSetting | None, ...] | None:
     """The settings of this step's rows ``[0, num_rows)`` in vLLM's order, ``None`` when every row
     uses the process default (or no table is kept in this process)."""
     table = _CURRENT[0]
-    return None if table is None else table.rows(num_rows)
+    return None if table is None else table.settings(num_rows)
+
+
+def row_prompt_lens(num_rows: int) -> np.ndarray | None:
+    """int32 ``[num_rows]``: the prompt length of the request of each of this step's rows in vLLM's
+    order, ``None`` where no table is kept in this process."""
+    table = _CURRENT[0]
+    return None if table is None else table.prompt_lens(num_rows)
 
 
 def setting_ids(settings: tuple[RequestSetting | None, ...]) -> np.ndarray:

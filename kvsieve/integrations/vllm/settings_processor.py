@@ -9,7 +9,9 @@ changes no logit and exists for two of vLLM's calls:
 * ``update_state(BatchUpdate)`` (in every worker process, before each step whose batch changed,
   after vLLM added, removed, condensed and reordered its persistent batch and before it builds the
   step's attention metadata): the batch indices it names are the rows of that metadata, so the
-  plug-in's metadata builder reads each row's setting from :func:`.request_settings.row_settings`.
+  plug-in's metadata builder reads each row's setting from :func:`.request_settings.row_settings`,
+  and its request's prompt length from :func:`.request_settings.row_prompt_lens` (the prompt token
+  ids vLLM hands with every added row, a resumed one included).
 
 vLLM's V2 model runner (``VLLM_USE_V2_MODEL_RUNNER=1``; the default where Triton is installed)
 calls another interface; the class declares both so vLLM loads it under either runner, and under
@@ -25,7 +27,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as LogitsProcessorV2
 
 from .config import PluginConfig, read_plugin_config
-from .request_settings import EXTRA_ARGS_KEY, RequestSetting, batch_settings, parse_request_setting
+from .request_settings import EXTRA_ARGS_KEY, RequestSetting, batch_rows, parse_request_setting
 
 __all__ = ["KvsieveRequestSettings"]
 
@@ -50,7 +52,7 @@ class KvsieveRequestSettings(LogitsProcessor, LogitsProcessorV2):
             raise NotImplementedError(
                 "kvsieve vLLM plug-in: per-request settings follow vLLM's V1 model runner batch; the V2 model runner "
                 "is in use (set VLLM_USE_V2_MODEL_RUNNER=0)")
-        self.settings = batch_settings()
+        self.rows = batch_rows()
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -64,8 +66,10 @@ class KvsieveRequestSettings(LogitsProcessor, LogitsProcessorV2):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
-        self.settings.update(batch_update.removed, ((i, _setting(p)) for i, p, _, _ in batch_update.added),
-                             ((a, b, d == MoveDirectionality.SWAP) for a, b, d in batch_update.moved))
+        # a prompt given as embeddings has no token ids (refused at start-up while the plug-in is on)
+        self.rows.update(batch_update.removed, ((i, _setting(p), None if prompt is None else len(prompt))
+                                                for i, p, prompt, _ in batch_update.added),
+                         ((a, b, d == MoveDirectionality.SWAP) for a, b, d in batch_update.moved))
 
     def apply(self, logits: torch.Tensor, ctx: object = None) -> torch.Tensor:
         return logits

@@ -57,6 +57,16 @@ class PluginState:
                 "kvsieve vLLM plug-in: speculative decoding is not supported: vLLM then builds no custom logits "
                 "processor, so per-request kvsieve settings would not reach the layers (docs/vllm.md, per-request "
                 "settings)")
+        if config.prompt_settings and getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", False):
+            raise NotImplementedError(
+                "kvsieve vLLM plug-in: KVSIEVE_PROMPT_SETTINGS (prompt_settings) lets a request's setting change its "
+                "prompt's K/V, but vLLM's prefix cache is on and would hand them to requests of other settings; "
+                "start vLLM with enable_prefix_caching=False (--no-enable-prefix-caching)")
+        if getattr(vllm_config.model_config, "enable_prompt_embeds", False):
+            raise NotImplementedError(
+                "kvsieve vLLM plug-in: enable_prompt_embeds is not supported: a prompt given as embeddings reaches "
+                "the workers without token ids, so the plug-in cannot tell its prompt from the tokens it generated "
+                "when vLLM computes it again after a preemption (docs/vllm.md, preemption)")
         self.config = config
         self.device = device
         self.ranks = ranks
@@ -119,7 +129,8 @@ class PluginState:
         if key not in self.translators:
             spec = ForeignKVSpec(num_layers=self.num_layers, num_blocks=n, tokens_per_block=p, num_kv_heads=h,
                                  head_dim=d, dtype=k.dtype, device=k.device, layout=layout,
-                                 max_requests=self.max_num_seqs, max_blocks_per_seq=-(-self.max_model_len // p))
+                                 # a recomputed request's prompt and generated tokens are two kvsieve requests
+                                 max_requests=2 * self.max_num_seqs, max_blocks_per_seq=-(-self.max_model_len // p))
             # block_lists: read by the Vanilla golden of the capture only
             golden = ("block_lists",) if self.config.capture_dir is not None else ()
             needed = tuple(sorted({*golden, *self.backend.required_translations}))

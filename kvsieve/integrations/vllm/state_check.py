@@ -148,6 +148,12 @@ def check_page_summaries(selector: PageSelectorBase, inputs: SelectorInputs) -> 
     blocks = cache.block_table[md.slots[req], first // tpb].astype(np.int64)
     sub = (first % tpb) // ps
     counts = np.minimum(lens[req] - first, ps)
+    # a page two requests of the step hold (a recomputed request's prompt part and generated part) is
+    # summarized over the longer of them: keep that one
+    key = blocks * (tpb // ps) + sub
+    keep = np.lexsort((-counts, key))
+    keep = np.sort(keep[np.r_[True, key[keep][1:] != key[keep][:-1]]])
+    req, page, first, blocks, sub, counts = (a[keep] for a in (req, page, first, blocks, sub, counts))
     dev = pool.device
     tok = torch.from_numpy(first % tpb).unsqueeze(1) + torch.arange(ps)  # [n, ps] slot in the block
     valid = (torch.arange(ps) < torch.from_numpy(counts).unsqueeze(1)).to(dev)[:, :, None, None]

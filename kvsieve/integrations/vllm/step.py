@@ -5,11 +5,18 @@ view, and run one layer's selector and backend on it.
 vLLM hands every attention layer of a step the same metadata object: ``query_start_loc [B+1]``,
 ``seq_lens [B]`` (tokens in the cache, this step's included), ``block_table [B, W]`` (physical
 block ids) and ``num_actual_tokens``; prefill chunks and decode rows may be mixed in any order and
-the step's K/V are already in the cache when attention runs. kvsieve wants context rows first:
-a row with one query token is a *generation* row (vLLM's own decode rule), every other row is a
-*context* row (a prompt or a chunk of one, attending its cached prefix and itself causally). The
-:class:`StepTranslator` reorders rows (and their tokens) context-first when needed, prepares the
-metadata once per step (not per layer), and maps outputs back to vLLM's token order.
+the step's K/V are already in the cache when attention runs. kvsieve wants context rows first.
+A query token at a position before its request's prompt length is a *context* token (a prompt or a
+chunk of one, attending its cached prefix and itself causally), every later one a *generation*
+token: vLLM computes a request it preempted again as one prompt of its prompt and the tokens it
+had generated, and those tokens are generation tokens, selected as their decode steps selected
+them. So a vLLM row whose query crosses its prompt length is two kvsieve requests over the same
+blocks, its prompt part (context) and its generated part (generation, several tokens). The prompt
+lengths come from the per-request table (:func:`.request_settings.row_prompt_lens`); without them
+a row with one query token is a generation row (vLLM's own decode rule) and every other row a
+context row. The :class:`StepTranslator` splits and reorders rows (and their tokens) context-first
+when needed, prepares the metadata once per step (not per layer), and maps outputs back to vLLM's
+token order.
 
 Dense context rows (every prompt row of a dense layer, of ``dense``, and of a plan that does not
 select in the context phase) do not go through the kvsieve backend's general per-row gather: each
@@ -58,21 +65,32 @@ class VllmStep:
     """What kvsieve reads of vLLM's step metadata, on the host: ``query_start_loc [B+1]``,
     ``seq_lens [B]``, ``block_table [B, W]`` (int32 numpy) and ``num_tokens`` (= the last query start);
     ``settings``: each row's per-request setting (:mod:`.request_settings`; ``None`` entries the
-    process default), or ``None`` when every row uses the process default."""
+    process default), or ``None`` when every row uses the process default; ``prompt_lens``: int32
+    ``[B]``, each row's request's prompt length, or ``None`` when not known (module docstring)."""
 
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
     block_table: np.ndarray
     settings: tuple[RequestSetting | None, ...] | None = None
+    prompt_lens: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.query_start_loc[-1])
 
     @cached_property
+    def context_tokens(self) -> np.ndarray:
+        """int64 ``[B]``: how many of each row's query tokens (its first ones) are prompt tokens."""
+        q_lens = np.diff(self.query_start_loc).astype(np.int64)
+        if self.prompt_lens is None:
+            return np.where(q_lens == 1, 0, q_lens)
+        first = self.seq_lens.astype(np.int64) - q_lens  # each row's first query position
+        return np.clip(self.prompt_lens.astype(np.int64) - first, 0, q_lens)
+
+    @cached_property
     def decode_only(self) -> bool:
-        """Whether every row is one request's one new token (computed once per step)."""
-        return bool((np.diff(self.query_start_loc) == 1).all())
+        """Whether every row is one request's one new generated token (computed once per step)."""
+        return bool((np.diff(self.query_start_loc) == 1).all()) and not self.context_tokens.any()
 
     @cached_property
     def positions(self) -> torch.Tensor:
@@ -80,22 +98,27 @@ class VllmStep:
         return torch.from_numpy(self.seq_lens.astype(np.int64) - 1)
 
     def same_as(self, other: VllmStep) -> bool:
-        return self.settings == other.settings and all(np.array_equal(a, b) for a, b in zip(
-            (self.query_start_loc, self.seq_lens, self.block_table),
-            (other.query_start_loc, other.seq_lens, other.block_table)))
+        if self.settings != other.settings or (self.prompt_lens is None) != (other.prompt_lens is None):
+            return False
+        mine = (self.query_start_loc, self.seq_lens, self.block_table, self.prompt_lens)
+        theirs = (other.query_start_loc, other.seq_lens, other.block_table, other.prompt_lens)
+        return all(a is None or np.array_equal(a, b) for a, b in zip(mine, theirs))
 
     @classmethod
     def from_tensors(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                     num_actual_tokens: int, settings: tuple[RequestSetting | None, ...] | None = None) -> VllmStep:
+                     num_actual_tokens: int, settings: tuple[RequestSetting | None, ...] | None = None,
+                     prompt_lens: np.ndarray | None = None) -> VllmStep:
         b = seq_lens.shape[0]
         qsl = query_start_loc[: b + 1].cpu().numpy().astype(np.int32)
         step = cls(qsl, seq_lens.cpu().numpy().astype(np.int32), block_table[:b].cpu().numpy().astype(np.int32),
-                   settings)
+                   settings, prompt_lens)
         if step.num_tokens != num_actual_tokens:
             raise ValueError(f"vLLM step: query_start_loc ends at {step.num_tokens} but num_actual_tokens="
                              f"{num_actual_tokens}")
         if bool((step.seq_lens < np.diff(qsl)).any()):
             raise ValueError("vLLM step: a request has fewer cached tokens (seq_lens) than query tokens")
+        if prompt_lens is not None and prompt_lens.shape != (b,):
+            raise ValueError(f"vLLM step: {prompt_lens.shape[0]} prompt lengths for {b} rows")
         return step
 
 
@@ -114,31 +137,34 @@ class StepTranslator:
 
     def prepare(self, step: VllmStep) -> AttentionMetadata:
         """Prepare the metadata for ``step``; the layers after the first of a step find it prepared
-        (the metadata is a function of the step's tables, so equal tables reuse it). Rows are
-        ordered context first, then generation, and inside a phase by per-request setting (the
-        default first), so each setting's rows are one slice (:mod:`.setting_groups`)."""
+        (the metadata is a function of the step's tables, so equal tables reuse it). A row whose query
+        crosses its prompt length becomes two requests (module docstring). Requests are ordered
+        context first, then generation, and inside a phase by per-request setting (the default
+        first), so each setting's rows are one slice (:mod:`.setting_groups`)."""
         if self._step is step or (self._step is not None and self._step.same_as(step)):
             return self.metadata
-        qlens = np.diff(step.query_start_loc)
-        is_gen = qlens == 1
-        if step.settings is None:
-            order = np.concatenate([np.flatnonzero(~is_gen), np.flatnonzero(is_gen)]).astype(np.int64)
-            self.row_settings = None
-        else:
-            order = np.lexsort((np.arange(qlens.size), setting_ids(step.settings), is_gen)).astype(np.int64)
-            self.row_settings = tuple(step.settings[i] for i in order)
-        if bool((order != np.arange(order.size)).any()):
-            starts = step.query_start_loc[order].astype(np.int64)
-            counts = qlens[order].astype(np.int64)
-            tok = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
-            self.token_order = torch.from_numpy(tok)
-        else:
-            self.token_order = None
-        self.view.set_batch(step.block_table[order], step.seq_lens[order])
+        qsl = step.query_start_loc.astype(np.int64)
+        ctx = step.context_tokens
+        gen = np.diff(qsl) - ctx
+        ctx_rows, gen_rows = np.flatnonzero(ctx > 0), np.flatnonzero(gen > 0)
+        if step.settings is not None:  # inside a phase by setting, then by row
+            ids = setting_ids(step.settings)
+            ctx_rows = ctx_rows[np.lexsort((ctx_rows, ids[ctx_rows]))]
+            gen_rows = gen_rows[np.lexsort((gen_rows, ids[gen_rows]))]
+        # the vLLM row of each kvsieve request; a row's prompt part comes before its generated part, so a
+        # page both touch is summarized last over the longer prefix (a selector's on_append writes in order)
+        rows = np.concatenate([ctx_rows, gen_rows])
+        starts = np.concatenate([qsl[ctx_rows], qsl[gen_rows] + ctx[gen_rows]])  # its first query token
+        counts = np.concatenate([ctx[ctx_rows], gen[gen_rows]])
+        kv_lens = np.concatenate([step.seq_lens[ctx_rows] - gen[ctx_rows], step.seq_lens[gen_rows]])
+        tok = np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        self.token_order = None if np.array_equal(tok, np.arange(tok.size)) else torch.from_numpy(tok)
+        self.row_settings = None if step.settings is None else tuple(step.settings[i] for i in rows)
+        self.view.set_batch(step.block_table[rows], kv_lens.astype(np.int32))
         md = self.metadata
-        md.request_ids = list(range(order.size))
-        md.seq_lens = torch.from_numpy(qlens[order].astype(np.int32))
-        md.num_contexts = int((~is_gen).sum())
+        md.request_ids = list(range(rows.size))
+        md.seq_lens = torch.from_numpy(counts.astype(np.int32))
+        md.num_contexts = int(ctx_rows.size)
         md.prepare()
         self._step = step
         self._spare.extend(self._parts.values())

@@ -61,14 +61,11 @@ def test_request_settings_refused_without_a_selector():
         parse_request_setting("budget=32", hints)
 
 
-def test_settings_under_a_selector_selecting_in_the_prompt_need_the_prefix_cache_off(tmp_path):
+def test_settings_under_a_selector_selecting_in_the_prompt_need_a_declaration(tmp_path):
     """Under DSA (selects in the prompt) a request's setting changes its prompt's K/V, which vLLM's
     prefix cache would share with other settings' requests: refused at admission unless the process
-    says it serves without the prefix cache, which its workers check at start-up."""
-    from types import SimpleNamespace
-
+    declares that its prefix cache keeps settings apart (KVSIEVE_PROMPT_SETTINGS)."""
     from kvsieve.integrations.vllm.config import read_plugin_config, selects_in_prompt
-    from kvsieve.integrations.vllm.state import PluginState
 
     from kvsieve.selectors.dsa.projections import IndexerProjections, save_projections
 
@@ -77,7 +74,7 @@ def test_settings_under_a_selector_selecting_in_the_prompt_need_the_prefix_cache
     dsa = PluginConfig(sparse=parse_selector_spec(spec), source=f"KVSIEVE_SELECTOR={spec}")
     assert selects_in_prompt(dsa) and not selects_in_prompt(QUEST)
     for raw in ("budget=32", "dense=true"):
-        with pytest.raises(ValueError, match="selects in the prompt.*--no-enable-prefix-caching.*KVSIEVE_PROMPT_SETTINGS=1"):
+        with pytest.raises(ValueError, match="selects in the prompt.*cache_salt per setting.*KVSIEVE_PROMPT_SETTINGS=1"):
             parse_request_setting(raw, dsa)
     assert parse_request_setting("budget=64", dsa) is None  # the process default
     env = {"KVSIEVE_SELECTOR": spec, "KVSIEVE_PROMPT_SETTINGS": "1"}
@@ -91,16 +88,6 @@ def test_settings_under_a_selector_selecting_in_the_prompt_need_the_prefix_cache
     assert parse_request_setting("budget=32", read_plugin_config({"KVSIEVE_CONFIG": str(decode_only)})) is not None
     with pytest.raises(ValueError, match="KVSIEVE_PROMPT_SETTINGS='yes': give 1, true, 0 or false"):
         read_plugin_config({**env, "KVSIEVE_PROMPT_SETTINGS": "yes"})
-    vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(max_model_len=256, hf_config=SimpleNamespace(num_hidden_layers=2)),
-        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=256),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
-        speculative_config=None, cache_config=SimpleNamespace(enable_prefix_caching=True))
-    quest_opted = PluginConfig(sparse=QUEST.sparse, prompt_settings=True, source="test")
-    with pytest.raises(NotImplementedError, match="prefix cache is on.*enable_prefix_caching=False"):
-        PluginState(quest_opted, vllm_config, torch.device("cpu"))
-    vllm_config.cache_config.enable_prefix_caching = False
-    assert PluginState(quest_opted, vllm_config, torch.device("cpu")).plans[0] is not None
 
 
 def test_worker_state_refuses_speculative_decoding_and_prompt_embeddings():

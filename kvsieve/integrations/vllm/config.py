@@ -18,9 +18,9 @@
   per-block state it knows;
 * ``KVSIEVE_PROMPT_SETTINGS=1`` (or ``prompt_settings: true`` in the file): under a selector that
   selects in the prompt, a request may carry its own setting (:mod:`.request_settings`), which
-  changes its prompt's K/V; the process then serves without vLLM's prefix cache (checked at
-  start-up), which would otherwise hand one setting's prompt blocks to another. Without it such a
-  request is refused at admission.
+  changes its prompt's K/V. It is the operator's declaration that vLLM's prefix cache keeps
+  settings apart (prefix caching off, or one ``cache_salt`` per setting on every such request),
+  which the plug-in cannot see. Without it such a request is refused at admission.
 
 The plug-in is active only when ``KVSIEVE_SELECTOR`` or ``KVSIEVE_CONFIG`` is set; setting both
 is an error. Selectors that evict prompt tokens (``snapkv``, ``rocketkv`` stage 1) are refused.
@@ -62,8 +62,8 @@ class PluginConfig:
     """``sparse``: the kvsieve config (``None`` = dense); ``backend``: kvsieve backend name or
     ``None`` for the device default; ``capture_dir``: where the golden check writes, or ``None``;
     ``check_state``: check the selector's per-block state at every layer step (:mod:`.state_check`);
-    ``prompt_settings``: per-request settings may change prompts' K/V, served without the prefix
-    cache (module docstring)."""
+    ``prompt_settings``: per-request settings may change prompts' K/V, the prefix cache keeping
+    settings apart (module docstring)."""
 
     sparse: SparseAttentionConfig | None
     backend: str | None = None

@@ -111,15 +111,16 @@ def parse_request_setting(raw: object, config: PluginConfig | None) -> RequestSe
 
 
 def _prompt_settings_allowed(setting: RequestSetting, where: str, config: PluginConfig) -> RequestSetting:
-    """``setting``, unless the process's selector selects in the prompt and the process did not say it
-    serves without vLLM's prefix cache (:data:`.config.ENV_PROMPT_SETTINGS`): the request's prompt K/V
-    then depend on its setting, and the prefix cache would share them with other settings' requests."""
+    """``setting``, unless the process's selector selects in the prompt and the process did not declare
+    that its prefix cache keeps settings apart (:data:`.config.ENV_PROMPT_SETTINGS`): the request's
+    prompt K/V then depend on its setting, and the prefix cache would share them with other settings'
+    requests."""
     if selects_in_prompt(config) and not config.prompt_settings:
         raise ValueError(
             f"{where}: selector {config.sparse.selector!r} selects in the prompt, so a request's setting changes the "
             "K/V its prompt leaves in the cache, and vLLM's prefix cache would hand them to requests of other "
-            f"settings; start the server without the prefix cache (--no-enable-prefix-caching) and with "
-            f"{ENV_PROMPT_SETTINGS}=1 ({config.source})")
+            "settings; keep settings apart in the prefix cache (--no-enable-prefix-caching, or one cache_salt per "
+            f"setting on every such request) and start the server with {ENV_PROMPT_SETTINGS}=1 ({config.source})")
     return setting
 
 

@@ -57,11 +57,6 @@ class PluginState:
                 "kvsieve vLLM plug-in: speculative decoding is not supported: vLLM then builds no custom logits "
                 "processor, so per-request kvsieve settings would not reach the layers (docs/vllm.md, per-request "
                 "settings)")
-        if config.prompt_settings and getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", False):
-            raise NotImplementedError(
-                "kvsieve vLLM plug-in: KVSIEVE_PROMPT_SETTINGS (prompt_settings) lets a request's setting change its "
-                "prompt's K/V, but vLLM's prefix cache is on and would hand them to requests of other settings; "
-                "start vLLM with enable_prefix_caching=False (--no-enable-prefix-caching)")
         if getattr(vllm_config.model_config, "enable_prompt_embeds", False):
             raise NotImplementedError(
                 "kvsieve vLLM plug-in: enable_prompt_embeds is not supported: a prompt given as embeddings reaches "

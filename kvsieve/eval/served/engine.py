@@ -61,14 +61,14 @@ def plugin_config_file(path: Path, sparse: SparseAttentionConfig, backend: str) 
     return path
 
 
-def engine_env(config_file: Path | None, threads: int) -> dict[str, str]:
+def engine_env(config_file: Path | None, threads: int, kv_cache_gib: int) -> dict[str, str]:
     """The environment of one engine: this one without the plug-in's settings, ``KVSIEVE_CONFIG``
     when ``config_file`` is given (``None``: vLLM's own attention), one process (no engine-core
     process), ``threads`` unbound OpenMP threads, kvsieve from this checkout, and
-    ``VLLM_CPU_KVCACHE_SPACE`` (GiB) from this environment or 4."""
+    ``VLLM_CPU_KVCACHE_SPACE`` (GiB) from this environment or ``kv_cache_gib``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSIEVE_SELECTOR", "KVSIEVE_CONFIG"))}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(threads),
-               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib)),
                PYTHONPATH=os.pathsep.join(filter(None, [_CHECKOUT, os.environ.get("PYTHONPATH")])))
     if config_file is not None:
         env["KVSIEVE_CONFIG"] = str(config_file)
@@ -78,10 +78,11 @@ def engine_env(config_file: Path | None, threads: int) -> dict[str, str]:
 class EngineProcess:
     """One engine process (:mod:`.worker`), started and waited for at construction; ``log``: its stderr."""
 
-    def __init__(self, name: str, python: str, model_dir: str, *, dtype: str, max_model_len: int,
+    def __init__(self, name: str, python: str, model_dir: str, *, dtype: str, max_model_len: int, max_num_seqs: int,
                  env: dict[str, str], log: Path) -> None:
         self.name, self.log = name, log
-        cmd = [python, *_WORKER, "--model", model_dir, "--dtype", dtype, "--max-model-len", str(max_model_len)]
+        cmd = [python, *_WORKER, "--model", model_dir, "--dtype", dtype, "--max-model-len", str(max_model_len),
+               "--max-num-seqs", str(max_num_seqs)]
         self._stderr = open(log, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self._proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._stderr, text=True)

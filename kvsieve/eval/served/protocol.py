@@ -29,20 +29,34 @@ from ...sparse import SparseAttentionConfig
 from ..config import Budget, ConfigError, EvalConfig, SelectorSpec
 from ..tasks import get_task
 
-__all__ = ["DTYPE", "DECODE_TOKENS", "TIMING_REPS", "PLUGIN_DENSE", "SERVED_FIELDS", "engine_identity",
+__all__ = ["DTYPE", "DECODE_TOKENS", "TIMING_REPS", "MAX_NUM_SEQS", "kv_cache_gib", "PLUGIN_DENSE", "SERVED_FIELDS", "engine_identity",
            "plugin_dense_budget", "request_setting", "cache_salt", "process_config", "check_served"]
 
 DTYPE = "float32"  # the transformers path's dtype (kvsieve.eval.model.load_model)
 DECODE_TOKENS = 16  # tokens generated per decode-speed measurement
 TIMING_REPS = 3  # measurements per run, each beside one of vLLM's own attention at the same length
+#: requests an engine runs at once; its KV cache holds them all at full length, so vLLM never
+#: preempts (a preempted request's recomputed tokens would be attended densely by a generation-only
+#: selector, docs/vllm.md "Preemption with a generation-only selector")
+MAX_NUM_SEQS = 4
 PLUGIN_DENSE = "dense"
 #: summary.csv columns the vLLM path adds
 SERVED_FIELDS = ("decode_speedup", "decode_tok_s", "own_decode_tok_s", "load_1m")
 
 
+def kv_cache_gib(model_config: Any, max_model_len: int) -> int:
+    """GiB of KV cache for :data:`MAX_NUM_SEQS` requests of ``max_model_len`` tokens in fp32 (K and V
+    of every layer, ``model_config``: the transformers config), with a quarter to spare; at least 1."""
+    cfg = getattr(model_config, "text_config", model_config)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+    return max(1, -(-int(1.25 * MAX_NUM_SEQS * max_model_len * per_token) // 2 ** 30))
+
+
 def engine_identity() -> dict[str, Any]:
     """What the vLLM path fixes for every run (part of its identity)."""
     return {"name": "vllm", "dtype": DTYPE, "decode_tokens": DECODE_TOKENS, "timing_reps": TIMING_REPS,
+            "max_num_seqs": MAX_NUM_SEQS,
             "prefix_caching": "on, one cache_salt per setting for selectors that select in the context phase"}
 
 

@@ -34,7 +34,8 @@ from ..store import CONFIG, atomic_write_text, clear_run
 from ..tasks import Sample, get_task
 from .agreement import answer_text
 from .engine import EngineError, EngineProcess, engine_env, plugin_config_file
-from .protocol import DECODE_TOKENS, DTYPE, TIMING_REPS, cache_salt, process_config, request_setting
+from .protocol import (DECODE_TOKENS, DTYPE, MAX_NUM_SEQS, TIMING_REPS, cache_salt, kv_cache_gib, process_config,
+                       request_setting)
 
 __all__ = ["ServedSweep", "run_served"]
 
@@ -140,9 +141,10 @@ def _engine(sw: ServedSweep, name: str, spec: SelectorSpec | None, runs: list[Ru
                                     sw.cfg.backend)
     sw.log(f"kvsieve eval: starting vLLM engine {name!r} ({'plug-in: ' + str(config) if config else 'own attention'}"
            f"; log {folder / (name + '.log')})")
-    return EngineProcess(name, sw.python, str(checkpoint_folder(sw.cfg.model)), dtype=DTYPE,
-                         max_model_len=_max_model_len(sw, runs), env=engine_env(config, sw.cfg.threads or 1),
-                         log=folder / f"{name}.log")
+    max_len = _max_model_len(sw, runs)
+    env = engine_env(config, sw.cfg.threads or 1, kv_cache_gib(sw.lm.model.config, max_len))
+    return EngineProcess(name, sw.python, str(checkpoint_folder(sw.cfg.model)), dtype=DTYPE, max_model_len=max_len,
+                         max_num_seqs=MAX_NUM_SEQS, env=env, log=folder / f"{name}.log")
 
 
 def run_served(sw: ServedSweep, runs: list[RunSpec], pending: list[RunSpec]) -> None:

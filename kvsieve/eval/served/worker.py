@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", required=True, help="checkpoint folder")
     ap.add_argument("--dtype", required=True)
     ap.add_argument("--max-model-len", type=int, required=True)
-    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-num-seqs", type=int, required=True)
     args = ap.parse_args(argv)
     from vllm import LLM, SamplingParams, TokensPrompt
 

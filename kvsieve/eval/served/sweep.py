@@ -122,7 +122,7 @@ def _finish(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, run: Run
     try:
         p = _generate(sw, engine, run)
         extra = _speed(sw, own, engine, run)
-    except EngineError as err:
+    except Exception as err:  # recorded in the run's folder, the sweep goes on (an engine that died fails the rest)
         record_failure(folder, sw.ids[run.folder], err, sw.log)
         if sw.fail_fast:
             raise
@@ -147,32 +147,32 @@ def _engine(sw: ServedSweep, name: str, spec: SelectorSpec | None, runs: list[Ru
                          max_num_seqs=MAX_NUM_SEQS, env=env, log=folder / f"{name}.log")
 
 
-def run_served(sw: ServedSweep, runs: list[RunSpec], pending: list[RunSpec]) -> None:
-    """Run ``pending`` (a subset of the sweep's ``runs``, in plan order): the dense runs on vLLM's own
-    attention, then each selector entry's runs on its engine, timed beside the own engine."""
-    own_name = "own"
+def _start(sw: ServedSweep, name: str, spec: SelectorSpec | None, runs: list[RunSpec],
+           failing: list[RunSpec]) -> EngineProcess | None:
+    """An engine, or ``None`` when it did not start: then each of ``failing`` records why."""
     try:
-        own = _engine(sw, own_name, None, runs)
+        return _engine(sw, name, spec, runs)
     except EngineError as err:
-        for run in pending:
+        for run in failing:
             record_failure(sw.out / run.folder, sw.ids[run.folder], err, sw.log)
         if sw.fail_fast:
             raise
+        return None
+
+
+def run_served(sw: ServedSweep, runs: list[RunSpec], pending: list[RunSpec]) -> None:
+    """Run ``pending`` (a subset of the sweep's ``runs``, in plan order): the dense runs on vLLM's own
+    attention, then each selector entry's runs on its engine, timed beside the own engine."""
+    own = _start(sw, "own", None, runs, pending)
+    if own is None:
         return
     try:
         for run in (r for r in pending if r.selector is None):
             _finish(sw, own, own, run)
         for spec in sw.cfg.selectors:
             mine = [r for r in pending if r.selector is spec]
-            if not mine:
-                continue
-            try:
-                engine = _engine(sw, spec.label, spec, runs)
-            except EngineError as err:
-                for run in mine:
-                    record_failure(sw.out / run.folder, sw.ids[run.folder], err, sw.log)
-                if sw.fail_fast:
-                    raise
+            engine = _start(sw, spec.label, spec, runs, mine) if mine else None
+            if engine is None:
                 continue
             try:
                 for run in mine:

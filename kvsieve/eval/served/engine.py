@@ -95,8 +95,10 @@ class EngineProcess:
                 return line[len(prefix):].strip()
         code = self._proc.wait()
         self._stderr.flush()
-        raise EngineError(f"engine {self.name!r}: the process exited ({code}); its log ({self.log}) ends:\n"
-                          + self.log.read_text(encoding="utf-8", errors="replace")[-3000:])
+        tail = self.log.read_text(encoding="utf-8", errors="replace")[-3000:]
+        errors = [line for line in tail.splitlines() if "Error" in line]
+        raise EngineError(f"engine {self.name!r}: the process exited ({code})" + (f": {errors[-1]}" if errors else "")
+                          + f"; its log ({self.log}) ends:\n{tail}")
 
     def request(self, job: dict[str, Any]) -> dict[str, Any]:
         """Send one request (:mod:`.worker`) and return its reply; an error reply raises :class:`EngineError`."""

@@ -79,12 +79,13 @@ def _score_plot(out: Path, task: str, rows: list[dict[str, Any]]) -> Path:
 def _frontier(out: Path, task: str, rows: list[dict[str, Any]]) -> Path:
     rows = [r for r in rows if r.get("decode_speedup") not in (None, "")]
     return _panels(out, f"frontier__{task}.png", task, rows, lambda r: _f(r["decode_speedup"]),
-                   "decode speed-up over vLLM's own attention", "decode speed-up")
+                   "decode speed-up over vLLM's own attention", "decode speed-up", order=_sparsity)
 
 
-def _panels(out: Path, name: str, task: str, rows: list[dict[str, Any]], xof: Any, xlabel: str, what: str) -> Path:
+def _panels(out: Path, name: str, task: str, rows: list[dict[str, Any]], xof: Any, xlabel: str, what: str,
+            order: Any = None) -> Path:
     """One panel per length: dense as a dashed line (interval shaded), each selector a line of its
-    budgets at ``xof(row)`` with 95% error bars."""
+    budgets at ``xof(row)`` with 95% error bars, joined in ``order(row)`` (default: ``xof``)."""
     import matplotlib.pyplot as plt
 
     metric = get_task(task).metric
@@ -100,7 +101,7 @@ def _panels(out: Path, name: str, task: str, rows: list[dict[str, Any]], xof: An
             else:
                 by_sel[r["selector"]].append(r)
         for sel in sorted(by_sel):
-            pts = sorted(by_sel[sel], key=xof)
+            pts = sorted(by_sel[sel], key=order or xof)
             x = [xof(r) for r in pts]
             y = [_f(r["score"]) for r in pts]
             err = [[max(0.0, yi - _f(r["ci95_low"])) for yi, r in zip(y, pts)],

@@ -12,6 +12,9 @@ consistent (see :mod:`kvsieve.eval.store`); it reruns, and says why, every other
 samples of an unfinished run are kept in ``partial.json`` and not recomputed. A run that raises
 writes ``error.txt`` and is marked ``failed`` in ``summary.csv``; the sweep goes on unless
 ``fail_fast``.
+
+With ``engine: vllm`` the pending runs go through vLLM engines instead of kvsieve's session
+(:mod:`.served`); planning, resume and the output files are the same.
 """
 from __future__ import annotations
 
@@ -105,7 +108,10 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
     if served:  # refused before the model is loaded
         check_served(cfg, prepared=False)
         vllm_python = find_vllm_python(vllm_python)
-        checkpoint_folder(cfg.model)
+        try:
+            checkpoint_folder(cfg.model)
+        except ValueError as err:
+            raise ConfigError(f"model (--engine vllm loads its checkpoint folder): {err}") from None
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir).resolve()

@@ -39,6 +39,13 @@ def test_what_the_vllm_path_cannot_run_exactly_is_refused_by_name(changes, messa
         check_served(_cfg(**changes), prepared=True)
 
 
+def test_a_model_without_a_checkpoint_folder_is_refused_before_anything_loads(tmp_path):
+    from kvsieve.eval.runner import run_sweep
+
+    with pytest.raises(ConfigError, match="model .*'tiny-random' is built in memory"):
+        run_sweep(_cfg(model="tiny-random", output_dir=str(tmp_path)), vllm_python=__import__("sys").executable)
+
+
 def test_an_unknown_engine_is_refused():
     with pytest.raises(ConfigError, match="engine: unknown name 'vlm'"):
         _cfg(engine="vlm")

@@ -4,6 +4,7 @@ output folders (the engine runs themselves: tests/vllm/test_eval_served.py)."""
 from __future__ import annotations
 
 import csv
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def test_a_model_without_a_checkpoint_folder_is_refused_before_anything_loads(tm
     from kvsieve.eval.runner import run_sweep
 
     with pytest.raises(ConfigError, match="model .*'tiny-random' is built in memory"):
-        run_sweep(_cfg(model="tiny-random", output_dir=str(tmp_path)), vllm_python=__import__("sys").executable)
+        run_sweep(_cfg(model="tiny-random", output_dir=str(tmp_path)), vllm_python=sys.executable)
 
 
 def test_an_unknown_engine_is_refused():

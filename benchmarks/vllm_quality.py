@@ -12,8 +12,11 @@ same tokenizer, length, depths, samples per depth and seed as ``kvsieve eval``, 
 is sample ``i`` of an eval run with those settings), encoded as the eval encodes them and handed to
 vLLM as token ids. Each mode is one engine process (the plug-in is configured per process; ``own`` =
 no plug-in), all prompts in one ``generate`` call, greedy, ``max_new_tokens`` and the stop rule of
-the task applied to the generated tokens exactly as the eval's decoding loop applies them (the
-answer ends at the first token after which its text matches the task's ``stop_regex``).
+the task applied to the generated tokens exactly as the eval's decoding loop applies them
+(:func:`kvsieve.eval.served.agreement.answer_text`: the answer ends at EOS or at the first token
+after which its text matches the task's ``stop_regex``). ``kvsieve eval --engine vllm`` runs the
+same prompts through the same engines inside the sweep (docs/eval.md, "Through vLLM"); this script
+remains for modes a sweep entry cannot express (a ``KVSIEVE_CONFIG`` file, one process per budget).
 
 Prints per task and mode the score with its 95% interval (Wilson for 0/1 scores), each mode's score
 as a fraction of the first mode's, and per prompt how many prompts each mode passes and fails as the
@@ -25,10 +28,8 @@ Writes everything to ``--out/vllm_quality-<UTC time>.json``, with the CPU and th
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -54,25 +55,13 @@ def worker(args: argparse.Namespace) -> None:
     Path(args.result).write_text(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
 
 
-def _answer(tokenizer, ids: list[int], stop_regex: str | None) -> str:  # noqa: ANN001
-    """The eval's decoding loop's answer: stop after the first token whose text so far matches."""
-    if stop_regex is not None:
-        pattern = re.compile(stop_regex)
-        for n in range(1, len(ids) + 1):
-            if pattern.search(tokenizer.decode(ids[:n], skip_special_tokens=True)):
-                ids = ids[:n]
-                break
-    return tokenizer.decode(ids, skip_special_tokens=True).strip()
-
-
 def _kvsieve_runs(folder: Path, task: str, length: int) -> dict[str, dict[int, float]]:
     """``{run folder name: {sample index: score}}`` of a ``kvsieve eval`` output folder's finished runs
-    of ``task`` at ``length``."""
-    runs = {}
-    for pred in sorted(folder.glob(f"{task}__{length}__*/predictions.csv")):
-        with open(pred, newline="", encoding="utf-8") as f:
-            runs[pred.parent.name] = {int(r["sample"]): float(r["score"]) for r in csv.DictReader(f)}
-    return runs
+    of ``task`` at ``length`` (read by the package's reader, :func:`kvsieve.eval.served.agreement.read_predictions`)."""
+    from kvsieve.eval.served.agreement import read_predictions
+
+    return {run: {int(r["sample"]): float(r["score"]) for r in rows}
+            for run, rows in read_predictions(folder, f"{task}__{length}__*").items()}
 
 
 def main() -> None:
@@ -99,6 +88,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from kvsieve.eval.metrics import mean_ci95
+    from kvsieve.eval.served.agreement import answer_text
     from kvsieve.eval.tasks import get_task
 
     folder = model_dir(args.model)
@@ -132,7 +122,7 @@ def main() -> None:
             raise SystemExit(f"mode {mode!r}: the engine exited {rc}; its log ends:\n" + log.read_text()[-4000:])
         generated = json.loads(result.read_text())
         for p, ids in zip(prompts, generated):
-            pred = _answer(tok, ids, tasks[p["task"]].stop_regex)
+            pred = answer_text(tok, ids, tasks[p["task"]].stop_regex)
             p.setdefault("predictions", {})[mode] = pred
             scores[mode].setdefault(p["task"], []).append(tasks[p["task"]].score(pred, _sample(p)))
         seconds = (datetime.now(timezone.utc) - t0).total_seconds()

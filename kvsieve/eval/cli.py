@@ -11,7 +11,8 @@ import shlex
 import sys
 from typing import Any
 
-from .config import DEFAULT, PRESETS, QUICK, load_config
+from .config import DEFAULT, ENGINES, PRESETS, QUICK, load_config
+from .served.engine import ENV_PYTHON
 
 __all__ = ["main", "list_main", "LIST_KINDS"]
 
@@ -23,6 +24,8 @@ _EVAL_EPILOG = """examples:
   kvsieve eval --quick --set tasks.passkey.lengths=[4096] --set selectors.snapkv=null
   kvsieve eval --config my_sweep.yaml --output-dir out/
   kvsieve eval --preset recipes   (every selector at its published recipe; dsa/skip_softmax prepared per model)
+  kvsieve eval --preset served    (through vLLM: score against decode speed-up, every servable selector)
+  kvsieve eval --quick --engine vllm --set selectors.snapkv=null --set tasks.fidelity=null
   kvsieve list selectors          (what a selectors entry can name, with config defaults)
 exit status: 0 all runs ok, 1 some run failed (see its error.txt), 2 bad input, 130 interrupted.
 --debug (anywhere on the line) shows the traceback of an error."""
@@ -54,12 +57,21 @@ def main(argv: list[str] | None = None) -> int:
                      help="the built-in quick preset: 3 cells at 1K tokens, 33 runs; about 6 CPU-minutes, so under "
                           "10 min on 2 free CPU cores (docs/results/eval_smollm2.md has the measured figure and load)")
     src.add_argument("--preset", choices=PRESETS, help="a built-in preset by name (kvsieve/eval/configs/<name>.yaml); "
-                                                       "'recipes': every selector at its published recipe")
+                                                       "'recipes': every selector at its published recipe; "
+                                                       "'served': every selector the vLLM plug-in serves, through vLLM")
     p.add_argument("--model", help="a built-in ('smollm2' default, 'gemma3-270m', 'tiny-random'), a .gguf file, "
                                    "or a transformers checkpoint folder (kvsieve list models)")
     p.add_argument("--output-dir", help="where run folders, summary.csv, plots and report.md go")
     p.add_argument("--backend", help="kvsieve attention backend (default: torch; 'vanilla' is the golden; "
                                      "kvsieve list backends)")
+    p.add_argument("--engine", choices=ENGINES, help="transformers (default: kvsieve's session) or vllm: the prompts "
+                                                    "through vLLM with the kvsieve plug-in, each run with its decode "
+                                                    "speed-up against vLLM's own attention (docs/eval.md)")
+    p.add_argument("--vllm-python", help=f"--engine vllm: the Python of vLLM's environment (default: ${ENV_PYTHON}, "
+                                         "this Python if it imports vllm, else $KVSIEVE_CACHE/vllm-venv)")
+    p.add_argument("--agree-with", metavar="DIR", help="another kvsieve eval output folder (e.g. the other engine's, "
+                                                       "same config): compare every run in both prompt by prompt, "
+                                                       "print the agreement, write agreement.csv and a report section")
     p.add_argument("--check", type=int, metavar="N",
                    help="compare N random generation steps with the vanilla golden during the run (raises on a mismatch)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -72,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_progress:
         silence_progress_bars()
     overrides = list(args.overrides)
-    for key in ("model", "output_dir", "backend", "check"):
+    for key in ("model", "output_dir", "backend", "check", "engine"):
         value = getattr(args, key)
         if value is not None:
             overrides.append(f"{key}={value}")
@@ -81,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     resume = f"cd {shlex.quote(os.getcwd())} && " + shlex.join(["kvsieve", "eval", *argv])
     try:
-        result = run_sweep(cfg, progress=not args.no_progress, fail_fast=args.fail_fast)
+        result = run_sweep(cfg, progress=not args.no_progress, fail_fast=args.fail_fast, vllm_python=args.vllm_python,
+                           agree_with=args.agree_with)
     except SweepInterrupted as err:
         print(f"\nkvsieve eval: {err}; resume with: {resume}", file=sys.stderr)
         return 130

@@ -45,12 +45,16 @@ from ..sparse import SparseAttentionConfig, get_selector_class, lower_budget
 from ..sparse.prepare import available_prepare_steps, get_prepare_step
 
 __all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "load_config", "apply_overrides",
-           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "PRESETS", "check_prepare"]
+           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "SERVED", "SERVED_SMOLLM2", "PRESETS", "check_prepare", "ENGINES",
+           "TRANSFORMERS", "VLLM"]
 
 QUICK = "quick"
 DEFAULT = "default"
 RECIPES = "recipes"
-PRESETS = (QUICK, DEFAULT, RECIPES)  # kvsieve/eval/configs/<name>.yaml
+SERVED, SERVED_SMOLLM2 = "served", "served_smollm2"
+PRESETS = (QUICK, DEFAULT, RECIPES, SERVED, SERVED_SMOLLM2)  # kvsieve/eval/configs/<name>.yaml
+TRANSFORMERS, VLLM = "transformers", "vllm"
+ENGINES = (TRANSFORMERS, VLLM)
 _BUDGET_FORMS = ("budgets", "sparsities", "reduction_factors")
 #: selector keys refused by name, with what to write instead
 _REFUSED_SELECTOR_KEYS = {
@@ -162,9 +166,11 @@ class TaskSpec:
 
 @dataclass
 class EvalConfig:
-    """The whole sweep. ``model``: ``smollm2``, ``tiny-random`` or a local checkpoint directory."""
+    """The whole sweep. ``model``: ``smollm2``, ``tiny-random`` or a local checkpoint directory;
+    ``engine``: ``transformers`` (kvsieve's session) or ``vllm`` (the vLLM plug-in, :mod:`.served`)."""
 
     model: str = "smollm2"
+    engine: str = TRANSFORMERS
     output_dir: str = "eval_results"
     backend: str = "torch"
     check: int = 0
@@ -324,6 +330,7 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
         sels.append(SelectorSpec(label=str(label), **v))
     cfg = EvalConfig(tasks=tasks, selectors=sels, **top)
     _named("backend", cfg.backend, available_backends())
+    _named("engine", cfg.engine, list(ENGINES))
     if not cfg.tasks:
         raise ConfigError(f"tasks: the sweep has no task; valid tasks: {available_tasks()}")
     shortest = min(n for t in cfg.tasks for n in t.lengths)

@@ -23,7 +23,7 @@ import torch
 
 from ..cache_dir import default_cache_dir
 
-__all__ = ["LoadedModel", "load_model", "model_hash", "smollm2_gguf_path", "gemma3_270m_gguf_path", "ByteTokenizer",
+__all__ = ["LoadedModel", "load_model", "checkpoint_folder", "model_hash", "smollm2_gguf_path", "gemma3_270m_gguf_path", "ByteTokenizer",
            "tiny_random_llama", "models_dir", "BUILTINS"]
 
 SMOLLM2 = "smollm2"
@@ -133,6 +133,31 @@ def _folder_name(path: Path) -> str:
     return path.name
 
 
+def _gguf_of(spec: str) -> Path | None:
+    if spec in (SMOLLM2, GEMMA3_270M) or spec.endswith(".gguf"):
+        return {SMOLLM2: smollm2_gguf_path, GEMMA3_270M: gemma3_270m_gguf_path}.get(spec, lambda: Path(spec))()
+    return None
+
+
+def checkpoint_folder(spec: str) -> Path:
+    """The transformers checkpoint folder :func:`load_model` loads ``spec`` from (a built-in or a
+    ``.gguf`` file: its converted fp32 folder); other engines (vLLM) load the same weights from it.
+    ``tiny-random`` has none (it is built in memory): a ``ValueError`` says so."""
+    if spec == TINY_RANDOM:
+        raise ValueError(f"model {spec!r} is built in memory and has no checkpoint folder another engine could load; "
+                         "give a built-in GGUF model or a checkpoint folder")
+    gguf = _gguf_of(spec)
+    if gguf is not None:
+        if not gguf.is_file():
+            raise ValueError(f"model {spec!r}: no such .gguf file")
+        return _converted(gguf)
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model must be one of {list(BUILTINS)}, a .gguf file or a transformers checkpoint "
+                         f"folder (with config.json); {spec!r} is none of them")
+    return path
+
+
 def load_model(spec: str = SMOLLM2, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """``spec``: a built-in name (:data:`BUILTINS`), a ``.gguf`` file, or a checkpoint folder."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -141,17 +166,9 @@ def load_model(spec: str = SMOLLM2, *, dtype: torch.dtype = torch.float32) -> Lo
         return LoadedModel(tiny_random_llama(), ByteTokenizer(), "tiny-random-llama")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if spec in (SMOLLM2, GEMMA3_270M) or spec.endswith(".gguf"):
-        gguf = {SMOLLM2: smollm2_gguf_path, GEMMA3_270M: gemma3_270m_gguf_path}.get(spec, lambda: Path(spec))()
-        if not gguf.is_file():
-            raise ValueError(f"model {spec!r}: no such .gguf file")
-        path, name = _converted(gguf), _model_name(gguf)
-    else:
-        path = Path(spec)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model must be one of {list(BUILTINS)}, a .gguf file or a transformers checkpoint "
-                             f"folder (with config.json); {spec!r} is none of them")
-        name = _folder_name(path)
+    path = checkpoint_folder(spec)
+    gguf = _gguf_of(spec)
+    name = _model_name(gguf) if gguf is not None else _folder_name(path)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
     return LoadedModel(model, tok, name)

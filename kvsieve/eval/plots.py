@@ -9,6 +9,12 @@ scores, from n), the dense score as a dashed line with its interval shaded.
 per run configuration (dense first, then each selector by increasing budget), each cell printed,
 one shared colorbar. A sweep of a single length is drawn as one panel, a row per run
 configuration and a column per depth, instead of a page of one-column panels.
+
+``frontier__<task>.png`` (the vLLM path, rows with a ``decode_speedup``): the task's metric against
+the decode speed-up over vLLM's own attention, one panel per length, one line per selector (points
+labelled by budget, 95% error bars), dense (vLLM's own attention, speed-up 1) as a dashed line with
+its interval shaded. There the sparsity plot's x is the target sparsity (vLLM does not report the
+achieved one).
 """
 from __future__ import annotations
 
@@ -37,6 +43,8 @@ def write_plots(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
     for task in sorted({r["task"] for r in rows}):
         task_rows = [r for r in rows if r["task"] == task]
         paths.append(_score_plot(out, task, task_rows))
+        if any(r.get("decode_speedup") not in (None, "") for r in task_rows):
+            paths.append(_frontier(out, task, task_rows))
         if task in NEEDLE_TASKS:
             paths.append(_heatmap(out, task, task_rows))
     return paths
@@ -56,7 +64,28 @@ def _f(x: Any) -> float:
     return math.nan if x in (None, "") else float(x)
 
 
+def _sparsity(r: dict[str, Any]) -> float:
+    """The achieved sparsity, or the target where none was measured (the vLLM path)."""
+    x = _f(r["achieved_sparsity"])
+    return _f(r["target_sparsity"]) if math.isnan(x) else x
+
+
 def _score_plot(out: Path, task: str, rows: list[dict[str, Any]]) -> Path:
+    measured = all(not math.isnan(_f(r["achieved_sparsity"])) for r in rows)
+    xlabel = "achieved sparsity while decoding" if measured else "target sparsity (achieved not measured)"
+    return _panels(out, f"score_vs_sparsity__{task}.png", task, rows, _sparsity, xlabel, "sparsity")
+
+
+def _frontier(out: Path, task: str, rows: list[dict[str, Any]]) -> Path:
+    rows = [r for r in rows if r.get("decode_speedup") not in (None, "")]
+    return _panels(out, f"frontier__{task}.png", task, rows, lambda r: _f(r["decode_speedup"]),
+                   "decode speed-up over vLLM's own attention", "decode speed-up", order=_sparsity)
+
+
+def _panels(out: Path, name: str, task: str, rows: list[dict[str, Any]], xof: Any, xlabel: str, what: str,
+            order: Any = None) -> Path:
+    """One panel per length: dense as a dashed line (interval shaded), each selector a line of its
+    budgets at ``xof(row)`` with 95% error bars, joined in ``order(row)`` (default: ``xof``)."""
     import matplotlib.pyplot as plt
 
     metric = get_task(task).metric
@@ -72,8 +101,8 @@ def _score_plot(out: Path, task: str, rows: list[dict[str, Any]]) -> Path:
             else:
                 by_sel[r["selector"]].append(r)
         for sel in sorted(by_sel):
-            pts = sorted(by_sel[sel], key=lambda r: _f(r["achieved_sparsity"]))
-            x = [_f(r["achieved_sparsity"]) for r in pts]
+            pts = sorted(by_sel[sel], key=order or xof)
+            x = [xof(r) for r in pts]
             y = [_f(r["score"]) for r in pts]
             err = [[max(0.0, yi - _f(r["ci95_low"])) for yi, r in zip(y, pts)],
                    [max(0.0, _f(r["ci95_high"]) - yi) for yi, r in zip(y, pts)]]
@@ -82,14 +111,14 @@ def _score_plot(out: Path, task: str, rows: list[dict[str, Any]]) -> Path:
                 ax.annotate(r["budget_label"], (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7,
                             color=line[0].get_color())
         ax.set_title(f"{task}, {length} tokens", fontsize=9)
-        ax.set_xlabel("achieved sparsity while decoding")
+        ax.set_xlabel(xlabel)
         ax.set_ylim(-0.05, 1.08)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(metric)
     axes[0][-1].legend(fontsize=7, loc="lower left")
-    fig.suptitle(f"{task}: {metric} against sparsity\n(point labels: budget; bars: 95% interval)", fontsize=9)
+    fig.suptitle(f"{task}: {metric} against {what}\n(point labels: budget; bars: 95% interval)", fontsize=9)
     fig.tight_layout()
-    return _save(fig, out / f"score_vs_sparsity__{task}.png")
+    return _save(fig, out / name)
 
 
 def _panel_key(r: dict[str, Any]) -> tuple[bool, str, float]:

@@ -17,7 +17,8 @@ from typing import Any
 
 from .. import __version__, create_selector
 from ..sparse import SparseAttentionConfig, SparseSelector, attach_refusal
-from .config import RESULT_NEUTRAL, Budget, EvalConfig, SelectorSpec, TaskSpec
+from .config import RESULT_NEUTRAL, TRANSFORMERS, VLLM, Budget, EvalConfig, SelectorSpec, TaskSpec
+from .served.protocol import engine_identity, plugin_dense_budget
 from .tasks import get_task
 
 __all__ = ["DENSE", "RunSpec", "compute_run_id", "plan_runs", "run_identity", "shares_prefill"]
@@ -61,8 +62,12 @@ class RunSpec:
 
 def run_identity(cfg: EvalConfig, run: RunSpec) -> dict[str, Any]:
     """The fully resolved config of ``run``: everything its results depend on. Every field of
-    :class:`EvalConfig` outside ``RESULT_NEUTRAL`` is included, so a field added later counts too."""
+    :class:`EvalConfig` outside ``RESULT_NEUTRAL`` is included, so a field added later counts too.
+    The engine enters as what it fixes (:func:`~.served.protocol.engine_identity`), and not at all
+    for ``transformers``, so runs made before the engine was a field keep their ids."""
     top = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in RESULT_NEUTRAL}
+    if top.pop("engine") != TRANSFORMERS:
+        top["engine"] = engine_identity()
     task = {k: v for k, v in asdict(run.task).items() if k != "lengths"}
     selector = None
     if run.selector is not None:
@@ -91,12 +96,15 @@ def shares_prefill(config: SparseAttentionConfig) -> bool:
 
 
 def plan_runs(cfg: EvalConfig, model_name: str) -> list[list[RunSpec]]:
-    """Runs grouped by cell (task, length); the dense run first in each cell."""
+    """Runs grouped by cell (task, length); the dense run first in each cell. With the vLLM engine,
+    each entry also has a run of dense attention through the plug-in (:mod:`.served.protocol`)."""
     cells = []
     for t in cfg.tasks:
         get_task(t.name)
         for length in t.lengths:
             runs = [RunSpec(t, length, model_name)]
             runs += [RunSpec(t, length, model_name, s, b) for s in cfg.selectors for b in s.resolve(length)]
+            if cfg.engine == VLLM:
+                runs += [RunSpec(t, length, model_name, s, plugin_dense_budget(length)) for s in cfg.selectors]
             cells.append(runs)
     return cells

@@ -12,37 +12,40 @@ consistent (see :mod:`kvsieve.eval.store`); it reruns, and says why, every other
 samples of an unfinished run are kept in ``partial.json`` and not recomputed. A run that raises
 writes ``error.txt`` and is marked ``failed`` in ``summary.csv``; the sweep goes on unless
 ``fail_fast``.
+
+With ``engine: vllm`` the pending runs go through vLLM engines instead of kvsieve's session
+(:mod:`.served`); planning, resume and the output files are the same.
 """
 from __future__ import annotations
 
 import json
-import math
 import time
-import traceback
 from collections import Counter
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import yaml
 
-from .. import __version__
 from ..integrations.transformers import KvsieveSession
 from ..selectors.dsa.projections import IndexerInputs
 from ..sparse import get_selector_class
-from .config import EvalConfig
-from .memory import reset_peak_rss, rss_mb
-from .metrics import mean_ci95
+from .config import VLLM, ConfigError, EvalConfig
+from .memory import reset_peak_rss
 from ..integrations.transformers import attach_dsa_indexer
-from .model import LoadedModel, load_model
+from .model import LoadedModel, checkpoint_folder, load_model
 from .prepare import prepare_selectors
 from .plots import write_plots
 from .report import format_table, write_report
-from .run_plan import DENSE, RunSpec, compute_run_id, plan_runs, run_identity
-from .store import (CONFIG, ERROR, METRICS, PARTIAL, PREDICTIONS, RunState, atomic_write_text, clear_run,
-                    discard_leftovers, read_state, write_csv)
+from .run_plan import RunSpec, compute_run_id, plan_runs, run_identity
+from .store import (CONFIG, PARTIAL, RunState, atomic_write_text, clear_run, discard_leftovers, read_state,
+                    write_csv)
+from .run_files import Progress, prediction_row, record_failure, write_run
+from .served.agreement import AGREEMENT_CSV, compare_outputs, format_agreement, write_agreement
+from .served.engine import vllm_python as find_vllm_python
+from .served.protocol import SERVED_FIELDS, check_served
+from .served.sweep import ServedSweep, run_served
 from .tasks import Sample, Task, get_task
 
 __all__ = ["SweepResult", "SweepInterrupted", "run_sweep", "SUMMARY_FIELDS"]
@@ -89,21 +92,26 @@ class _Sweep:
     log: Callable[[str], None]
 
 
-@dataclass
-class _Progress:
-    """A run's finished samples: prediction rows, per-sample attended fractions, seconds."""
-
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    fractions: list[list[float | None]] = field(default_factory=list)
-    seconds: float = 0.0
-    failed: bool = False
-
-
 def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: bool = True, fail_fast: bool = False,
-              log: Callable[[str], None] = print) -> SweepResult:
+              log: Callable[[str], None] = print, vllm_python: str | None = None,
+              agree_with: str | Path | None = None) -> SweepResult:
     """Run every run of ``cfg`` not already done; write summary.csv, plots and report.md.
+    ``cfg.engine == "vllm"``: the runs go through vLLM (:mod:`.served`), whose engines run on
+    ``vllm_python`` (:func:`.served.engine.vllm_python` finds one when ``None``). ``agree_with``:
+    another output folder whose runs are compared with this sweep's prompt by prompt
+    (:func:`.served.agreement.compare_outputs`; printed, ``agreement.csv``, a section of the report).
 
     Raises :class:`SweepInterrupted` on Ctrl-C (after writing summary.csv of what is done)."""
+    if agree_with is not None and not Path(agree_with).is_dir():
+        raise ConfigError(f"--agree-with {agree_with}: no such output folder")
+    served = cfg.engine == VLLM
+    if served:  # refused before the model is loaded
+        check_served(cfg, prepared=False)
+        vllm_python = find_vllm_python(vllm_python)
+        try:
+            checkpoint_folder(cfg.model)
+        except ValueError as err:
+            raise ConfigError(f"model (--engine vllm loads its checkpoint folder): {err}") from None
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir).resolve()
@@ -111,6 +119,9 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
     t_start = time.perf_counter()
     lm = loaded if loaded is not None else load_model(cfg.model)
     cfg = prepare_selectors(cfg, lm, log)
+    if served:
+        check_served(cfg, prepared=True)
+    fields = SUMMARY_FIELDS + (SERVED_FIELDS if served else ())
     cells = plan_runs(cfg, lm.name)
     runs = [r for cell in cells for r in cell]
     ids = {r.folder: compute_run_id(run_identity(cfg, r)) for r in runs}
@@ -123,7 +134,14 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
     pending = [[r for r in cell if states[r.folder].status != "done"] for cell in cells]
     total = sum(_num_samples(r) - len(states[r.folder].partial.get("rows", [])) for p in pending for r in p)
     try:
-        if total:
+        if total and served:
+            bar = _progress(total, progress)
+            try:
+                run_served(ServedSweep(cfg, lm, out, vllm_python, bar, log, fail_fast, ids), runs,
+                           [r for p in pending for r in p])
+            finally:
+                bar.close()
+        elif total:
             max_len = max(r.length for r in runs)
             cpu = next(lm.model.parameters()).device.type == "cpu"
             session = KvsieveSession(lm.model, None, backend=cfg.backend, max_tokens=max_len + 256, release_windows=False,
@@ -140,14 +158,22 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
                 gc = session.golden_check
                 log(f"kvsieve eval: golden check: {gc.steps_checked} steps vs vanilla, max |diff| {gc.max_diff:.3g}")
         # an interrupt while the summary, plots or report are written still reports what was saved
-        rows = _summary_rows(out, runs, ids)
-        write_csv(out / "summary.csv", rows, SUMMARY_FIELDS)
+        rows = _summary_rows(out, runs, ids, fields)
+        write_csv(out / "summary.csv", rows, fields)
         ok = [r for r in rows if r["status"] == "ok"]
         plots = write_plots(out, ok)
-        report = write_report(out, cfg, rows, plots)
+        agreement = None
+        if agree_with is not None:
+            try:
+                agreement = compare_outputs(Path(agree_with), out)
+            except ValueError as err:
+                raise ConfigError(f"--agree-with {agree_with}: {err}") from None
+            write_agreement(out / AGREEMENT_CSV, agreement)
+            log(f"kvsieve eval: {Path(agree_with).resolve()} vs {out}, " + format_agreement(agreement))
+        report = write_report(out, cfg, rows, plots, agreement, agree_with)
     except KeyboardInterrupt:
-        rows = _summary_rows(out, runs, ids)
-        write_csv(out / "summary.csv", rows, SUMMARY_FIELDS)
+        rows = _summary_rows(out, runs, ids, fields)
+        write_csv(out / "summary.csv", rows, fields)
         partial = sum(len(read_state(out / r.folder, ids[r.folder], {}).partial.get("rows", [])) for r in runs)
         raise SweepInterrupted(out, sum(r["status"] == "ok" for r in rows), len(runs), partial) from None
     log(format_table(rows))
@@ -188,24 +214,24 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
               ids: dict[str, str]) -> None:
     task = get_task(cell[0].task.name)
     spec, length = cell[0].task, cell[0].length
-    prog: dict[str, _Progress] = {}
+    prog: dict[str, Progress] = {}
     for run in todo:
         folder, state = sw.out / run.folder, states[run.folder]
         if state.status == "partial":
             p = state.partial
-            prog[run.folder] = _Progress(p["rows"], p["fractions"], float(p.get("seconds", 0.0)))
+            prog[run.folder] = Progress(p["rows"], p["fractions"], float(p.get("seconds", 0.0)))
             continue
         clear_run(folder)
         folder.mkdir(parents=True, exist_ok=True)
         identity = run_identity(sw.cfg, run)
         atomic_write_text(folder / CONFIG, yaml.safe_dump({"run_id": ids[run.folder], "identity": identity},
                                                           sort_keys=False))
-        prog[run.folder] = _Progress()
+        prog[run.folder] = Progress()
     try:
         samples = task.make_samples(sw.lm.tokenizer, length, spec.depths, spec.samples, sw.cfg.seed)
     except Exception as err:  # the cell's prompts cannot be made: every run of it fails, the sweep goes on
         for run in todo:
-            _record_failure(sw, run, ids[run.folder], err)
+            record_failure(sw.out / run.folder, ids[run.folder], err, sw.log)
         if sw.fail_fast:
             raise
         return
@@ -236,7 +262,7 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
             except Exception as err:  # recorded in the run's folder, the sweep goes on
                 shared.clear()  # the session's state is unknown: the next run prefills anew
                 if run in todo:
-                    _record_failure(sw, run, ids[run.folder], err)
+                    record_failure(sw.out / run.folder, ids[run.folder], err, sw.log)
                     prog[run.folder].failed = True
                 if sw.fail_fast:
                     raise
@@ -248,10 +274,10 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
             p = prog[run.folder]
             p.seconds += time.perf_counter() - t0
             p.fractions.append(frac)
-            p.rows.append(_prediction_row(sample, ids_t.shape[1], row, frac))
+            p.rows.append(prediction_row(sample, ids_t.shape[1], row, frac))
             sw.bar.update(1)
             if len(p.rows) == len(samples):
-                _write_run(sw.out / run.folder, run, sw.cfg, ids[run.folder], p)
+                write_run(sw.out / run.folder, run, sw.cfg, ids[run.folder], p)
             else:
                 atomic_write_text(sw.out / run.folder / PARTIAL, json.dumps(
                     {"run_id": ids[run.folder], "rows": p.rows, "fractions": p.fractions, "seconds": p.seconds}))
@@ -285,61 +311,15 @@ def _execute(session: KvsieveSession, task: Task, run: RunSpec, ids: torch.Tenso
             h.remove()
 
 
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def _prediction_row(sample: Sample, num_tokens: int, row: dict[str, Any], frac: list[float | None]) -> dict[str, Any]:
-    seen = [f for f in frac if f is not None]
-    base = {"sample": sample.index, "depth": sample.depth, "prompt_tokens": num_tokens,
-            "answers": "|".join(sample.answers), "attended_fraction": _mean(seen)}
-    base.update({k: v for k, v in row.items() if not k.startswith("_")})
-    return base
-
-
-def _write_run(folder: Path, run: RunSpec, cfg: EvalConfig, run_id: str, p: _Progress) -> None:
-    """The finished run's predictions.csv, then metrics.json (its presence marks the run done)."""
-    per_layer = []
-    for layer in zip(*p.fractions):
-        vals = [v for v in layer if v is not None]
-        per_layer.append(_mean(vals) if vals else None)
-    seen = [v for v in per_layer if v is not None]
-    score, lo, hi = mean_ci95([float(r["score"]) for r in p.rows], binary=get_task(run.task.name).binary_score)
-    metrics: dict[str, Any] = {
-        "run_id": run_id, **run.describe(), "selector_name": run.sparse.selector if run.sparse else DENSE,
-        "score": score, "ci95": [lo, hi], "n": len(p.rows),
-        "achieved_sparsity": 1 - _mean(seen) if seen else 0.0, "attended_fraction_per_layer": per_layer,
-        "wall_time_s": p.seconds, "peak_rss_mb": rss_mb()[0], "shares_prefill": run.shares_prefill,
-        "backend": cfg.backend,
-        "kvsieve_version": __version__, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    for key in _OPTIONAL_METRICS:
-        if p.rows and key in p.rows[0]:
-            metrics[key] = _mean([float(r[key]) for r in p.rows])
-    if p.rows and "mass_recall_per_layer" in p.rows[0]:  # fidelity: each layer's recall, mean over samples
-        layers = zip(*([float(x) for x in str(r["mass_recall_per_layer"]).split("|")] for r in p.rows))
-        metrics["mass_recall_per_layer"] = [_mean(list(v)) for v in layers]
-    write_csv(folder / PREDICTIONS, p.rows, list(p.rows[0]))
-    atomic_write_text(folder / METRICS, json.dumps(metrics, indent=2))
-    discard_leftovers(folder)
-
-
-def _record_failure(sw: _Sweep, run: RunSpec, run_id: str, err: BaseException) -> None:
-    folder = sw.out / run.folder
-    message = f"{type(err).__name__}: {err}".splitlines()[0]
-    atomic_write_text(folder / ERROR, f"run_id: {run_id}\n{message}\n\n{traceback.format_exc()}")
-    (folder / PARTIAL).unlink(missing_ok=True)
-    sw.log(f"kvsieve eval: run {run.folder} failed: {message} (traceback in {folder / ERROR})")
-
-
-def _summary_rows(out: Path, runs: list[RunSpec], ids: dict[str, str]) -> list[dict[str, Any]]:
+def _summary_rows(out: Path, runs: list[RunSpec], ids: dict[str, str],
+                  fields: tuple[str, ...]) -> list[dict[str, Any]]:
     """One row per run that is done (``status`` ok) or failed, in plan order."""
     rows = []
     for run in runs:
         state = read_state(out / run.folder, ids[run.folder], {})
         if state.status == "done":
             m = state.metrics
-            row = {k: m.get(k) for k in SUMMARY_FIELDS}
+            row = {k: m.get(k) for k in fields}
             row["ci95_low"], row["ci95_high"] = m["ci95"]
             row.update(status="ok", error="")
         elif state.status == "failed":

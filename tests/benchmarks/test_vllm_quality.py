@@ -1,6 +1,8 @@
-"""benchmarks/vllm_quality.py without vLLM: its answer from vLLM's generated tokens is the answer
-the eval's own decoding loop gives for the same tokens (stop rule, EOS), and it matches a
-``kvsieve eval`` output folder's runs by task and length, sample by sample."""
+"""benchmarks/vllm_quality.py without vLLM: its answer from vLLM's generated tokens (the package's
+``kvsieve.eval.served.agreement.answer_text``, which ``kvsieve eval --engine vllm`` uses too) is
+the answer the eval's own decoding loop gives for the same tokens (stop rule, EOS), whether vLLM
+stopped at EOS or generated past it (``ignore_eos``), and it matches a ``kvsieve eval`` output
+folder's runs by task and length, sample by sample."""
 from __future__ import annotations
 
 import csv
@@ -9,7 +11,8 @@ import pytest
 import torch
 
 from benchmarks._timing import cpu_isa
-from benchmarks.vllm_quality import _answer, _kvsieve_runs, _sample
+from benchmarks.vllm_quality import _kvsieve_runs, _sample
+from kvsieve.eval.served.agreement import answer_text
 from kvsieve.eval.tasks import Sample, get_task
 from kvsieve.integrations.transformers import KvsieveSession
 
@@ -57,7 +60,9 @@ def test_answer_equals_the_eval_decoding_loop(task_name, generated):
     script = _Scripted(ids + [EOS] * task.max_new_tokens)  # past vLLM's output the loop would read on
     row = task.run(_SessionLoop(script), script.logits(), None, sample, None, tok)
     vllm_out = ids[: ids.index(EOS) + 1] if EOS in ids else ids  # vLLM stops at EOS, as the loop does
-    assert _answer(tok, vllm_out, task.stop_regex) == row["prediction"]
+    assert answer_text(tok, vllm_out, task.stop_regex) == row["prediction"]
+    past_eos = (ids + [EOS] + [CHARS.index("7")] * task.max_new_tokens)[: task.max_new_tokens]  # ignore_eos
+    assert answer_text(tok, past_eos, task.stop_regex) == row["prediction"]
     assert task.score(row["prediction"], _sample({"sample": 0, "answers": sample.answers, "depth": None})) == \
         row["score"]
 

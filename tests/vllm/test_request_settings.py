@@ -72,7 +72,7 @@ def test_settings_under_a_selector_selecting_in_the_prompt_need_a_declaration(tm
     save_projections(str(tmp_path / "x.pt"), {i: IndexerProjections(40, 4, 16, 8) for i in range(2)})
     spec = f"dsa:projections={tmp_path / 'x.pt'},index_topk=64"
     dsa = PluginConfig(sparse=parse_selector_spec(spec), source=f"KVSIEVE_SELECTOR={spec}")
-    assert selects_in_prompt(dsa) and not selects_in_prompt(QUEST)
+    assert selects_in_prompt(dsa.sparse) and not selects_in_prompt(QUEST.sparse) and not selects_in_prompt(None)
     for raw in ("budget=32", "dense=true"):
         with pytest.raises(ValueError, match="selects in the prompt.*cache_salt per setting.*KVSIEVE_PROMPT_SETTINGS=1"):
             parse_request_setting(raw, dsa)
@@ -84,7 +84,7 @@ def test_settings_under_a_selector_selecting_in_the_prompt_need_a_declaration(tm
     decode_only = tmp_path / "plan.yaml"
     decode_only.write_text(f"selector: dsa\nparams: {{projections: {tmp_path / 'x.pt'}, index_topk: 64}}\n"
                            "phases: [generation]\n")
-    assert not selects_in_prompt(read_plugin_config({"KVSIEVE_CONFIG": str(decode_only)}))
+    assert not selects_in_prompt(read_plugin_config({"KVSIEVE_CONFIG": str(decode_only)}).sparse)
     assert parse_request_setting("budget=32", read_plugin_config({"KVSIEVE_CONFIG": str(decode_only)})) is not None
     with pytest.raises(ValueError, match="KVSIEVE_PROMPT_SETTINGS='yes': give 1, true, 0 or false"):
         read_plugin_config({**env, "KVSIEVE_PROMPT_SETTINGS": "yes"})

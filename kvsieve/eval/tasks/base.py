@@ -65,11 +65,15 @@ class Task:
         return one row: ``prediction``, ``score`` and ``partial``."""
         stop = None if self.stop_regex is None else _regex_stop(self.stop_regex, tokenizer)
         new = session.continue_greedy(logits, self.max_new_tokens, getattr(tokenizer, "eos_token_id", None), stop)
-        pred = tokenizer.decode(new[0].tolist(), skip_special_tokens=True).strip()
-        score = self.score(pred, sample)
+        return self.answer_row(tokenizer.decode(new[0].tolist(), skip_special_tokens=True).strip(), sample)
+
+    def answer_row(self, prediction: str, sample: Sample) -> dict[str, Any]:
+        """The row of a generated answer (however it was generated): ``prediction``, ``score`` and
+        ``partial`` (partial credit for numeric answers, never below the score)."""
+        score = self.score(prediction, sample)
         # partial credit never below the score: a found answer is full credit however it is embedded
-        digits = max(digit_prefix_match(pred, a) if a.isdigit() else 0.0 for a in sample.answers)
-        return {"prediction": pred, "score": score, "partial": max(score, digits)}
+        digits = max(digit_prefix_match(prediction, a) if a.isdigit() else 0.0 for a in sample.answers)
+        return {"prediction": prediction, "score": score, "partial": max(score, digits)}
 
     def score(self, prediction: str, sample: Sample) -> float:
         """Score in ``[0, 1]``; default: fraction of gold answers found in the prediction."""

@@ -190,13 +190,12 @@ def _flag(env: Mapping[str, str], name: str, key: str, path: Path | None) -> boo
     return bool(value if value is not None else raw)
 
 
-def selects_in_prompt(config: PluginConfig) -> bool:
-    """Whether the process's selector selects in the prompt (context) phase, where a request's
-    setting changes the K/V its prompt leaves in the cache."""
-    if config.sparse is None:
+def selects_in_prompt(sparse: SparseAttentionConfig | None) -> bool:
+    """Whether ``sparse``'s selector selects in the prompt (context) phase, where a request's
+    setting changes the K/V its prompt leaves in the cache (``None``: dense, never)."""
+    if sparse is None:
         return False
-    phases = config.sparse.phases or get_selector_class(config.sparse.selector).capabilities.phases
-    return "context" in phases
+    return "context" in (sparse.phases or get_selector_class(sparse.selector).capabilities.phases)
 
 
 def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, device: str = "cpu",

@@ -115,7 +115,7 @@ def _prompt_settings_allowed(setting: RequestSetting, where: str, config: Plugin
     that its prefix cache keeps settings apart (:data:`.config.ENV_PROMPT_SETTINGS`): the request's
     prompt K/V then depend on its setting, and the prefix cache would share them with other settings'
     requests."""
-    if selects_in_prompt(config) and not config.prompt_settings:
+    if selects_in_prompt(config.sparse) and not config.prompt_settings:
         raise ValueError(
             f"{where}: selector {config.sparse.selector!r} selects in the prompt, so a request's setting changes the "
             "K/V its prompt leaves in the cache, and vLLM's prefix cache would hand them to requests of other "

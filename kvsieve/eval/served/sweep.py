@@ -1,0 +1,183 @@
+"""The vLLM path's execution of a sweep's pending runs (``kvsieve eval --engine vllm``).
+
+:func:`kvsieve.eval.runner.run_sweep` plans the runs, reads what a resume finds and writes the
+summary, plots and report, whichever engine ran them; this module runs the pending ones in vLLM
+engines (:mod:`.engine`, what runs where: :mod:`.protocol`). The prompts are the eval's own (the
+same samples, token ids encoded by the eval's tokenizer); each run's prompts go to its engine in
+one ``generate`` call, greedy, and the answer is cut by the eval's stop rule
+(:func:`.agreement.answer_tokens`). A run is done or failed as a whole (no partial samples).
+
+**Decode speed-up.** For each run, at its length: :data:`~.protocol.TIMING_REPS` times, vLLM's own
+attention decodes :data:`~.protocol.DECODE_TOKENS` tokens after the cell's first prompt, then the
+run's engine does with the run's setting (the prompt is in each engine's prefix cache by then); the
+speed-up is the median over those repetitions of (the run's decode tokens/s) / (vLLM's own in the
+same repetition). The dense runs are vLLM's own attention: their speed-up is 1 by definition. The
+1-minute load average before and after the timing is kept with it.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import EvalConfig, SelectorSpec
+from ..model import LoadedModel, checkpoint_folder
+from ..run_files import Progress, prediction_row, record_failure, write_run
+from ..run_plan import RunSpec, run_identity
+from ..store import CONFIG, atomic_write_text, clear_run
+from ..tasks import Sample, get_task
+from .agreement import answer_text
+from .engine import EngineError, EngineProcess, engine_env, plugin_config_file
+from .protocol import (DECODE_TOKENS, DTYPE, MAX_NUM_SEQS, TIMING_REPS, cache_salt, kv_cache_gib, process_config,
+                       request_setting)
+
+__all__ = ["ServedSweep", "run_served"]
+
+
+@dataclass
+class ServedSweep:
+    """What the vLLM path needs of the sweep: the config, the model (its tokenizer makes the
+    prompts), the output folder, the engines' Python, a progress bar, a log, ``fail_fast``, the
+    run ids by folder, and each cell's prompts once made."""
+
+    cfg: EvalConfig
+    lm: LoadedModel
+    out: Path
+    python: str
+    bar: Any
+    log: Callable[[str], None]
+    fail_fast: bool
+    ids: dict[str, str]
+    prompts: dict[tuple[str, int], list[tuple[Sample, list[int]]]] = field(default_factory=dict)
+
+
+def _cell_prompts(sw: ServedSweep, run: RunSpec) -> list[tuple[Sample, list[int]]]:
+    """The cell's samples with their token ids (made once per cell; the eval's encoding)."""
+    key = (run.task.name, run.length)
+    if key not in sw.prompts:
+        spec = run.task
+        samples = get_task(spec.name).make_samples(sw.lm.tokenizer, run.length, spec.depths, spec.samples, sw.cfg.seed)
+        sw.prompts[key] = [(s, sw.lm.tokenizer.encode(s.prompt, add_special_tokens=True)) for s in samples]
+    return sw.prompts[key]
+
+
+def _max_model_len(sw: ServedSweep, runs: list[RunSpec]) -> int:
+    longest = max(len(ids) + max(get_task(r.task.name).max_new_tokens, DECODE_TOKENS)
+                  for r in runs for _, ids in _cell_prompts(sw, r))
+    return -(-(longest + 16) // 128) * 128
+
+
+def _generate(sw: ServedSweep, engine: EngineProcess, run: RunSpec) -> Progress:
+    task = get_task(run.task.name)
+    prompts = _cell_prompts(sw, run)
+    setting = None if run.budget is None else request_setting(run.budget)
+    salt = None if run.budget is None else cache_salt(run.selector, run.budget)
+    t0 = time.perf_counter()
+    reply = engine.request({"op": "generate", "prompts": [
+        {"ids": ids, "max_tokens": task.max_new_tokens, "setting": setting, "salt": salt} for _, ids in prompts]})
+    p = Progress(seconds=time.perf_counter() - t0)
+    for (sample, ids), tokens in zip(prompts, reply["tokens"]):
+        row = task.answer_row(answer_text(sw.lm.tokenizer, tokens, task.stop_regex), sample)
+        p.rows.append(prediction_row(sample, len(ids), row, []))
+        p.fractions.append([])
+    return p
+
+
+def _time(engine: EngineProcess, ids: list[int], run: RunSpec | None) -> float:
+    """Decode tokens/s of one request of ``run``'s setting (``None``: no setting) after prompt ``ids``."""
+    setting = None if run is None or run.budget is None else request_setting(run.budget)
+    salt = None if run is None or run.budget is None else cache_salt(run.selector, run.budget)
+    reply = engine.request({"op": "time", "ids": ids, "setting": setting, "salt": salt, "tokens": DECODE_TOKENS})
+    return float(reply["decode_tok_s"])
+
+
+def _speed(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, run: RunSpec) -> dict[str, Any]:
+    """The run's decode speed-up against vLLM's own attention (module docstring), with the load."""
+    ids = _cell_prompts(sw, run)[0][1]
+    load0 = os.getloadavg()[0]
+    own_tok, mine = [], []
+    for _ in range(TIMING_REPS):
+        own_tok.append(_time(own, ids, None))
+        mine.append(own_tok[-1] if engine is own else _time(engine, ids, run))
+    ratios = [m / o for m, o in zip(mine, own_tok)]
+    return {"decode_speedup": statistics.median(ratios), "decode_speedup_reps": ratios,
+            "decode_tok_s": statistics.median(mine), "own_decode_tok_s": statistics.median(own_tok),
+            "load_1m": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+
+
+def _finish(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, run: RunSpec) -> None:
+    """Generate, time and write one run; a failure is recorded in its folder (re-raised with ``fail_fast``)."""
+    folder = sw.out / run.folder
+    clear_run(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(folder / CONFIG, yaml.safe_dump({"run_id": sw.ids[run.folder],
+                                                       "identity": run_identity(sw.cfg, run)}, sort_keys=False))
+    sw.bar.set_postfix_str(f"{run.task.name} L={run.length} {run.label} {run.budget.label if run.budget else ''}")
+    try:
+        p = _generate(sw, engine, run)
+        extra = _speed(sw, own, engine, run)
+    except Exception as err:  # recorded in the run's folder, the sweep goes on (an engine that died fails the rest)
+        record_failure(folder, sw.ids[run.folder], err, sw.log)
+        if sw.fail_fast:
+            raise
+        return
+    extra["achieved_sparsity"] = 0.0 if run.sparse is None else None  # not measured inside vLLM
+    write_run(folder, run, sw.cfg, sw.ids[run.folder], p, extra)
+    sw.bar.update(len(p.rows))
+
+
+def _engine(sw: ServedSweep, name: str, spec: SelectorSpec | None, runs: list[RunSpec]) -> EngineProcess:
+    folder = sw.out / "engines"
+    folder.mkdir(exist_ok=True)
+    config = None
+    if spec is not None:
+        config = plugin_config_file(folder / f"{name}.yaml", process_config(spec, min(r.length for r in runs)),
+                                    sw.cfg.backend)
+    sw.log(f"kvsieve eval: starting vLLM engine {name!r} ({'plug-in: ' + str(config) if config else 'own attention'}"
+           f"; log {folder / (name + '.log')})")
+    max_len = _max_model_len(sw, runs)
+    env = engine_env(config, sw.cfg.threads or 1, kv_cache_gib(sw.lm.model.config, max_len))
+    return EngineProcess(name, sw.python, str(checkpoint_folder(sw.cfg.model)), dtype=DTYPE, max_model_len=max_len,
+                         max_num_seqs=MAX_NUM_SEQS, env=env, log=folder / f"{name}.log")
+
+
+def _start(sw: ServedSweep, name: str, spec: SelectorSpec | None, runs: list[RunSpec],
+           failing: list[RunSpec]) -> EngineProcess | None:
+    """An engine, or ``None`` when it did not start: then each of ``failing`` records why."""
+    try:
+        return _engine(sw, name, spec, runs)
+    except EngineError as err:
+        for run in failing:
+            record_failure(sw.out / run.folder, sw.ids[run.folder], err, sw.log)
+        if sw.fail_fast:
+            raise
+        return None
+
+
+def run_served(sw: ServedSweep, runs: list[RunSpec], pending: list[RunSpec]) -> None:
+    """Run ``pending`` (a subset of the sweep's ``runs``, in plan order): the dense runs on vLLM's own
+    attention, then each selector entry's runs on its engine, timed beside the own engine."""
+    own = _start(sw, "own", None, runs, pending)
+    if own is None:
+        return
+    try:
+        for run in (r for r in pending if r.selector is None):
+            _finish(sw, own, own, run)
+        for spec in sw.cfg.selectors:
+            mine = [r for r in pending if r.selector is spec]
+            engine = _start(sw, spec.label, spec, runs, mine) if mine else None
+            if engine is None:
+                continue
+            try:
+                for run in mine:
+                    _finish(sw, own, engine, run)
+            finally:
+                engine.close()
+    finally:
+        own.close()

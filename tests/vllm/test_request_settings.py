@@ -115,19 +115,34 @@ def test_worker_state_refuses_speculative_decoding_and_prompt_embeddings():
 
 def test_batch_rows_follow_removals_additions_and_moves():
     table, a, b = BatchRows(), BUDGET_32, RequestSetting(dense=True)
-    assert table.settings(3) is None and table.prompt_lens(1) is None
+    assert table.settings(3) is None and table.prompt_lens(1) is None  # an empty batch: vLLM's dummy steps
     table.update([], [(0, a, 10), (1, None, 11), (2, b, 12)], [])
     assert table.settings(3) == (a, None, b) and table.prompt_lens(3).tolist() == [10, 11, 12]
     table.update([0], [], [(2, 0, False)])  # condense: the last row moves into the hole
     assert table.settings(2) == (b, None) and table.prompt_lens(2).tolist() == [12, 11]
-    assert table.prompt_lens(3) is None  # row 2 is empty now
+    with pytest.raises(RuntimeError, match=r"rows \[2\] of a 3-row step have no prompt length"):
+        table.prompt_lens(3)  # row 2 is empty now
     table.update([], [(2, a, 20)], [(0, 2, True)])  # a new row, then a swap
     assert table.settings(3) == (a, None, b) and table.prompt_lens(3).tolist() == [20, 11, 12]
     table.update([], [(0, None, 30)], [])  # a new request at a used index replaces its setting and length
     assert table.settings(3) == (None, None, b) and table.settings(2) is None
     assert table.prompt_lens(3).tolist() == [30, 11, 12]
     table.update([], [(1, None, None)], [])  # a prompt without token ids: its length is not known
-    assert table.prompt_lens(3) is None and table.prompt_lens(1).tolist() == [30]
+    with pytest.raises(RuntimeError, match=r"rows \[1\] of a 3-row step"):
+        table.prompt_lens(3)
+    assert table.prompt_lens(1).tolist() == [30]
+    table.update([0, 1, 2], [], [])  # every request gone: the next dummy step reads no lengths
+    assert table.prompt_lens(2) is None
+
+
+def test_a_process_without_the_batch_table_refuses_to_read_prompt_lengths(monkeypatch):
+    from kvsieve.integrations.vllm import request_settings
+
+    monkeypatch.setattr(request_settings, "_CURRENT", [None])
+    with pytest.raises(RuntimeError, match="did not build kvsieve's logits processor"):
+        request_settings.row_prompt_lens(1)
+    request_settings.batch_rows()
+    assert request_settings.row_prompt_lens(1) is None
 
 
 HKV, G, D, P, BLOCKS, HIDDEN = 2, 2, 32, 16, 96, 48

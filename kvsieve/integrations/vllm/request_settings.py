@@ -168,11 +168,20 @@ class BatchRows:
         return tuple(self._settings.get(i) for i in range(num_rows))
 
     def prompt_lens(self, num_rows: int) -> np.ndarray | None:
-        """int32 ``[num_rows]``: the prompt length of each row's request, or ``None`` when some row's
-        is not known."""
-        if any(i not in self._prompt_lens for i in range(num_rows)):
+        """int32 ``[num_rows]``: the prompt length of each row's request; ``None`` when the batch holds
+        no request (vLLM's dummy steps: its memory profile and warm-up, whose outputs are discarded).
+        Raises ``RuntimeError`` naming the rows when the batch holds requests but not one of these
+        rows: without its prompt length a recomputed request's generated tokens would be taken for
+        prompt tokens."""
+        missing = [i for i in range(num_rows) if i not in self._prompt_lens]
+        if not missing:
+            return np.fromiter((self._prompt_lens[i] for i in range(num_rows)), dtype=np.int32, count=num_rows)
+        if not self._prompt_lens and not self._settings:
             return None
-        return np.fromiter((self._prompt_lens[i] for i in range(num_rows)), dtype=np.int32, count=num_rows)
+        raise RuntimeError(
+            f"kvsieve vLLM plug-in: rows {missing} of a {num_rows}-row step have no prompt length in the batch "
+            "table (vLLM added them without prompt token ids, or the table missed a batch update); kvsieve "
+            "cannot tell their prompt tokens from generated ones")
 
 
 _CURRENT: list[BatchRows | None] = [None]
@@ -195,9 +204,15 @@ def row_settings(num_rows: int) -> tuple[RequestSetting | None, ...] | None:
 
 def row_prompt_lens(num_rows: int) -> np.ndarray | None:
     """int32 ``[num_rows]``: the prompt length of the request of each of this step's rows in vLLM's
-    order, ``None`` where no table is kept in this process."""
+    order; ``None`` on vLLM's dummy steps (:meth:`BatchRows.prompt_lens`). Raises ``RuntimeError``
+    when this process keeps no table: vLLM built no ``KvsieveRequestSettings`` processor here."""
     table = _CURRENT[0]
-    return None if table is None else table.prompt_lens(num_rows)
+    if table is None:
+        raise RuntimeError(
+            "kvsieve vLLM plug-in: this process has no batch table, so the prompt lengths of the step's rows "
+            "are not known: vLLM did not build kvsieve's logits processor (KvsieveRequestSettings, registered "
+            "by the vllm.logits_processors entry point of the kvsieve package installed in vLLM's environment)")
+    return table.prompt_lens(num_rows)
 
 
 def setting_ids(settings: tuple[RequestSetting | None, ...]) -> np.ndarray:

@@ -13,8 +13,8 @@ had generated, and those tokens are generation tokens, selected as their decode 
 them. So a vLLM row whose query crosses its prompt length is two kvsieve requests over the same
 blocks, its prompt part (context) and its generated part (generation, several tokens). The prompt
 lengths come from the per-request table (:func:`.request_settings.row_prompt_lens`); without them
-a row with one query token is a generation row (vLLM's own decode rule) and every other row a
-context row. The :class:`StepTranslator` splits and reorders rows (and their tokens) context-first
+(vLLM's dummy steps, which hold no request) a row with one query token is a generation row (vLLM's
+own decode rule) and every other row a context row. The :class:`StepTranslator` splits and reorders rows (and their tokens) context-first
 when needed, prepares the metadata once per step (not per layer), and maps outputs back to vLLM's
 token order.
 

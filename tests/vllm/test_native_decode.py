@@ -15,6 +15,8 @@ from kvsieve.integrations.vllm.config import PluginConfig, lower_plans
 from kvsieve.integrations.vllm.host import token_runs
 from kvsieve.integrations.vllm.layouts import kv_views
 from kvsieve.integrations.vllm.native_decode import decode_layer_path
+from kvsieve.integrations.vllm.request_settings import RequestSetting
+from kvsieve.integrations.vllm.setting_groups import one_setting, plan_with_setting
 from kvsieve.integrations.vllm.state_check import StateCheck
 from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
 from kvsieve.kernels.common.native import native_status
@@ -82,10 +84,46 @@ class _Side:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("selector", SELECTORS, ids=lambda s: f"{s[0]}-" + "-".join(f"{v}" for v in s[1].values()))
 def test_native_decode_equals_the_python_path(tmp_path, selector, dtype):
-    name, params = selector
+    _compare_paths(tmp_path, *selector, dtype)
+
+
+# a per-request budget every row of the steps carries, unlike the process's (SELECTORS' first of each)
+PER_REQUEST = [("quest", {"budget": 64, "page_size": 16}, {"budget": 32}),
+               ("streaming", {"budget": 48, "num_sink": 4}, {"budget": 24}),
+               ("oracle_topk", {"budget": 40}, {"budget": 72}),
+               ("block_select", {"block_size": 32, "topk_blocks": 3}, {"topk_blocks": 2}),
+               ("dsa", {"index_topk": 48}, {"index_topk": 24})]
+
+
+@pytest.mark.parametrize("selector", PER_REQUEST, ids=lambda s: s[0])
+def test_a_step_of_one_per_request_budget_decodes_natively_as_its_python_path(tmp_path, selector):
+    """The native path of :func:`plan_with_setting` (what the CPU backend runs when every row of a
+    decode step carries one per-request setting) against the Python path's per-request selection
+    (:func:`select_by_setting`) on the same step: the positions, outputs and pools of the setting."""
+    name, params, knob = selector
+    process = _compare_paths(tmp_path, name, params, torch.float32)
+    per_request = _compare_paths(tmp_path, name, params, torch.float32,
+                                 setting=RequestSetting(knob=tuple(sorted(knob.items()))))
+    assert any((a != b).any() for a, b in zip(process, per_request)), "the setting's budget is not the process's"
+
+
+def test_one_setting_names_the_steps_the_native_path_takes():
+    b32, b64 = RequestSetting(knob=(("budget", 32),)), RequestSetting(knob=(("budget", 64),))
+    dense = RequestSetting(dense=True)
+    assert one_setting(None) == (True, None) and one_setting((b32, b32)) == (True, b32)
+    for mixed in [(b32, b64), (None, b32), (b32, None), (dense, dense)]:
+        assert one_setting(mixed) == (False, None), mixed
+
+
+def _compare_paths(tmp_path, name: str, params: dict, dtype: torch.dtype,  # noqa: ANN001
+                   setting: RequestSetting | None = None) -> list[np.ndarray]:
+    """Side A runs every step through :class:`LayerRunner`, side B the decode steps through the
+    one-call path of the process's plan, or of ``setting``'s when every row carries it. Returns the
+    positions attended per decode call, ``[rows, Hkv]`` each."""
     if name == "dsa":
         params = {**params, "projections": _projections(tmp_path / "indexer.pt")}
     cfg = SparseAttentionConfig(name, params)
+    settings = None if setting is None else (setting,) * len(PROMPTS)
     a, b = _Side(cfg, dtype), _Side(cfg, dtype)
     gen = torch.Generator().manual_seed(0)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
@@ -95,11 +133,12 @@ def test_native_decode_equals_the_python_path(tmp_path, selector, dtype):
     table = ids.reshape(len(PROMPTS), per)
     natives = [None] * LAYERS
     lens = np.zeros(len(PROMPTS), dtype=np.int32)
-    skipped = False
+    skipped, calls = False, []
     for step_no in range(1 + DECODES):
         q_lens = np.array(PROMPTS if step_no == 0 else [1] * len(PROMPTS), dtype=np.int32)
         lens += q_lens
-        step = VllmStep(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32), lens.copy(), table.copy())
+        step = VllmStep(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32), lens.copy(), table.copy(),
+                        settings=settings)
         t = int(q_lens.sum())
         pos = np.concatenate([np.arange(n - q, n) for n, q in zip(lens, q_lens)])
         req = np.repeat(np.arange(len(PROMPTS)), q_lens)
@@ -115,8 +154,8 @@ def test_native_decode_equals_the_python_path(tmp_path, selector, dtype):
                 if side is b and step.decode_only:
                     if natives[layer] is None:
                         k_view, v_view = kv_views("vllm-cpu", b.raw[layer])
-                        natives[layer] = decode_layer_path(b.runners[layer].plan, b.view, layer, k_view, v_view,
-                                                             b.geometry)
+                        natives[layer] = decode_layer_path(plan_with_setting(b.runners[layer].plan, setting), b.view,
+                                                             layer, k_view, v_view, b.geometry)
                     assert natives[layer] is not None, "the selector has a native decode program"
                     out = torch.empty_like(q)
                     attended = natives[layer].run(step.block_table, step.seq_lens, step.positions, q, out, fed)
@@ -124,11 +163,13 @@ def test_native_decode_equals_the_python_path(tmp_path, selector, dtype):
                     continue
                 if side is a and step.decode_only:  # the Python path's selection per (row, KV head); its
                     # on_append writes what forward's writes again (the newest page, this token's index key)
-                    params = side.runners[layer].select(q, k, v, md, fed)
+                    params = side.runners[layer].select(q, k, v, md, fed, settings=side.translator.row_settings,
+                                                        requests_metadata=side.translator.requests_metadata)
                     want = token_runs(params, md, side.view).attended
                 outs.append(side.runners[layer].forward(q, k, v, side.translator, model_inputs=fed).out)
             if step.decode_only:
                 np.testing.assert_array_equal(attended, want)
+                calls.append(attended)
                 skipped |= bool((attended < lens[:, None]).any())
                 torch.testing.assert_close(outs[1].float(), outs[0].float(), **tol)
     for pool_name, pools in a.view.aux_pools.items():  # the per-block state both paths keep
@@ -136,6 +177,7 @@ def test_native_decode_equals_the_python_path(tmp_path, selector, dtype):
             valid = np.unique(table)
             torch.testing.assert_close(b.view.aux_pools[pool_name][layer][valid], pools[layer][valid], rtol=0, atol=0)
     assert skipped, "the selector attends fewer positions than the context on some decode row"
+    return calls
 
 
 @pytest.mark.parametrize("selector", SELECTORS, ids=lambda s: f"{s[0]}-" + "-".join(f"{v}" for v in s[1].values()))

@@ -41,6 +41,7 @@ from .host import PerHeadTables
 from .layer_checks import refuse_features, refusing_backend, worker_ranks
 from .layouts import kv_views
 from .request_settings import row_prompt_lens, row_settings
+from .setting_groups import one_setting
 from .state import PluginState, current_plugin_state, plugin_state
 from .step import VllmStep
 
@@ -150,11 +151,12 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
             step = VllmStep.from_tensors(attn_metadata.query_start_loc, attn_metadata.seq_lens,
                                          attn_metadata.block_table, n, settings=row_settings(b),
                                          prompt_lens=row_prompt_lens(b))
-        if step.decode_only and step.settings is None:  # one native call (selection, tables, attention) where
-            # the selector has a program and every row takes the process's setting
+        one, setting = one_setting(step.settings)
+        if step.decode_only and one:  # one native call (selection, tables, attention) where the selector has
+            # a program and every row takes one setting (the process's, or one per-request budget)
             native = self.state.decode_path(layer_idx, LAYOUT, kv_cache, num_heads=self.num_heads,
                                             num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-                                            scale=self.scale)
+                                            scale=self.scale, setting=setting)
             if native is not None:
                 model_inputs = None if hidden is None else IndexerInputs(hidden=hidden)
                 native.run(step.block_table, step.seq_lens, step.positions, query[:n],

@@ -34,7 +34,8 @@ from ...sparse import AttentionGeometry, LayerPlan, SparseRuntimeParams, SparseS
 from ...sparse.selector_step import Selection, run_selector, selector_inputs
 from .request_settings import RequestSetting
 
-__all__ = ["select_by_setting", "with_setting", "setting_groups", "RequestsMetadata"]
+__all__ = ["select_by_setting", "with_setting", "plan_with_setting", "one_setting", "setting_groups",
+           "RequestsMetadata"]
 
 #: the metadata of a slice of a step's requests alone, over the same view
 RequestsMetadata = Callable[[slice], AttentionMetadata]
@@ -58,6 +59,23 @@ def with_setting(selector: SparseSelector, setting: RequestSetting) -> SparseSel
             variants.popitem(last=False)
     variants.move_to_end(setting)
     return variants[setting]
+
+
+def plan_with_setting(plan: LayerPlan, setting: RequestSetting | None) -> LayerPlan:
+    """The plan a process started with ``setting`` as its default runs (``None``: ``plan`` itself):
+    the same phases, the selector :func:`with_setting` builds."""
+    return plan if setting is None else dataclasses.replace(plan, selector=with_setting(plan.selector, setting))
+
+
+def one_setting(settings: tuple[RequestSetting | None, ...] | None) -> tuple[bool, RequestSetting | None]:
+    """Whether a step's rows all carry one setting that a selector runs (not ``dense``), and which
+    (``None``: the process default). ``settings``: the step's (:attr:`.step.VllmStep.settings`)."""
+    if settings is None:
+        return True, None
+    first = settings[0]
+    if first is None or first.dense or any(s != first for s in settings[1:]):
+        return False, None
+    return True, first
 
 
 def setting_groups(settings: tuple[RequestSetting | None, ...], requests: slice) -> list[tuple[int, int]]:

@@ -5,6 +5,7 @@ the first attention layer (``get_current_vllm_config()`` is set then); reads the
 only through plain attributes, so it imports nothing from vLLM."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,8 @@ from .host import HostAttention
 from .indexer_feed import IndexerFeed
 from .layouts import kv_views
 from .native_decode import DeviceDecodeLayer, NativeDecodeLayer, decode_layer_path
+from .request_settings import RequestSetting
+from .setting_groups import MAX_VARIANTS, plan_with_setting
 from .state_check import StateCheck
 from .step import LayerRunner, StepTranslator, VllmStep, make_backend
 
@@ -74,7 +77,9 @@ class PluginState:
         self.max_num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
         self.translators: dict[tuple, StepTranslator] = {}
         self.runners: dict[int, LayerRunner] = {}
-        self.decode_paths: dict[int, tuple[int, NativeDecodeLayer | DeviceDecodeLayer | None]] = {}  # layer -> (cache address, path)
+        # (layer, setting) -> (cache address, path); the settings of a layer: the last MAX_VARIANTS
+        self.decode_paths: OrderedDict[tuple[int, RequestSetting | None],
+                                       tuple[int, NativeDecodeLayer | DeviceDecodeLayer | None]] = OrderedDict()
         self.state_check = StateCheck() if config.check_state else None  # shared by the layers
         self.indexer_layers = frozenset(i for i, p in enumerate(self.plans)
                                         if p is not None and p.selector.model_inputs_type is IndexerInputs)
@@ -146,21 +151,29 @@ class PluginState:
         return self.runners[layer_idx]
 
     def decode_path(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, *, num_heads: int,
-                    num_kv_heads: int, head_size: int, scale: float) -> NativeDecodeLayer | DeviceDecodeLayer | None:
-        """The layer's one-call decode path (:mod:`.native_decode`) over ``kv_cache``, decided once per
-        layer and cache; ``None`` where it has none, and always while the golden capture is on (every
-        call then takes :class:`LayerRunner`, which compares with the golden). With the state check on,
-        the caller checks each native step afterwards (:meth:`check_decode_step`)."""
-        have = self.decode_paths.get(layer_idx)
+                    num_kv_heads: int, head_size: int, scale: float, setting: RequestSetting | None = None
+                    ) -> NativeDecodeLayer | DeviceDecodeLayer | None:
+        """The layer's one-call decode path (:mod:`.native_decode`) over ``kv_cache`` for a step whose
+        rows all carry ``setting`` (``None``: the process default; :func:`.setting_groups.one_setting`),
+        decided once per layer, setting and cache: the path a process started with that setting
+        runs, over the same pools; ``None`` where it has none, and always while the golden capture is on
+        (every call then takes :class:`LayerRunner`, which compares with the golden). With the state
+        check on, the caller checks each native step afterwards (:meth:`check_decode_step`)."""
+        key = (layer_idx, setting)
+        have = self.decode_paths.get(key)
         if have is not None and have[0] == kv_cache.data_ptr():
+            self.decode_paths.move_to_end(key)
             return have[1]
         path = None
         if self.config.capture_dir is None:
             k_view, v_view = kv_views(layout, kv_cache)
             view = self.translator(layout, kv_cache, k_view).view
             runner = self.runner(layer_idx, num_heads, num_kv_heads, head_size, scale)
-            path = decode_layer_path(runner.plan, view, layer_idx, k_view, v_view, runner.geometry)
-        self.decode_paths[layer_idx] = (kv_cache.data_ptr(), path)
+            path = decode_layer_path(plan_with_setting(runner.plan, setting), view, layer_idx, k_view, v_view,
+                                     runner.geometry)
+        self.decode_paths[key] = (kv_cache.data_ptr(), path)
+        if len(self.decode_paths) > self.num_layers * (MAX_VARIANTS + 1):  # settings no longer served
+            self.decode_paths.popitem(last=False)
         return path
 
     def check_decode_step(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, q: torch.Tensor,
@@ -179,7 +192,7 @@ class PluginState:
 
     def native_layers(self) -> list[int]:
         """The layers whose decode steps have taken the one-call path so far in this process."""
-        return sorted(i for i, (_, path) in self.decode_paths.items() if path is not None)
+        return sorted({i for (i, _), (_, path) in self.decode_paths.items() if path is not None})
 
     def host_only_everywhere(self) -> bool:
         """Whether every layer is left whole to the host's own attention (:meth:`host_only`)."""

@@ -14,9 +14,9 @@ them. So a vLLM row whose query crosses its prompt length is two kvsieve request
 blocks, its prompt part (context) and its generated part (generation, several tokens). The prompt
 lengths come from the per-request table (:func:`.request_settings.row_prompt_lens`); without them
 (vLLM's dummy steps, which hold no request) a row with one query token is a generation row (vLLM's
-own decode rule) and every other row a context row. The :class:`StepTranslator` splits and reorders rows (and their tokens) context-first
-when needed, prepares the metadata once per step (not per layer), and maps outputs back to vLLM's
-token order.
+own decode rule) and every other row a context row. The :class:`StepTranslator` splits and
+reorders rows (and their tokens) context-first when needed, prepares the metadata once per step
+(not per layer), and maps outputs back to vLLM's token order.
 
 Dense context rows (every prompt row of a dense layer, of ``dense``, and of a plan that does not
 select in the context phase) do not go through the kvsieve backend's general per-row gather: each

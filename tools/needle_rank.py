@@ -11,8 +11,8 @@ bf16, as the preset's ``index_k_dtype``), and the share of the needle's tokens e
 
 The prompts are the eval's (``--depths``, ``--per-depth``, seed 0, as in ``tasks.<task>``);
 ``--samples`` picks among them. The needle's tokens are the value's first occurrence in the
-haystack (passkey's needle states its key twice). Used for docs/results/dsa.md, sections 6.3
-and 11.2.
+haystack (passkey's needle states its key twice). Used for docs/results/dsa.md, section 6.3, and
+docs/results/vllm_quality.md (why the 8K indexer lost the pass keys at 16K).
 """
 from __future__ import annotations
 

@@ -41,7 +41,6 @@ from .host import PerHeadTables
 from .layer_checks import refuse_features, refusing_backend, worker_ranks
 from .layouts import kv_views
 from .request_settings import row_prompt_lens, row_settings
-from .setting_groups import one_setting
 from .state import PluginState, current_plugin_state, plugin_state
 from .step import VllmStep
 
@@ -151,7 +150,7 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
             step = VllmStep.from_tensors(attn_metadata.query_start_loc, attn_metadata.seq_lens,
                                          attn_metadata.block_table, n, settings=row_settings(b),
                                          prompt_lens=row_prompt_lens(b))
-        one, setting = one_setting(step.settings)
+        one, setting = step.one_setting
         if step.decode_only and one:  # one native call (selection, tables, attention) where the selector has
             # a program and every row takes one setting (the process's, or one per-request budget)
             native = self.state.decode_path(layer_idx, LAYOUT, kv_cache, num_heads=self.num_heads,

@@ -104,19 +104,19 @@ def select_by_setting(plan: LayerPlan, q: torch.Tensor, k: torch.Tensor, v: torc
         for r0, r1 in setting_groups(settings, md.phase_requests(phase)):
             rows, setting = slice(int(qs[r0]), int(qs[r1])), settings[r0]
             sub = requests_metadata(slice(r0, r1))
-            selector = plan.selector if setting is None or setting.dense else with_setting(plan.selector, setting)
             inputs = selector_inputs(q[rows], k[rows], v[rows], sub, layer_idx=layer_idx, geometry=geometry,
                                      plan=plan, model_inputs=_rows_of(model_inputs, rows, md.num_tokens))
             if setting is not None and setting.dense:
-                selector.on_append(inputs)
+                plan.selector.on_append(inputs)
                 parts.append((rows.start, rows.stop, None))
                 continue
-            selection = run_selector(LayerPlan(selector, plan.phases), inputs)
+            variant = plan_with_setting(plan, setting)
+            selection = run_selector(variant, inputs)
             kept = kept or selection.kept
             answer = selection.params
             if answer is not None and any(answer.threshold_scale_factor(p) > 0 for p in ("context", "generation")):
-                raise ValueError(f"selector {selector.name!r} gives skip-softmax thresholds, which hold for a whole "
-                                 "phase of a step and cannot differ per request")
+                raise ValueError(f"selector {variant.selector.name!r} gives skip-softmax thresholds, which hold for "
+                                 "a whole phase of a step and cannot differ per request")
             selects = answer is not None and answer.selects_positions(phase)
             parts.append((rows.start, rows.stop, _placed(answer, rows, md.num_tokens) if selects else None))
     params = _joined(parts, md.token_kv_lens, md.num_tokens, geometry.num_kv_heads, md.num_ctx_tokens)

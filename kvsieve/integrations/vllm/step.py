@@ -46,7 +46,7 @@ from ...sparse.params import is_dense
 from .config import WorkerRanks
 from .host import HostAttention, native_runs_attention, per_head_block_tables, token_runs
 from .request_settings import RequestSetting, setting_ids
-from .setting_groups import RequestsMetadata, select_by_setting
+from .setting_groups import RequestsMetadata, one_setting, select_by_setting
 from .state_check import StateCheck
 
 __all__ = ["VllmStep", "StepTranslator", "LayerRunner", "SelectorFailed", "dense_context_rows"]
@@ -91,6 +91,12 @@ class VllmStep:
     def decode_only(self) -> bool:
         """Whether every row is one request's one new generated token (computed once per step)."""
         return bool((np.diff(self.query_start_loc) == 1).all()) and not self.context_tokens.any()
+
+    @cached_property
+    def one_setting(self) -> tuple[bool, RequestSetting | None]:
+        """Whether every row carries one setting a selector runs, and which (computed once per step;
+        :func:`.setting_groups.one_setting`)."""
+        return one_setting(self.settings)
 
     @cached_property
     def positions(self) -> torch.Tensor:

@@ -9,8 +9,11 @@ it as it finds an installed one) counts its ``predict_attn`` calls and, on the `
   the worker and the exception;
 * with ``exit_rank=1``, under tensor parallelism (2 workers, ``mp`` executor, on the tiny Gemma 3 of
   ``test_parallel.py``): tensor-parallel rank 1 calls ``os._exit(17)``; vLLM's worker monitor
-  reports the dead worker by name and exit code (``Worker proc VllmWorker-1 died unexpectedly (exit
-  code: 17)``) and the engine ends — vLLM's own report, nothing added by the plug-in.
+  reports the dead worker by name (``Worker proc VllmWorker-1 died unexpectedly (exit code: 17)``)
+  and the engine ends — vLLM's own report, nothing added by the plug-in. vLLM reads the exit code as
+  soon as the worker's sentinel pipe closes, which can be before the kernel has reaped the process:
+  the code is then ``None`` (a process that ``os._exit``-s holding 200 MB read ``None`` in 19 of 30
+  tries here), so the test takes 17 or ``None``.
 
 Each engine runs in its own session (process group) under a bound; past it the group is killed and
 the test fails saying it hung.
@@ -18,6 +21,7 @@ the test fails saying it hung.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -126,4 +130,6 @@ def test_tensor_parallel_worker_that_dies_is_reported_by_name(model_dir, tmp_pat
             "--max-num-batched-tokens", "2048")
     rc, output = _run_bounded(model, tmp_path / "out.json", args, env)
     assert rc != 0 and not (tmp_path / "out.json").exists(), output[-5000:]
-    assert f"Worker proc VllmWorker-1 died unexpectedly (exit code: {EXIT_CODE})" in output, output[-5000:]
+    reports = [line for line in output.splitlines() if "died unexpectedly" in line]
+    assert any(re.search(rf"Worker proc VllmWorker-1 died unexpectedly \(exit code: ({EXIT_CODE}|None)\)", line)
+               for line in reports), (reports, output[-5000:])

@@ -1,5 +1,6 @@
-"""What every kvsieve command shares at the terminal: help text without RST markup (:func:`plain`)
-and errors as one line (:func:`run_command`).
+"""What every kvsieve command shares at the terminal: help text without RST markup (:func:`plain`),
+errors as one line (:func:`run_command`) and Ctrl-C held back while a library loads
+(:func:`deferred_interrupt`).
 
 A base module: it imports nothing of kvsieve, so every command module (``kvsieve.cli``,
 ``kvsieve.demo``, ``kvsieve.eval``'s commands, ``python -m kvsieve.eval``) can use it without
@@ -8,11 +9,14 @@ importing the ``kvsieve`` command line, which sits on top of them.
 from __future__ import annotations
 
 import re
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-__all__ = ["plain", "run_command"]
+__all__ = ["plain", "run_command", "deferred_interrupt"]
 
 
 def plain(doc: str) -> str:
@@ -41,3 +45,31 @@ def run_command(prog: str, command: Callable[[list[str]], int], argv: list[str],
         hint = "" if debug else " (--debug shows the traceback)"
         print(f"{prog}: error: {_one_line(err)}{hint}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) else 1
+
+
+@contextmanager
+def deferred_interrupt() -> Iterator[None]:
+    """Hold Ctrl-C back for the block: a SIGINT arriving inside it is recorded, and once the block
+    has finished the previous handler gets it (Python's default raises ``KeyboardInterrupt`` there).
+
+    For lazy imports of compiled libraries (matplotlib's pybind11 modules): a ``KeyboardInterrupt``
+    raised inside a pybind11 module's initialisation becomes ``ImportError: initialization failed``
+    and leaves the module half set up, and the interpreter can then abort at exit (``Fatal Python
+    error: PyThreadState_Get``), so a Ctrl-C there would neither say what was saved nor exit with
+    130. Python runs signal handlers in the main thread whichever thread the signal reached, so the
+    handler is swapped rather than the thread's signal mask (torch's worker threads do not block
+    SIGINT). Off the main thread, where handlers cannot be set, the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        if callable(previous):
+            previous(signal.SIGINT, None)
+        elif previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)

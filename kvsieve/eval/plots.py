@@ -25,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from ..terminal import deferred_interrupt
 from .tasks import get_task
 
 __all__ = ["write_plots", "NEEDLE_TASKS"]
@@ -36,9 +37,11 @@ def write_plots(out: Path, rows: list[dict[str, Any]]) -> list[Path]:
     """Plots of the finished runs ``rows`` (summary rows) into ``out``; returns their paths."""
     if not rows:
         return []
-    import matplotlib
+    with deferred_interrupt():  # a Ctrl-C during the import would break matplotlib's compiled modules
+        import matplotlib
 
-    matplotlib.use("Agg")
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
     paths = []
     for task in sorted({r["task"] for r in rows}):
         task_rows = [r for r in rows if r["task"] == task]

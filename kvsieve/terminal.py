@@ -58,8 +58,9 @@ def deferred_interrupt() -> Iterator[None]:
     error: PyThreadState_Get``), so a Ctrl-C there would neither say what was saved nor exit with
     130. Python runs signal handlers in the main thread whichever thread the signal reached, so the
     handler is swapped rather than the thread's signal mask (torch's worker threads do not block
-    SIGINT). Off the main thread, where handlers cannot be set, the block runs as is."""
-    if threading.current_thread() is not threading.main_thread():
+    SIGINT). Off the main thread, where handlers cannot be set, or where SIGINT's handler was not set
+    from Python (``signal.getsignal`` gives ``None``: it could not be put back), the block runs as is."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield
         return
     caught: list[int] = []

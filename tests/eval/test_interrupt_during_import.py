@@ -18,6 +18,7 @@ from kvsieve.terminal import deferred_interrupt
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
 def test_a_sigint_inside_the_block_is_raised_after_it():
     done = []
     with pytest.raises(KeyboardInterrupt):
@@ -32,7 +33,7 @@ def test_a_sigint_inside_the_block_is_raised_after_it():
 # A fresh interpreter: the first import of one of matplotlib's compiled modules sends SIGINT to the
 # process; write_plots must finish importing matplotlib (pyplot included) before the interrupt lands.
 CHILD = r'''
-import builtins, os, signal, sys
+import builtins, os, pathlib, signal, sys
 real = builtins.__import__
 sent = []
 def hook(name, *args, **kwargs):
@@ -45,7 +46,7 @@ from kvsieve.eval.plots import write_plots
 row = {"task": "passkey", "length": 100, "selector": "dense", "budget_label": "full", "budget_tokens": 100,
        "target_sparsity": 0.0, "achieved_sparsity": 0.0, "score": 1.0, "ci95_low": 0.5, "ci95_high": 1.0, "n": 2}
 try:
-    write_plots(__import__("pathlib").Path(sys.argv[1]), [row])
+    write_plots(pathlib.Path(sys.argv[1]), [row])
     print("no interrupt")
 except KeyboardInterrupt:
     print("interrupt after import:", bool(sent), "matplotlib.pyplot" in sys.modules)

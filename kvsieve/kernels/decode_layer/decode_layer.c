@@ -30,6 +30,7 @@ enum { KIND_PAGES = 1, KIND_STREAMING = 2, KIND_TOKENS_EXACT = 3, KIND_BLOCKS_EX
        KIND_INDEXER = 6 };
 #define INDEX_MAX_H 64 /* indexer heads the kernel takes at most */
 #define INDEX_TILE 16 /* positions scored together */
+#define SPAN_GAP 64   /* tokens between two pieces of one block that one span covers, less than */
 
 enum { OK = 0, ERR_SHAPE = -1, ERR_MEMORY = -2, ERR_TABLE = -3, ERR_KIND = -4 };
 
@@ -76,6 +77,9 @@ typedef struct { /* one call's scratch, sized for its longest row */
   int64_t *k_off, *v_off; /* [max_runs] */
   int32_t* cnt;    /* [max_runs] */
   int64_t* blocks; /* [table_width] int64 block ids of the row */
+  int32_t* keep;   /* [n_max] spans' kept offsets (RunSpans) */
+  int64_t* at;     /* [max_runs] */
+  int32_t* kept;   /* [max_runs] */
   int64_t max_runs;
 } Scratch;
 
@@ -109,21 +113,42 @@ static int64_t units_to_ranges(const int32_t* sel, int64_t m, int64_t unit, int6
   return r;
 }
 
-/* Head h's ranges as runs inside cache blocks (element offsets of K and V, token counts). */
+/* Head h's ranges as runs inside cache blocks (element offsets of K and V, token counts). With K
+ * stored by channel (spans != NULL), pieces of ranges in one cache block less than SPAN_GAP tokens
+ * apart become one span (attend_runs.h's RunSpans) of at most SPAN_MAX tokens, its kept offsets in
+ * s->keep: a K cache line holds 16-32 tokens of a channel, so scattered tokens read nearly every line
+ * of their block either way, and a span reads them in order. *total: the tokens attended. */
 static int64_t ranges_to_runs(const DecodeLayerArgs* a, const int64_t* blocks, int h, const int64_t* ra,
-                              const int64_t* rb, int64_t n_ranges, Scratch* s, int64_t* total) {
-  int64_t r = 0, bs = a->block_size;
+                              const int64_t* rb, int64_t n_ranges, Scratch* s, int use_spans, int64_t* total) {
+  int64_t r = 0, nk = 0, bs = a->block_size, last_blk = -1, span0 = 0; /* span0: the open span's first offset */
   *total = 0;
   for (int64_t i = 0; i < n_ranges; ++i) {
     for (int64_t p = ra[i]; p < rb[i];) {
       int64_t blk = p / bs, off = p % bs, end = (blk + 1) * bs < rb[i] ? (blk + 1) * bs : rb[i];
-      int64_t b = blocks[blk];
-      if (r >= s->max_runs) return -1;
-      s->k_off[r] = b * a->k_blk + h * a->k_head + off * a->k_tok;
-      s->v_off[r] = b * a->v_blk + h * a->v_head + off * a->v_tok;
-      s->cnt[r] = (int32_t)(end - p);
-      *total += end - p;
-      ++r;
+      int64_t n = end - p, end_off = off + n;
+      *total += n;
+      const int64_t gap = off - (span0 + (r > 0 ? s->cnt[r - 1] : 0));
+      if (use_spans && r > 0 && blk == last_blk && gap >= 0 && gap < SPAN_GAP && end_off - span0 <= SPAN_MAX) { /* widen the open run into a span */
+        if (s->at[r - 1] < 0) {
+          s->at[r - 1] = nk;
+          for (int32_t j = 0; j < s->cnt[r - 1]; ++j) s->keep[nk++] = j;
+          s->kept[r - 1] = s->cnt[r - 1];
+        }
+        for (int64_t j = off; j < end_off; ++j) s->keep[nk++] = (int32_t)(j - span0);
+        s->kept[r - 1] += (int32_t)n;
+        s->cnt[r - 1] = (int32_t)(end_off - span0);
+      } else {
+        int64_t b = blocks[blk];
+        if (r >= s->max_runs) return -1;
+        s->k_off[r] = b * a->k_blk + h * a->k_head + off * a->k_tok;
+        s->v_off[r] = b * a->v_blk + h * a->v_head + off * a->v_tok;
+        s->cnt[r] = (int32_t)n;
+        s->at[r] = -1;
+        s->kept[r] = (int32_t)n;
+        last_blk = blk;
+        span0 = off;
+        ++r;
+      }
       p = end;
     }
   }
@@ -378,9 +403,13 @@ int kvsieve_decode_layer(const DecodeLayerArgs* a) {
   s.v_off = malloc(sizeof(int64_t) * (size_t)s.max_runs);
   s.cnt = malloc(sizeof(int32_t) * (size_t)s.max_runs);
   s.blocks = malloc(sizeof(int64_t) * (size_t)(a->table_width > 0 ? a->table_width : 1));
+  s.keep = malloc(sizeof(int32_t) * (size_t)n_max);
+  s.at = malloc(sizeof(int64_t) * (size_t)s.max_runs);
+  s.kept = malloc(sizeof(int32_t) * (size_t)s.max_runs);
   float* qf = malloc(sizeof(float) * (size_t)hkv * G * D);
   int rc = OK;
-  if (!s.scores || !s.keys || !s.sel || !s.ra || !s.rb || !s.k_off || !s.v_off || !s.cnt || !s.blocks || !qf)
+  if (!s.scores || !s.keys || !s.sel || !s.ra || !s.rb || !s.k_off || !s.v_off || !s.cnt || !s.blocks || !s.keep
+      || !s.at || !s.kept || !qf)
     rc = ERR_MEMORY;
   int64_t m[KV_MAX_G * 64];
   if (hkv > KV_MAX_G * 64) rc = ERR_SHAPE;
@@ -405,10 +434,11 @@ int kvsieve_decode_layer(const DecodeLayerArgs* a) {
     for (int h = 0; h < hkv; ++h) {
       int64_t n_ranges = a->kind == KIND_STREAMING ? n_stream
                          : units_to_ranges(s.sel + h * n_max, m[h], a->unit, len, s.ra, s.rb);
-      int64_t total = 0, runs = ranges_to_runs(a, s.blocks, h, s.ra, s.rb, n_ranges, &s, &total);
+      int64_t total = 0, runs = ranges_to_runs(a, s.blocks, h, s.ra, s.rb, n_ranges, &s, k_ch > 0, &total);
       if (runs < 0) { rc = ERR_MEMORY; break; }
       float o[KV_MAX_G * KV_MAX_D], lse[KV_MAX_G];
-      attend_dispatch(a->k, a->v, a->kv_bf16, s.k_off, s.v_off, s.cnt, runs, k_ch > 0, k_ch, D,
+      const RunSpans spans = {s.keep, s.at, s.kept};
+      attend_dispatch(a->k, a->v, a->kv_bf16, s.k_off, s.v_off, s.cnt, runs, k_ch > 0, k_ch, &spans, D,
                       qf + (int64_t)h * G * D, G, a->sm_scale, o, lse);
       int64_t dst = n * a->out_stride + (int64_t)h * G * D;
       for (int64_t i = 0; i < (int64_t)G * D; ++i) {
@@ -419,6 +449,6 @@ int kvsieve_decode_layer(const DecodeLayerArgs* a) {
     }
   }
   free(s.scores); free(s.keys); free(s.sel); free(s.ra); free(s.rb); free(s.k_off); free(s.v_off); free(s.cnt);
-  free(s.blocks); free(qf);
+  free(s.blocks); free(s.keep); free(s.at); free(s.kept); free(qf);
   return rc;
 }

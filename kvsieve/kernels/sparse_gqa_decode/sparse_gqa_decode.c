@@ -29,7 +29,7 @@ int kvsieve_sparse_decode(const void* pool, int is_bf16, const int64_t* k_rows, 
       off[u] = kr[u] * row_len;
       off[n_runs + u] = (kr[u] + v_offset) * row_len;
     }
-    attend_dispatch(pool, pool, is_bf16, off, off + n_runs, cnt + (int64_t)h * n_runs, n_runs, 0, 0, D,
+    attend_dispatch(pool, pool, is_bf16, off, off + n_runs, cnt + (int64_t)h * n_runs, n_runs, 0, 0, NULL, D,
                     q + (int64_t)h * G * D, G, sm_scale, out + (int64_t)h * G * D, lse + (int64_t)h * G);
   }
   free(off);
@@ -50,7 +50,7 @@ int kvsieve_sparse_decode_runs(const void* k, const void* v, int is_bf16, int64_
     for (int h = 0; h < hkv; ++h) {
       const int64_t a = ptr[h * n_rows + n], b = ptr[h * n_rows + n + 1];
       const int64_t qo = (n * hkv + h) * G;
-      attend_dispatch(k, v, is_bf16, k_off + a, v_off + a, cnt + a, b - a, k_ch > 0, k_ch, D, q + qo * D, G,
+      attend_dispatch(k, v, is_bf16, k_off + a, v_off + a, cnt + a, b - a, k_ch > 0, k_ch, NULL, D, q + qo * D, G,
                       sm_scale, out + qo * D, lse + qo);
     }
   }

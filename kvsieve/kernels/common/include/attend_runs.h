@@ -30,25 +30,118 @@ static inline void prefetch_span(const char* p, int64_t bytes) {
 
 /* Ask for the K and V of a later run (its valid tokens) while this one is computed: a decode step
  * reads each run once, cold, so without this every run waits on memory. K by rows (k_ch = 0): n_tok
- * rows of D from k_off; by channel: D spans of n_tok tokens, k_ch apart. V: n_tok rows of D. */
+ * rows of D from k_off; by channel: D spans of n_tok tokens, k_ch apart. V: n_tok rows of D. A span
+ * (keep != NULL): the V rows of its n_keep kept tokens alone. */
 static inline void prefetch_run(const void* kpool, const void* vpool, int is_bf16, int64_t k_off, int64_t v_off,
-                                int n_tok, int64_t k_ch, int D) {
+                                int n_tok, int64_t k_ch, int D, const int32_t* keep, int n_keep) {
   const int es = is_bf16 ? 2 : 4;
   if (n_tok <= 0) return;
   const char* k = (const char*)kpool + k_off * es;
+  const char* v = (const char*)vpool + v_off * es;
+  if (keep != NULL) { /* a span's K is read in order (the hardware prefetches it): its kept V rows */
+    for (int i = 0; i < n_keep; ++i) prefetch_span(v + (int64_t)keep[i] * D * es, (int64_t)D * es);
+    return;
+  }
   if (k_ch == 0) prefetch_span(k, (int64_t)n_tok * D * es);
   else for (int d = 0; d < D; ++d) prefetch_span(k + (int64_t)d * k_ch * es, (int64_t)n_tok * es);
-  prefetch_span((const char*)vpool + v_off * es, (int64_t)n_tok * D * es);
+  prefetch_span(v, (int64_t)n_tok * D * es);
+}
+
+/* Spans (K stored by channel only): run u is a span of cnt[u] consecutive tokens of one cache block
+ * whose tokens keep[at[u]], ..., keep[at[u] + kept[u] - 1] (offsets in the span, ascending) are
+ * attended; at[u] < 0: every token of the run. A span's K is read whole, channel by channel (whole
+ * cache lines, in order, where gathering scattered tokens reads nearly the same lines at random), its
+ * logits computed for every token and the kept ones' taken in order, so the scores, and the output,
+ * are those of the kept tokens as runs of their own. Its V: the kept rows alone. */
+typedef struct {
+  const int32_t* keep;
+  const int64_t* at;
+  const int32_t* kept;
+} RunSpans;
+
+#define SPAN_MAX 256 /* tokens in a span at most */
+
+#define SPAN_TILE 16 /* a span's tokens whose logits stay in registers while every channel passes */
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+/* 16 consecutive elements as fp32 (a generic vector: the compiler lowers it to this CPU's registers). */
+static inline f32x16 load16(const void* pool, int is_bf16, int64_t off) {
+  f32x16 x;
+  if (is_bf16) {
+    u16x16 h;
+    memcpy(&h, (const uint16_t*)pool + off, sizeof(h));
+    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    memcpy(&x, &w, sizeof(x));
+  } else {
+    memcpy(&x, (const float*)pool + off, sizeof(x));
+  }
+  return x;
+}
+
+/* The unscaled logits of a span's w tokens (K by channel: channel d of token j at off + d*k_ch + j) for
+ * G query heads qh [G, D]: out[g][j] = sum over d, in order, of qh[g][d] * K[d][j] (the sums runs of
+ * their own compute, bit for bit). Whole tiles keep their G x SPAN_TILE sums in registers. */
+static inline __attribute__((always_inline)) void span_logits(const void* kpool, int is_bf16, int64_t off, int w,
+                                                              int64_t k_ch, int D, const float* qh, int G,
+                                                              float out[][SPAN_MAX]) {
+  int j0 = 0;
+  for (; j0 + 4 * SPAN_TILE <= w; j0 += 4 * SPAN_TILE) { /* four tiles: a channel's 64 tokens per pass */
+    f32x16 acc[KV_MAX_G][4];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) acc[g][i] = (f32x16){0};
+    for (int d = 0; d < D; ++d) {
+      const int64_t o = off + (int64_t)d * k_ch + j0;
+      const f32x16 x0 = load16(kpool, is_bf16, o), x1 = load16(kpool, is_bf16, o + SPAN_TILE),
+                   x2 = load16(kpool, is_bf16, o + 2 * SPAN_TILE), x3 = load16(kpool, is_bf16, o + 3 * SPAN_TILE);
+      for (int g = 0; g < G; ++g) {
+        const float qd = qh[g * D + d];
+        acc[g][0] += qd * x0;
+        acc[g][1] += qd * x1;
+        acc[g][2] += qd * x2;
+        acc[g][3] += qd * x3;
+      }
+    }
+    for (int g = 0; g < G; ++g) memcpy(out[g] + j0, acc[g], sizeof(acc[g]));
+  }
+  for (; j0 + SPAN_TILE <= w; j0 += SPAN_TILE) {
+    f32x16 acc[KV_MAX_G];
+    for (int g = 0; g < G; ++g) acc[g] = (f32x16){0};
+    for (int d = 0; d < D; ++d) {
+      const f32x16 x = load16(kpool, is_bf16, off + (int64_t)d * k_ch + j0);
+      for (int g = 0; g < G; ++g) acc[g] += qh[g * D + d] * x;
+    }
+    for (int g = 0; g < G; ++g) memcpy(out[g] + j0, &acc[g], sizeof(f32x16));
+  }
+  if (j0 < w) { /* the tail */
+    const int tw = w - j0;
+    float x[SPAN_TILE];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < tw; ++j) out[g][j0 + j] = 0.0f;
+    for (int d = 0; d < D; ++d) {
+      load_row(kpool, is_bf16, off + (int64_t)d * k_ch + j0, tw, x);
+      for (int g = 0; g < G; ++g) {
+        const float qd = qh[g * D + d];
+        float* o = out[g] + j0;
+#pragma omp simd
+        for (int j = 0; j < tw; ++j) o[j] += qd * x[j];
+      }
+    }
+  }
 }
 
 /* One KV head: online softmax over its runs. Run u: cnt[u] tokens; token t's K at k_off[u] + t*D of
  * kpool (K_COLS = 0: rows of D, channels contiguous) or channel d at k_off[u] + t + d*k_ch (K_COLS = 1:
- * K stored by channel, vLLM's CPU layout); its V row at v_off[u] + t*D of vpool. D, G and K_COLS are
- * constants at the call sites that matter. */
+ * K stored by channel, vLLM's CPU layout); its V row at v_off[u] + t*D of vpool. With K_COLS, `spans`
+ * (or NULL) makes runs spans of which only the kept tokens are attended (RunSpans). D, G and K_COLS
+ * are constants at the call sites that matter. */
 static inline __attribute__((always_inline)) void head_attend(
     const void* kpool, const void* vpool, int is_bf16, const int64_t* k_off, const int64_t* v_off, const int32_t* cnt,
-    int64_t n_runs, int K_COLS, int64_t k_ch, int D, const float* qh, int G, float sm_scale, float* out, float* lse) {
-  float acc[KV_MAX_G][KV_MAX_D], m[KV_MAX_G], l[KV_MAX_G], s[KV_MAX_G][ATTEND_CHUNK], row[KV_MAX_D];
+    int64_t n_runs, int K_COLS, int64_t k_ch, const RunSpans* spans, int D, const float* qh, int G, float sm_scale,
+    float* out, float* lse) {
+  float acc[KV_MAX_G][KV_MAX_D], m[KV_MAX_G], l[KV_MAX_G], s[KV_MAX_G][ATTEND_CHUNK];
+  float row[KV_MAX_D > SPAN_MAX ? KV_MAX_D : SPAN_MAX], span_s[KV_MAX_G][SPAN_MAX];
   int64_t v_off_of[ATTEND_CHUNK];
   for (int g = 0; g < G; ++g) {
     m[g] = -INFINITY;
@@ -56,18 +149,20 @@ static inline __attribute__((always_inline)) void head_attend(
     for (int d = 0; d < D; ++d) acc[g][d] = 0.0f;
   }
   const int64_t pf_ch = K_COLS ? k_ch : 0;
-  for (int64_t r = 0; r < PREFETCH_RUNS && r < n_runs; ++r)
-    prefetch_run(kpool, vpool, is_bf16, k_off[r], v_off[r], cnt[r], pf_ch, D);
+  const RunSpans* sp = K_COLS ? spans : NULL;
+#define KEEP_OF(r) (sp != NULL && sp->at[r] >= 0 ? sp->keep + sp->at[r] : (const int32_t*)NULL)
+#define N_OF(r) (sp != NULL && sp->at[r] >= 0 ? sp->kept[r] : cnt[r]) /* the run's attended tokens */
+#define PREFETCH(r) prefetch_run(kpool, vpool, is_bf16, k_off[r], v_off[r], cnt[r], pf_ch, D, KEEP_OF(r), N_OF(r))
+  for (int64_t r = 0; r < PREFETCH_RUNS && r < n_runs; ++r) PREFETCH(r);
   int64_t u = 0;
-  int t = 0;
+  int t = 0; /* the run's next attended token (an index into its kept tokens for a span) */
   while (u < n_runs) {
     int n = 0; /* gather up to ATTEND_CHUNK tokens' scores */
     while (u < n_runs && n < ATTEND_CHUNK) {
-      if (t >= cnt[u]) { ++u; t = 0; continue; }
-      if (t == 0 && u + PREFETCH_RUNS < n_runs)
-        prefetch_run(kpool, vpool, is_bf16, k_off[u + PREFETCH_RUNS], v_off[u + PREFETCH_RUNS],
-                     cnt[u + PREFETCH_RUNS], pf_ch, D);
+      if (t >= N_OF(u)) { ++u; t = 0; continue; }
+      if (t == 0 && u + PREFETCH_RUNS < n_runs) PREFETCH(u + PREFETCH_RUNS);
       int take = 1;
+      const int32_t* keep = KEEP_OF(u);
       if (!K_COLS) {
         load_row(kpool, is_bf16, k_off[u] + (int64_t)t * D, D, row);
         for (int g = 0; g < G; ++g) {
@@ -77,6 +172,11 @@ static inline __attribute__((always_inline)) void head_attend(
           for (int d = 0; d < D; ++d) a += qg[d] * row[d];
           s[g][n] = a * sm_scale;
         }
+      } else if (keep != NULL) { /* a span: every token's logit once, then the kept ones in order */
+        if (t == 0) span_logits(kpool, is_bf16, k_off[u], cnt[u], k_ch, D, qh, G, span_s);
+        take = N_OF(u) - t < ATTEND_CHUNK - n ? N_OF(u) - t : ATTEND_CHUNK - n;
+        for (int g = 0; g < G; ++g)
+          for (int j = 0; j < take; ++j) s[g][n + j] = span_s[g][keep[t + j]] * sm_scale;
       } else { /* the run's next tokens at once, channel by channel */
         take = cnt[u] - t < ATTEND_CHUNK - n ? cnt[u] - t : ATTEND_CHUNK - n;
         for (int g = 0; g < G; ++g)
@@ -92,10 +192,13 @@ static inline __attribute__((always_inline)) void head_attend(
         for (int g = 0; g < G; ++g)
           for (int j = 0; j < take; ++j) s[g][n + j] *= sm_scale;
       }
-      for (int j = 0; j < take; ++j) v_off_of[n + j] = v_off[u] + (int64_t)(t + j) * D;
+      for (int j = 0; j < take; ++j) v_off_of[n + j] = v_off[u] + (int64_t)(keep != NULL ? keep[t + j] : t + j) * D;
       n += take;
       t += take;
     }
+#undef PREFETCH
+#undef N_OF
+#undef KEEP_OF
     if (n == 0) break;
     for (int g = 0; g < G; ++g) { /* rescale by the new running max */
       float mx = m[g];
@@ -133,11 +236,13 @@ static inline __attribute__((always_inline)) void head_attend(
   }
 }
 
-/* One head's runs with D (and G, K_COLS) made constants for the common shapes. */
+/* One head's runs with D (and G, K_COLS) made constants for the common shapes; `spans`: RunSpans or NULL
+ * (read with K stored by channel only). */
 static void attend_dispatch(const void* kpool, const void* vpool, int is_bf16, const int64_t* ko, const int64_t* vo,
-                            const int32_t* c, int64_t n_runs, int k_cols, int64_t k_ch, int D, const float* qh, int G,
-                            float sm_scale, float* oh, float* lh) {
-#define ATTEND(KC, DD, GG) head_attend(kpool, vpool, is_bf16, ko, vo, c, n_runs, KC, k_ch, DD, qh, GG, sm_scale, oh, lh)
+                            const int32_t* c, int64_t n_runs, int k_cols, int64_t k_ch, const RunSpans* spans, int D,
+                            const float* qh, int G, float sm_scale, float* oh, float* lh) {
+#define ATTEND(KC, DD, GG) \
+  head_attend(kpool, vpool, is_bf16, ko, vo, c, n_runs, KC, k_ch, spans, DD, qh, GG, sm_scale, oh, lh)
   if (!k_cols) {
     if (D == 64 && G == 3) ATTEND(0, 64, 3);
     else if (D == 64 && G == 4) ATTEND(0, 64, 4);

@@ -46,3 +46,26 @@ def test_index_keys_use_the_configured_theta(theta):
     p_got, p_want = (r.engine.layers[0].last.params for r in (hidden_rig, finished_rig))
     assert torch.equal(p_got.sparse_attn_indices, p_want.sparse_attn_indices)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("interleave", [False, True], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("rope_dim", [0, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_forward_equals_queries_and_keys(rope_dim, interleave, dtype):
+    """``forward`` (one buffer and one in-place RoPE for q and k, what a decode step runs) gives
+    :meth:`queries`' and :meth:`keys`' values bit for bit, with the default RoPE and given cos/sin, with
+    or without autograd recording."""
+    torch.manual_seed(1)
+    proj = IndexerProjections(16, 2, 8, rope_dim, rope_theta=500.0, rope_interleave=interleave)
+    hidden, pos = torch.randn(5, 16).to(dtype), torch.arange(40, 45)
+    tables = [(None, None)]
+    if rope_dim:
+        tables.append(rope_cos_sin(pos * 3, rope_dim, 77.0))
+    for cos, sin in tables:
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                q, k, w = proj(hidden, pos, cos=cos, sin=sin)
+                q2, w2 = proj.queries(hidden, pos, cos=cos, sin=sin)
+                k2 = proj.keys(hidden, pos, cos=cos, sin=sin)
+            assert q.shape == (5, 2, 8) and k.shape == (5, 8) and w.shape == (5, 2)
+            assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(w, w2)

@@ -15,6 +15,7 @@ first ``rope_dim`` channels of q_I and k_I, neox (half split) or interleaved (pa
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,10 +60,15 @@ class IndexerInputs:
 FORMAT = "kvsieve-dsa-indexer-v1"  # what save_projections writes and the readers check
 
 
+@functools.lru_cache(maxsize=64)
+def _inv_freq(rope_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """fp32 ``[rope_dim / 2]``: the default RoPE's inverse frequencies (computed once per geometry)."""
+    return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=device) / rope_dim))
+
+
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``cos, sin [T, rope_dim]`` of the default RoPE (``cat(freqs, freqs)`` layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=positions.device) / rope_dim))
-    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    freqs = positions.to(torch.float32).unsqueeze(-1) * _inv_freq(rope_dim, float(theta), positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -137,9 +143,28 @@ class IndexerProjections(nn.Module):
                 cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``hidden [T, hidden_size]``, ``positions [T]`` -> ``(q_I [T, H, D], k_I [T, D], w [T, H])``,
-        all fp32, RoPE applied, ``w`` scaled by ``D**-0.5 * H**-0.5``."""
-        q, w = self.queries(hidden, positions, q_input, cos, sin)
-        return q, self.keys(hidden, positions, cos, sin), w
+        all fp32, RoPE applied, ``w`` scaled by ``D**-0.5 * H**-0.5``. Without ``q_input``, q and k
+        share one buffer and one in-place neox RoPE (a decode step's few tokens pay per op, not per
+        flop); the values are :meth:`queries`' and :meth:`keys`', bit for bit."""
+        if q_input is not None:
+            q, w = self.queries(hidden, positions, q_input, cos, sin)
+            return q, self.keys(hidden, positions, cos, sin), w
+        h, d, r = self.n_heads, self.head_dim, self.rope_dim
+        x = hidden.to(self.wk.weight.dtype)
+        qk = torch.empty(x.shape[0], h + 1, d, dtype=torch.float32, device=x.device)  # q's heads, then k
+        qk[:, :h] = self.wq(x).view(-1, h, d)
+        qk[:, h] = self.k_norm(self.wk(x))
+        if r and self.rope_interleave:
+            qk = self._rope(qk, positions, cos, sin)
+        elif r:  # neox, in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) on the first r channels
+            if cos is None:
+                cos, sin = rope_cos_sin(positions, r, self.rope_theta)
+            c, s = cos[:, None, : r // 2].float(), sin[:, None, : r // 2].float()
+            x1, x2 = qk[..., : r // 2], qk[..., r // 2: r]
+            first, second = x1 * c - x2 * s, x2 * c + x1 * s
+            x1.copy_(first)
+            x2.copy_(second)
+        return qk[:, :h], qk[:, h], self.weights_proj(x).float() * (d ** -0.5 * h ** -0.5)
 
 
 def save_projections(path: str, layers: dict[int, IndexerProjections], meta: dict | None = None) -> None:

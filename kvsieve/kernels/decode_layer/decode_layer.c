@@ -29,7 +29,7 @@
 enum { KIND_PAGES = 1, KIND_STREAMING = 2, KIND_TOKENS_EXACT = 3, KIND_BLOCKS_EXACT = 4, KIND_BLOCKS_BOUND = 5,
        KIND_INDEXER = 6 };
 #define INDEX_MAX_H 64 /* indexer heads the kernel takes at most */
-#define INDEX_TILE 16 /* positions scored together */
+#define INDEX_TILE 16 /* positions scored together (one f32x16) */
 #define SPAN_GAP 64   /* tokens between two pieces of one block that one span covers, less than */
 
 enum { OK = 0, ERR_SHAPE = -1, ERR_MEMORY = -2, ERR_TABLE = -3, ERR_KIND = -4 };
@@ -99,6 +99,59 @@ static int64_t top_ascending(const float* score, int64_t n, int64_t k, uint64_t*
   for (int64_t i = 0; i < n && m < k; ++i)
     if (rank_key(score[i], i) >= kth) out[m++] = (int32_t)i;
   return m;
+}
+
+/* 16 rows of 16 32-bit lanes transposed in place (lane l of row i <-> lane i of row l): for b = 8, 4, 2, 1
+ * rows i and i + b swap their off-diagonal b x b blocks. */
+static void transpose16(u32x16 r[16]) {
+  for (int b = 8; b >= 1; b /= 2) {
+    u32x16 lo_mask, hi_mask;
+    for (int l = 0; l < 16; ++l) {
+      lo_mask[l] = (uint32_t)((l & b) ? 16 + l - b : l);
+      hi_mask[l] = (uint32_t)((l & b) ? 16 + l : l + b);
+    }
+    for (int i = 0; i < 16; ++i) {
+      if (i & b) continue;
+      const u32x16 x = r[i], y = r[i + b];
+      r[i] = __builtin_shuffle(x, y, lo_mask);
+      r[i + b] = __builtin_shuffle(x, y, hi_mask);
+    }
+  }
+}
+
+/* Index keys of positions [p0, p0 + nt) (nt <= 16) as channel columns: cols[d] lane t = channel d of
+ * position p0 + t (lanes past nt repeat position p0). Sixteen positions in one cache block are 16
+ * consecutive rows of the pool, transposed 16 x 16 lanes at a time (a 32-bit lane holds two bf16
+ * channels); any other tile one position at a time. */
+static void index_tile(const DecodeLayerArgs* a, const int64_t* blocks, int64_t p0, int nt, f32x16* cols) {
+  const int id = a->id;
+  const int64_t bs = a->block_size;
+  const int per_lane = a->ik_bf16 ? 2 : 1; /* channels in a 32-bit lane */
+  if (nt == INDEX_TILE && p0 % bs + INDEX_TILE <= bs && id % (16 * per_lane) == 0) {
+    const char* base = (const char*)a->ik + (blocks[p0 / bs] * bs + p0 % bs) * id * (a->ik_bf16 ? 2 : 4);
+    const int64_t row_bytes = (int64_t)id * (a->ik_bf16 ? 2 : 4);
+    for (int c0 = 0; c0 < id / per_lane; c0 += 16) { /* 16 lanes (16 or 32 channels) of the 16 rows */
+      u32x16 r[16];
+      for (int t = 0; t < 16; ++t) memcpy(&r[t], base + t * row_bytes + c0 * 4, sizeof(u32x16));
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) {
+        if (a->ik_bf16) {
+          const u32x16 lo = r[c] << 16, hi = r[c] & 0xFFFF0000u;
+          memcpy(&cols[2 * (c0 + c)], &lo, sizeof(lo));
+          memcpy(&cols[2 * (c0 + c) + 1], &hi, sizeof(hi));
+        } else {
+          memcpy(&cols[c0 + c], &r[c], sizeof(r[c]));
+        }
+      }
+    }
+    return;
+  }
+  float row[KV_MAX_D];
+  for (int t = 0; t < INDEX_TILE; ++t) {
+    const int64_t p = p0 + (t < nt ? t : 0);
+    load_row(a->ik, a->ik_bf16, (blocks[p / bs] * bs + p % bs) * id, id, row);
+    for (int d = 0; d < id; ++d) cols[d][t] = row[d];
+  }
 }
 
 /* Units (ascending ids) of `unit` positions, clipped to len, as ranges [ra, rb) merged where they touch. */
@@ -329,33 +382,19 @@ static int select_units(const DecodeLayerArgs* a, int64_t n, const int64_t* bloc
         const float* q = a->iq + n * (int64_t)a->ih * id;
         const float* w = a->iw + n * (int64_t)a->ih;
         const int ih = a->ih;
-        float tile[KV_MAX_D][INDEX_TILE], acc[INDEX_TILE], row[KV_MAX_D];
-        for (int64_t p0 = 0; p0 < len; p0 += INDEX_TILE) { /* a tile of positions, channel-major: a head's dots
-                                                            * for the whole tile are one vector op per channel */
+        f32x16 cols[KV_MAX_D]; /* a tile of 16 positions channel-major: a head's dots are a vector op a channel */
+        for (int64_t p0 = 0; p0 < len; p0 += INDEX_TILE) {
           const int nt = (int)(len - p0 < INDEX_TILE ? len - p0 : INDEX_TILE);
-          for (int t = 0; t < INDEX_TILE; ++t) {
-            const int64_t p = p0 + (t < nt ? t : 0);
-            load_row(a->ik, a->ik_bf16, (blocks[p / bs] * bs + p % bs) * id, id, row);
-            for (int d = 0; d < id; ++d) tile[d][t] = row[d];
-          }
-          float* sc = score + p0;
-          float out_t[INDEX_TILE];
-#pragma omp simd
-          for (int t = 0; t < INDEX_TILE; ++t) out_t[t] = 0.0f;
+          index_tile(a, blocks, p0, nt, cols);
+          f32x16 out_t = (f32x16){0};
           for (int hh = 0; hh < ih; ++hh) {
             const float* qh = q + (int64_t)hh * id;
-#pragma omp simd
-            for (int t = 0; t < INDEX_TILE; ++t) acc[t] = 0.0f;
-            for (int d = 0; d < id; ++d) {
-              const float qd = qh[d];
-#pragma omp simd
-              for (int t = 0; t < INDEX_TILE; ++t) acc[t] += qd * tile[d][t];
-            }
-            const float wh = w[hh];
-#pragma omp simd
-            for (int t = 0; t < INDEX_TILE; ++t) out_t[t] += wh * (acc[t] > 0.0f ? acc[t] : 0.0f);
+            f32x16 acc = (f32x16){0};
+            for (int d = 0; d < id; ++d) acc += qh[d] * cols[d];
+            const f32x16 relu = (f32x16)((u32x16)acc & (u32x16)(acc > (f32x16){0})); /* acc > 0 ? acc : 0 */
+            out_t += w[hh] * relu;
           }
-          for (int t = 0; t < nt; ++t) sc[t] = out_t[t];
+          memcpy(score + p0, &out_t, sizeof(float) * (size_t)nt);
         }
         m[0] = top_ascending(score, len, a->units, s->keys, s->sel);
       }

@@ -175,32 +175,35 @@ def test_device_path_equals_native(name, layout, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [128, 512])
+@pytest.mark.parametrize("geometry", [(HKV, G, D), (1, 4, 256)], ids=["small", "gemma3"])
 @pytest.mark.parametrize("spec", [dict(kind="indexer", units=150), dict(kind="tokens_exact", units=90),
                                   dict(kind="tokens_exact", units=12, unit=8)], ids=["indexer", "tokens", "units-8"])
-def test_scattered_tokens_on_k_by_channel(spec, block_size, dtype):
-    """Scattered selections on vLLM's layout with blocks of 128 and 512 tokens: the kernel reads each
+def test_scattered_tokens_on_k_by_channel(spec, geometry, block_size, dtype):
+    """Scattered selections on vLLM's layout with blocks of 128 and 512 tokens (this file's geometry and
+    Gemma 3's, 1 KV head x 4, head dim 256): the kernel reads each
     block's selected tokens as spans of at most 256 (whole 64- and 16-token tiles and a tail), and
     attends the selected tokens alone; the indexer's 32-channel keys take the 16 x 16 transposed tiles
     (the other tests' 16 channels in bf16, and the rows' last tiles, the one-position path): the
     positions and outputs of the plain-PyTorch twin."""
+    hkv, g, d = geometry
     gen = torch.Generator().manual_seed(5)
     lens = np.array([1500, 700, 260], dtype=np.int32)
     per = -(-int(lens.max()) // block_size)
     n_blocks = 3 * per
-    raw = torch.randn(n_blocks, HKV, D, block_size, generator=gen).to(dtype)
-    k, v = raw.transpose(2, 3), torch.randn(n_blocks, HKV, block_size, D, generator=gen).to(dtype)
+    raw = torch.randn(n_blocks, hkv, d, block_size, generator=gen).to(dtype)
+    k, v = raw.transpose(2, 3), torch.randn(n_blocks, hkv, block_size, d, generator=gen).to(dtype)
     table = torch.randperm(n_blocks, generator=gen)[: 3 * per].numpy().astype(np.int32).reshape(3, per)
     index_keys = torch.randn(n_blocks, block_size, 32, generator=gen).to(dtype) if spec["kind"] == "indexer" else None
     program = DecodeProgram(**spec, index_keys=index_keys)
-    q = torch.randn(3, HKV * G, D, generator=gen).to(dtype)
+    q = torch.randn(3, hkv * g, d, generator=gen).to(dtype)
     index = None
     if index_keys is not None:
         index = IndexerStep(torch.randn(3, 4, 32, generator=gen).to(dtype).float(), torch.rand(3, 4, generator=gen) + 0.1,
                             torch.randn(3, 32, generator=gen))
     twin = _twin(program)
-    out = torch.empty(3, HKV * G, D, dtype=torch.float32)
-    attended = DecodeLayerCall(k, v, program, num_q_heads=HKV * G, sm_scale=D ** -0.5).run(table, lens, q, out, index)
-    want, want_attended = decode_layer_naive(k, v, twin, table, lens, q, sm_scale=D ** -0.5, index=index)
+    out = torch.empty(3, hkv * g, d, dtype=torch.float32)
+    attended = DecodeLayerCall(k, v, program, num_q_heads=hkv * g, sm_scale=d ** -0.5).run(table, lens, q, out, index)
+    want, want_attended = decode_layer_naive(k, v, twin, table, lens, q, sm_scale=d ** -0.5, index=index)
     np.testing.assert_array_equal(attended, want_attended)
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
     assert (attended < lens[:, None]).all()  # every row skipped tokens

@@ -251,6 +251,7 @@ static void attend_dispatch(const void* kpool, const void* vpool, int is_bf16, c
     else ATTEND(0, D, G);
   } else {
     if (D == 64 && G == 3) ATTEND(1, 64, 3);
+    else if (D == 256 && G == 4) ATTEND(1, 256, 4);
     else if (D == 64) ATTEND(1, 64, G);
     else if (D == 128) ATTEND(1, 128, G);
     else ATTEND(1, D, G);

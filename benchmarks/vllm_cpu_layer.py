@@ -142,7 +142,7 @@ def main() -> None:
                     ("native kernel on the runs", lambda: native_runs_attention(q, runs, view, 0, geometry)),
                     ("kvsieve backend on it", lambda: backend.forward(q, md, 0, geometry, params))]
     # the native path through the plug-in's forward as vLLM calls it, and its foreign call alone
-    # (selection + attention; its pointers already set by the forward)
+    # (selection + attention; its pointers already set by a call)
     native_rows = []
     step = VllmStep(starts.numpy(), seq.numpy(), table)
     if native is not None and native.reads_model_inputs:  # dsa: the call vLLM's forward makes after taking the hidden state
@@ -157,7 +157,15 @@ def main() -> None:
     if native_rows:
         native_rows[0][1]()
         call = native.call
-        native_rows.append(("  its foreign call alone", lambda: call._fn(call._ref)))
+        if native.reads_model_inputs:  # the forward's index inputs are freed after it: the call with its own
+            def index_inputs():  # noqa: ANN202
+                return native.selector.decode_step_inputs(native.layer_idx, fed, step.positions)
+            index = index_inputs()
+            native_rows += [("  the indexer's inputs (torch)", index_inputs),
+                            ("  its foreign call alone", lambda: call.run(step.block_table, step.seq_lens, q, out_native,
+                                                                          index))]
+        else:
+            native_rows.append(("  its foreign call alone", lambda: call._fn(call._ref)))
     load = Path("/proc/loadavg").read_text().split()[0]
     rows = [("vLLM's own dense kernel", own), ("step: view + tables", prep),
             ("selector on_append", lambda: sel.on_append(inputs)), ("selector predict_attn", lambda: sel.predict_attn(inputs)),

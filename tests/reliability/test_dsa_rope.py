@@ -69,3 +69,12 @@ def test_forward_equals_queries_and_keys(rope_dim, interleave, dtype):
                 k2 = proj.keys(hidden, pos, cos=cos, sin=sin)
             assert q.shape == (5, 2, 8) and k.shape == (5, 8) and w.shape == (5, 2)
             assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(w, w2)
+            with torch.no_grad():  # one matmul of the stacked weights: the same up to its rounding
+                for got, want in zip(proj(hidden, pos, cos=cos, sin=sin, stacked=proj.stacked_weight()), (q, k, w)):
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_weight_only_where_the_queries_read_the_hidden_state():
+    proj = IndexerProjections(16, 2, 8, 4, q_input_size=12)
+    assert proj.stacked_weight() is None
+    assert IndexerProjections(16, 2, 8, 4).stacked_weight().shape == (2 * 8 + 2 + 8, 16)

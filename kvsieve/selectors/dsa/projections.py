@@ -139,21 +139,35 @@ class IndexerProjections(nn.Module):
         """``k_I [T, D]`` fp32 of the cached tokens (key norm and RoPE applied)."""
         return self._rope(self.k_norm(self.wk(hidden.to(self.wk.weight.dtype))).float(), positions, cos, sin)
 
+    def stacked_weight(self) -> torch.Tensor | None:
+        """``[H*D + H + D, hidden_size]``: ``wq``, ``weights_proj`` and ``wk`` stacked, a copy for
+        :meth:`forward`'s ``stacked`` (one matmul reads the three weights in one pass); ``None`` when
+        the queries project another input (``q_input_size != hidden_size``)."""
+        if self.q_input_size != self.hidden_size:
+            return None
+        return torch.cat([self.wq.weight, self.weights_proj.weight, self.wk.weight]).detach().clone()
+
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, q_input: torch.Tensor | None = None,
-                cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, *,
+                stacked: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``hidden [T, hidden_size]``, ``positions [T]`` -> ``(q_I [T, H, D], k_I [T, D], w [T, H])``,
         all fp32, RoPE applied, ``w`` scaled by ``D**-0.5 * H**-0.5``. Without ``q_input``, q and k
         share one buffer and one in-place neox RoPE (a decode step's few tokens pay per op, not per
-        flop); the values are :meth:`queries`' and :meth:`keys`', bit for bit."""
+        flop); the values are :meth:`queries`' and :meth:`keys`', bit for bit. ``stacked``: this
+        module's :meth:`stacked_weight`, for one matmul in place of three (equal up to its rounding;
+        a decode step's weights are cold, and one pass over them costs a third of three)."""
         if q_input is not None:
             q, w = self.queries(hidden, positions, q_input, cos, sin)
             return q, self.keys(hidden, positions, cos, sin), w
         h, d, r = self.n_heads, self.head_dim, self.rope_dim
         x = hidden.to(self.wk.weight.dtype)
+        if stacked is None:
+            q, w, k = self.wq(x), self.weights_proj(x), self.wk(x)
+        else:
+            q, w, k = nn.functional.linear(x, stacked).split((h * d, h, d), dim=-1)
         qk = torch.empty(x.shape[0], h + 1, d, dtype=torch.float32, device=x.device)  # q's heads, then k
-        qk[:, :h] = self.wq(x).view(-1, h, d)
-        qk[:, h] = self.k_norm(self.wk(x))
+        qk[:, :h] = q.view(-1, h, d)
+        qk[:, h] = self.k_norm(k)
         if r and self.rope_interleave:
             qk = self._rope(qk, positions, cos, sin)
         elif r:  # neox, in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) on the first r channels
@@ -164,7 +178,7 @@ class IndexerProjections(nn.Module):
             first, second = x1 * c - x2 * s, x2 * c + x1 * s
             x1.copy_(first)
             x2.copy_(second)
-        return qk[:, :h], qk[:, h], self.weights_proj(x).float() * (d ** -0.5 * h ** -0.5)
+        return qk[:, :h], qk[:, h], w.float() * (d ** -0.5 * h ** -0.5)
 
 
 def save_projections(path: str, layers: dict[int, IndexerProjections], meta: dict | None = None) -> None:

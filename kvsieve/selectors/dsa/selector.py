@@ -133,6 +133,7 @@ class DSASelector(SparseSelector):
             "triton" if dev.type == "cuda" else "reference")
         self.k_dtype = _K_DTYPES[c.index_k_dtype]
         self.projections: dict[int, IndexerProjections] = {}
+        self._stacked: dict[int, torch.Tensor | None] = {}  # each layer's stacked_weight(), taken at set_projections
         if c.projections is not None:
             self.set_projections(load_projections(c.projections, dev)[0])
         self.stats = DSAStats()
@@ -146,7 +147,9 @@ class DSASelector(SparseSelector):
 
     # ---- inputs from the model integration ----------------------------------------------
     def set_projections(self, layers: dict[int, IndexerProjections]) -> None:
-        """Install per-layer index projections (checked against the configured geometry)."""
+        """Install per-layer index projections (checked against the configured geometry). The
+        selector projects with a copy of each layer's weights stacked (one matmul a step,
+        :meth:`IndexerProjections.stacked_weight`): install them again after changing them."""
         c = self.config
         for i, p in layers.items():
             if (p.n_heads, p.head_dim, p.rope_dim, p.rope_interleave, float(p.rope_theta)) != (
@@ -156,6 +159,7 @@ class DSASelector(SparseSelector):
                     f"rope_dim={p.rope_dim}, rope_interleave={p.rope_interleave}, rope_theta={p.rope_theta}; "
                     f"the config has {c.n_heads}, {c.head_dim}, {c.rope_dim}, {c.rope_interleave}, {c.rope_theta}")
         self.projections.update(layers)
+        self._stacked.update({i: p.stacked_weight() for i, p in layers.items()})
 
     # ---- hooks ---------------------------------------------------------------------------
     def on_append(self, inputs: SelectorInputs) -> None:
@@ -193,7 +197,8 @@ class DSASelector(SparseSelector):
             if cos is None and c.rope_dim:  # the default RoPE of the configured rope_theta
                 cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
             with torch.no_grad():  # index tensors only select: no gradient flows through them
-                q, k, w = self.projections[layer](ii.hidden, positions, ii.q_input, cos, sin)
+                q, k, w = self.projections[layer](ii.hidden, positions, ii.q_input, cos, sin,
+                                                  stacked=self._stacked[layer])
         c = self.config
         if q.shape[1:] != (c.n_heads, c.head_dim) or k.shape[1:] != (c.head_dim,) or w.shape[1:] != (c.n_heads,):
             raise ValueError(f"dsa: index tensors must be q [T, {c.n_heads}, {c.head_dim}], k [T, {c.head_dim}], "

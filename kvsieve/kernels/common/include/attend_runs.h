@@ -81,8 +81,9 @@ static inline f32x16 load16(const void* pool, int is_bf16, int64_t off) {
 }
 
 /* The unscaled logits of a span's w tokens (K by channel: channel d of token j at off + d*k_ch + j) for
- * G query heads qh [G, D]: out[g][j] = sum over d, in order, of qh[g][d] * K[d][j] (the sums runs of
- * their own compute, bit for bit). Whole tiles keep their G x SPAN_TILE sums in registers. */
+ * G query heads qh [G, D]: out[g][j] = sum over d, in order, of qh[g][d] * K[d][j] (the products and
+ * sums a run of its own computes, in the same order). Whole tiles keep their G x SPAN_TILE sums in
+ * registers. */
 static inline __attribute__((always_inline)) void span_logits(const void* kpool, int is_bf16, int64_t off, int w,
                                                               int64_t k_ch, int D, const float* qh, int G,
                                                               float out[][SPAN_MAX]) {

@@ -15,7 +15,6 @@ first ``rope_dim`` channels of q_I and k_I, neox (half split) or interleaved (pa
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -60,15 +59,10 @@ class IndexerInputs:
 FORMAT = "kvsieve-dsa-indexer-v1"  # what save_projections writes and the readers check
 
 
-@functools.lru_cache(maxsize=64)
-def _inv_freq(rope_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """fp32 ``[rope_dim / 2]``: the default RoPE's inverse frequencies (computed once per geometry)."""
-    return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=device) / rope_dim))
-
-
 def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``cos, sin [T, rope_dim]`` of the default RoPE (``cat(freqs, freqs)`` layout)."""
-    freqs = positions.to(torch.float32).unsqueeze(-1) * _inv_freq(rope_dim, float(theta), positions.device)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=positions.device) / rope_dim))
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -155,7 +149,8 @@ class IndexerProjections(nn.Module):
         share one buffer and one in-place neox RoPE (a decode step's few tokens pay per op, not per
         flop); the values are :meth:`queries`' and :meth:`keys`', bit for bit. ``stacked``: this
         module's :meth:`stacked_weight`, for one matmul in place of three (equal up to its rounding;
-        a decode step's weights are cold, and one pass over them costs a third of three)."""
+        a decode step's weights are cold, and in the engine one pass over them costs about two thirds
+        of three)."""
         if q_input is not None:
             q, w = self.queries(hidden, positions, q_input, cos, sin)
             return q, self.keys(hidden, positions, cos, sin), w

@@ -126,10 +126,10 @@ static void transpose16(u32x16 r[16]) {
 static void index_tile(const DecodeLayerArgs* a, const int64_t* blocks, int64_t p0, int nt, f32x16* cols) {
   const int id = a->id;
   const int64_t bs = a->block_size;
-  const int per_lane = a->ik_bf16 ? 2 : 1; /* channels in a 32-bit lane */
+  const int es = a->ik_bf16 ? 2 : 4, per_lane = 4 / es; /* bytes an element; channels in a 32-bit lane */
   if (nt == INDEX_TILE && p0 % bs + INDEX_TILE <= bs && id % (16 * per_lane) == 0) {
-    const char* base = (const char*)a->ik + (blocks[p0 / bs] * bs + p0 % bs) * id * (a->ik_bf16 ? 2 : 4);
-    const int64_t row_bytes = (int64_t)id * (a->ik_bf16 ? 2 : 4);
+    const int64_t row_bytes = (int64_t)id * es;
+    const char* base = (const char*)a->ik + (blocks[p0 / bs] * bs + p0 % bs) * row_bytes;
     for (int c0 = 0; c0 < id / per_lane; c0 += 16) { /* 16 lanes (16 or 32 channels) of the 16 rows */
       u32x16 r[16];
       for (int t = 0; t < 16; ++t) memcpy(&r[t], base + t * row_bytes + c0 * 4, sizeof(u32x16));
@@ -167,7 +167,7 @@ static int64_t units_to_ranges(const int32_t* sel, int64_t m, int64_t unit, int6
 }
 
 /* Head h's ranges as runs inside cache blocks (element offsets of K and V, token counts). With K
- * stored by channel (spans != NULL), pieces of ranges in one cache block less than SPAN_GAP tokens
+ * stored by channel (use_spans), pieces of ranges in one cache block less than SPAN_GAP tokens
  * apart become one span (attend_runs.h's RunSpans) of at most SPAN_MAX tokens, its kept offsets in
  * s->keep: a K cache line holds 16-32 tokens of a channel, so scattered tokens read nearly every line
  * of their block either way, and a span reads them in order. *total: the tokens attended. */
@@ -181,8 +181,8 @@ static int64_t ranges_to_runs(const DecodeLayerArgs* a, const int64_t* blocks, i
       int64_t n = end - p, end_off = off + n;
       *total += n;
       const int64_t gap = off - (span0 + (r > 0 ? s->cnt[r - 1] : 0));
-      if (use_spans && r > 0 && blk == last_blk && gap >= 0 && gap < SPAN_GAP && end_off - span0 <= SPAN_MAX) { /* widen the open run into a span */
-        if (s->at[r - 1] < 0) {
+      if (use_spans && r > 0 && blk == last_blk && gap >= 0 && gap < SPAN_GAP && end_off - span0 <= SPAN_MAX) {
+        if (s->at[r - 1] < 0) { /* the open run becomes a span: its own tokens kept first */
           s->at[r - 1] = nk;
           for (int32_t j = 0; j < s->cnt[r - 1]; ++j) s->keep[nk++] = j;
           s->kept[r - 1] = s->cnt[r - 1];
@@ -196,8 +196,7 @@ static int64_t ranges_to_runs(const DecodeLayerArgs* a, const int64_t* blocks, i
         s->k_off[r] = b * a->k_blk + h * a->k_head + off * a->k_tok;
         s->v_off[r] = b * a->v_blk + h * a->v_head + off * a->v_tok;
         s->cnt[r] = (int32_t)n;
-        s->at[r] = -1;
-        s->kept[r] = (int32_t)n;
+        s->at[r] = -1; /* every token (kept[r] is read for spans only) */
         last_blk = blk;
         span0 = off;
         ++r;

@@ -78,3 +78,14 @@ def test_stacked_weight_only_where_the_queries_read_the_hidden_state():
     proj = IndexerProjections(16, 2, 8, 4, q_input_size=12)
     assert proj.stacked_weight() is None
     assert IndexerProjections(16, 2, 8, 4).stacked_weight().shape == (2 * 8 + 2 + 8, 16)
+
+
+def test_stacked_weight_is_refused_with_q_input_or_another_shape():
+    """``stacked`` cannot apply to queries of another input, nor be another layer's: an error, not a
+    silent fallback to three matmuls."""
+    proj = IndexerProjections(16, 2, 8, 4)
+    hidden, pos = torch.randn(3, 16), torch.arange(3)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"comes without q_input; got \(26, 16\) with q_input"):
+        proj(hidden, pos, q_input=hidden, stacked=proj.stacked_weight())
+    with torch.no_grad(), pytest.raises(ValueError, match=r"stacked must be \[26, 16\].*got \(26, 12\)"):
+        proj(hidden, pos, stacked=torch.zeros(26, 12))

@@ -150,11 +150,15 @@ class IndexerProjections(nn.Module):
         flop); the values are :meth:`queries`' and :meth:`keys`', bit for bit. ``stacked``: this
         module's :meth:`stacked_weight`, for one matmul in place of three (equal up to its rounding;
         a decode step's weights are cold, and in the engine one pass over them costs about two thirds
-        of three)."""
+        of three); refused with ``q_input`` or another shape."""
+        h, d, r = self.n_heads, self.head_dim, self.rope_dim
+        if stacked is not None and (q_input is not None or stacked.shape != (h * d + h + d, self.hidden_size)):
+            raise ValueError(f"IndexerProjections: stacked must be [{h * d + h + d}, {self.hidden_size}] "
+                             f"(stacked_weight()) and comes without q_input; got {tuple(stacked.shape)}"
+                             f"{' with q_input' if q_input is not None else ''}")
         if q_input is not None:
             q, w = self.queries(hidden, positions, q_input, cos, sin)
             return q, self.keys(hidden, positions, cos, sin), w
-        h, d, r = self.n_heads, self.head_dim, self.rope_dim
         x = hidden.to(self.wk.weight.dtype)
         if stacked is None:
             q, w, k = self.wq(x), self.weights_proj(x), self.wk(x)

@@ -198,7 +198,7 @@ class DSASelector(SparseSelector):
                 cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
             with torch.no_grad():  # index tensors only select: no gradient flows through them
                 q, k, w = self.projections[layer](ii.hidden, positions, ii.q_input, cos, sin,
-                                                  stacked=self._stacked[layer])
+                                                  stacked=self._stacked[layer] if ii.q_input is None else None)
         c = self.config
         if q.shape[1:] != (c.n_heads, c.head_dim) or k.shape[1:] != (c.head_dim,) or w.shape[1:] != (c.n_heads,):
             raise ValueError(f"dsa: index tensors must be q [T, {c.n_heads}, {c.head_dim}], k [T, {c.head_dim}], "

@@ -174,15 +174,16 @@ def test_device_path_equals_native(name, layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("block_size", [128, 512])
+@pytest.mark.parametrize("block_size", [128, 512, 40])
 @pytest.mark.parametrize("geometry", [(HKV, G, D), (1, 4, 256)], ids=["small", "gemma3"])
 @pytest.mark.parametrize("spec", [dict(kind="indexer", units=150), dict(kind="tokens_exact", units=90),
                                   dict(kind="tokens_exact", units=12, unit=8)], ids=["indexer", "tokens", "units-8"])
 def test_scattered_tokens_on_k_by_channel(spec, geometry, block_size, dtype):
     """Scattered selections on vLLM's layout with blocks of 128 and 512 tokens (this file's geometry and
-    Gemma 3's, 1 KV head x 4, head dim 256): the kernel reads each
-    block's selected tokens as spans of at most 256 (whole 64- and 16-token tiles and a tail), and
-    attends the selected tokens alone; the indexer's 32-channel keys take the 16 x 16 transposed tiles
+    Gemma 3's, 1 KV head x 4, head dim 256): the kernel reads each block's selected tokens as spans of
+    at most 256, by the 16-token tiles of the block's grid that hold a selected token (four at a time,
+    one at a time, a tile starting before its span); with blocks of 40 (channel rows off that grid) by
+    tiles from each span's start and a cut last tile; and attends the selected tokens alone; the indexer's 32-channel keys take the 16 x 16 transposed tiles
     (the other tests' 16 channels in bf16, and the rows' last tiles, the one-position path): the
     positions and outputs of the plain-PyTorch twin."""
     hkv, g, d = geometry
@@ -207,3 +208,29 @@ def test_scattered_tokens_on_k_by_channel(spec, geometry, block_size, dtype):
     np.testing.assert_array_equal(attended, want_attended)
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
     assert (attended < lens[:, None]).all()  # every row skipped tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("index_heads", [1, 8, 12, 17])
+def test_indexer_heads_in_passes(index_heads, dtype):
+    """The indexer's score sums its heads in order while one pass over a tile's channels feeds up to 8
+    heads' dot products (whole passes of 8, a last shorter one, or one short pass): the positions and
+    outputs of the plain-PyTorch twin, the index keys written equal."""
+    gen = torch.Generator().manual_seed(11)
+    k, v = _cache("vllm-cpu", dtype, gen)
+    per = -(-max(LENS) // BS)
+    table = torch.randperm(BLOCKS - 1, generator=gen)[: per * len(LENS)].numpy().astype(np.int32).reshape(len(LENS), per) + 1
+    lens = np.array(LENS, dtype=np.int32)
+    program = DecodeProgram("indexer", units=24, index_keys=torch.randn(BLOCKS, BS, 32, generator=gen).to(dtype))
+    twin = _twin(program)
+    q = torch.randn(len(LENS), HKV * G, D, generator=gen).to(dtype)
+    index = IndexerStep(torch.randn(len(LENS), index_heads, 32, generator=gen).to(dtype).float(),
+                        torch.rand(len(LENS), index_heads, generator=gen) + 0.1,
+                        torch.randn(len(LENS), 32, generator=gen))
+    out = torch.empty(len(LENS), HKV * G, D, dtype=torch.float32)
+    attended = DecodeLayerCall(k, v, program, num_q_heads=HKV * G, sm_scale=D ** -0.5).run(table, lens, q, out, index)
+    want, want_attended = decode_layer_naive(k, v, twin, table, lens, q, sm_scale=D ** -0.5, index=index)
+    np.testing.assert_array_equal(attended, want_attended)
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    assert torch.equal(program.index_keys.float(), twin.index_keys.float())
+    assert (attended < lens[:, None]).any()

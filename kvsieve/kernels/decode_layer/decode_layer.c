@@ -30,6 +30,7 @@ enum { KIND_PAGES = 1, KIND_STREAMING = 2, KIND_TOKENS_EXACT = 3, KIND_BLOCKS_EX
        KIND_INDEXER = 6 };
 #define INDEX_MAX_H 64 /* indexer heads the kernel takes at most */
 #define INDEX_TILE 16 /* positions scored together (one f32x16) */
+#define INDEX_HEADS_PASS 8 /* indexer heads whose sums one pass over a tile's channels accumulates */
 #define SPAN_GAP 64   /* tokens between two pieces of one block that one span covers, less than */
 
 enum { OK = 0, ERR_SHAPE = -1, ERR_MEMORY = -2, ERR_TABLE = -3, ERR_KIND = -4 };
@@ -386,12 +387,22 @@ static int select_units(const DecodeLayerArgs* a, int64_t n, const int64_t* bloc
           const int nt = (int)(len - p0 < INDEX_TILE ? len - p0 : INDEX_TILE);
           index_tile(a, blocks, p0, nt, cols);
           f32x16 out_t = (f32x16){0};
-          for (int hh = 0; hh < ih; ++hh) {
-            const float* qh = q + (int64_t)hh * id;
-            f32x16 acc = (f32x16){0};
-            for (int d = 0; d < id; ++d) acc += qh[d] * cols[d];
-            const f32x16 relu = (f32x16)((u32x16)acc & (u32x16)(acc > (f32x16){0})); /* acc > 0 ? acc : 0 */
-            out_t += w[hh] * relu;
+          for (int h0 = 0; h0 < ih; h0 += INDEX_HEADS_PASS) { /* a channel feeds several heads' sums at once */
+            const int nh = ih - h0 < INDEX_HEADS_PASS ? ih - h0 : INDEX_HEADS_PASS;
+            f32x16 acc[INDEX_HEADS_PASS];
+            for (int j = 0; j < INDEX_HEADS_PASS; ++j) acc[j] = (f32x16){0};
+            const float* qh = q + (int64_t)h0 * id;
+            if (nh == INDEX_HEADS_PASS) {
+              for (int d = 0; d < id; ++d)
+                for (int j = 0; j < INDEX_HEADS_PASS; ++j) acc[j] += qh[(int64_t)j * id + d] * cols[d];
+            } else {
+              for (int d = 0; d < id; ++d)
+                for (int j = 0; j < nh; ++j) acc[j] += qh[(int64_t)j * id + d] * cols[d];
+            }
+            for (int j = 0; j < nh; ++j) { /* heads in order */
+              const f32x16 relu = (f32x16)((u32x16)acc[j] & (u32x16)(acc[j] > (f32x16){0})); /* acc > 0 ? acc : 0 */
+              out_t += w[h0 + j] * relu;
+            }
           }
           memcpy(score + p0, &out_t, sizeof(float) * (size_t)nt);
         }
@@ -452,6 +463,8 @@ int kvsieve_decode_layer(const DecodeLayerArgs* a) {
   int64_t m[KV_MAX_G * 64];
   if (hkv > KV_MAX_G * 64) rc = ERR_SHAPE;
   const int64_t k_ch = a->k_ch == 1 ? 0 : a->k_ch; /* attend_dispatch: 0 = K rows of D */
+  const int spans_aligned = a->block_size % SPAN_TILE == 0 && a->k_blk % SPAN_TILE == 0 && a->k_head % SPAN_TILE == 0
+                            && k_ch % SPAN_TILE == 0; /* RunSpans.aligned: channel rows on the tile grid */
   for (int64_t n = 0; rc == OK && n < a->n_rows; ++n) {
     const int64_t len = a->kv_lens[n];
     for (int64_t j = 0; j * a->block_size < len; ++j) s.blocks[j] = a->table[n * a->table_stride + j];
@@ -475,7 +488,7 @@ int kvsieve_decode_layer(const DecodeLayerArgs* a) {
       int64_t total = 0, runs = ranges_to_runs(a, s.blocks, h, s.ra, s.rb, n_ranges, &s, k_ch > 0, &total);
       if (runs < 0) { rc = ERR_MEMORY; break; }
       float o[KV_MAX_G * KV_MAX_D], lse[KV_MAX_G];
-      const RunSpans spans = {s.keep, s.at, s.kept};
+      const RunSpans spans = {s.keep, s.at, s.kept, spans_aligned};
       attend_dispatch(a->k, a->v, a->kv_bf16, s.k_off, s.v_off, s.cnt, runs, k_ch > 0, k_ch, &spans, D,
                       qf + (int64_t)h * G * D, G, a->sm_scale, o, lse);
       int64_t dst = n * a->out_stride + (int64_t)h * G * D;

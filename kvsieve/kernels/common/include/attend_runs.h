@@ -49,19 +49,24 @@ static inline void prefetch_run(const void* kpool, const void* vpool, int is_bf1
 
 /* Spans (K stored by channel only): run u is a span of cnt[u] consecutive tokens of one cache block
  * whose tokens keep[at[u]], ..., keep[at[u] + kept[u] - 1] (offsets in the span, ascending) are
- * attended; at[u] < 0: every token of the run. A span's K is read whole, channel by channel (whole
- * cache lines, in order, where gathering scattered tokens reads nearly the same lines at random), its
- * logits computed for every token and the kept ones' taken in order, so the scores, and the output,
- * are those of the kept tokens as runs of their own. Its V: the kept rows alone. */
+ * attended; at[u] < 0: every token of the run. A span's K is read channel by channel in tiles of
+ * SPAN_TILE tokens, only the tiles holding a kept token (whole cache lines, in order, where gathering
+ * scattered tokens reads nearly the same lines at random); the kept tokens' logits are taken in order,
+ * so the scores, and the output, are those of the kept tokens as runs of their own. Its V: the kept
+ * rows alone. `aligned`: every channel row of a cache block starts at a multiple of SPAN_TILE elements
+ * and holds a multiple of SPAN_TILE tokens, so a span's tiles are taken on that grid (a tile is then
+ * one 64-byte line of fp32 K, half of one of bf16) and may start before the span, inside its block. */
 typedef struct {
   const int32_t* keep;
   const int64_t* at;
   const int32_t* kept;
+  int aligned;
 } RunSpans;
 
 #define SPAN_MAX 256 /* tokens in a span at most */
 
 #define SPAN_TILE 16 /* a span's tokens whose logits stay in registers while every channel passes */
+#define SPAN_ROW (SPAN_MAX + SPAN_TILE) /* a span's logits from its first tile's start */
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
@@ -80,22 +85,37 @@ static inline f32x16 load16(const void* pool, int is_bf16, int64_t off) {
   return x;
 }
 
-/* The unscaled logits of a span's w tokens (K by channel: channel d of token j at off + d*k_ch + j) for
- * G query heads qh [G, D]: out[g][j] = sum over d, in order, of qh[g][d] * K[d][j] (the products and
- * sums a run of its own computes, in the same order). Whole tiles keep their G x SPAN_TILE sums in
- * registers. */
-static inline __attribute__((always_inline)) void span_logits(const void* kpool, int is_bf16, int64_t off, int w,
-                                                              int64_t k_ch, int D, const float* qh, int G,
-                                                              float out[][SPAN_MAX]) {
-  int j0 = 0;
-  for (; j0 + 4 * SPAN_TILE <= w; j0 += 4 * SPAN_TILE) { /* four tiles: a channel's 64 tokens per pass */
+/* The unscaled logits of a span's kept tokens (K by channel: channel d of the span's token j at off +
+ * d*k_ch + j): out[g][lead + j] = sum over d, in order, of qh[g][d] * K[d][j] (the products and sums a
+ * run of its own computes, in the same order) for every kept j (keep [n_keep], ascending, < w), computed
+ * by tiles of SPAN_TILE tokens starting lead tokens before the span (lead < SPAN_TILE), the tiles without
+ * a kept token skipped; up to four tiles share a channel's pass, their G x SPAN_TILE sums in registers.
+ * `readable`: the tokens from the first tile's start that may be read (a tile reaching past it is read
+ * only up to it). */
+static inline __attribute__((always_inline)) void span_logits(const void* kpool, int is_bf16, int64_t off,
+                                                              int lead, int readable, int64_t k_ch, int D,
+                                                              const float* qh, int G,
+                                                              const int32_t* keep, int n_keep,
+                                                              float out[][SPAN_ROW]) {
+  int tiles[SPAN_ROW / SPAN_TILE], n_tiles = 0;
+  for (int i = 0; i < n_keep; ++i) {
+    const int tile = (lead + keep[i]) / SPAN_TILE;
+    if (n_tiles == 0 || tiles[n_tiles - 1] != tile) tiles[n_tiles++] = tile;
+  }
+  const int64_t base = off - lead;
+  int last_full = n_tiles; /* tiles[i] whole inside the row for i < last_full */
+  while (last_full > 0 && (tiles[last_full - 1] + 1) * SPAN_TILE > readable) --last_full;
+  int i = 0;
+  for (; i + 4 <= last_full; i += 4) { /* four tiles: one channel pass loads 64 tokens */
+    const int j0 = tiles[i] * SPAN_TILE, j1 = tiles[i + 1] * SPAN_TILE, j2 = tiles[i + 2] * SPAN_TILE,
+              j3 = tiles[i + 3] * SPAN_TILE;
     f32x16 acc[KV_MAX_G][4];
     for (int g = 0; g < G; ++g)
-      for (int i = 0; i < 4; ++i) acc[g][i] = (f32x16){0};
+      for (int c = 0; c < 4; ++c) acc[g][c] = (f32x16){0};
     for (int d = 0; d < D; ++d) {
-      const int64_t o = off + (int64_t)d * k_ch + j0;
-      const f32x16 x0 = load16(kpool, is_bf16, o), x1 = load16(kpool, is_bf16, o + SPAN_TILE),
-                   x2 = load16(kpool, is_bf16, o + 2 * SPAN_TILE), x3 = load16(kpool, is_bf16, o + 3 * SPAN_TILE);
+      const int64_t o = base + (int64_t)d * k_ch;
+      const f32x16 x0 = load16(kpool, is_bf16, o + j0), x1 = load16(kpool, is_bf16, o + j1),
+                   x2 = load16(kpool, is_bf16, o + j2), x3 = load16(kpool, is_bf16, o + j3);
       for (int g = 0; g < G; ++g) {
         const float qd = qh[g * D + d];
         acc[g][0] += qd * x0;
@@ -104,24 +124,30 @@ static inline __attribute__((always_inline)) void span_logits(const void* kpool,
         acc[g][3] += qd * x3;
       }
     }
-    for (int g = 0; g < G; ++g) memcpy(out[g] + j0, acc[g], sizeof(acc[g]));
+    for (int g = 0; g < G; ++g) {
+      memcpy(out[g] + j0, &acc[g][0], sizeof(f32x16));
+      memcpy(out[g] + j1, &acc[g][1], sizeof(f32x16));
+      memcpy(out[g] + j2, &acc[g][2], sizeof(f32x16));
+      memcpy(out[g] + j3, &acc[g][3], sizeof(f32x16));
+    }
   }
-  for (; j0 + SPAN_TILE <= w; j0 += SPAN_TILE) {
+  for (; i < last_full; ++i) {
+    const int j0 = tiles[i] * SPAN_TILE;
     f32x16 acc[KV_MAX_G];
     for (int g = 0; g < G; ++g) acc[g] = (f32x16){0};
     for (int d = 0; d < D; ++d) {
-      const f32x16 x = load16(kpool, is_bf16, off + (int64_t)d * k_ch + j0);
+      const f32x16 x = load16(kpool, is_bf16, base + (int64_t)d * k_ch + j0);
       for (int g = 0; g < G; ++g) acc[g] += qh[g * D + d] * x;
     }
     for (int g = 0; g < G; ++g) memcpy(out[g] + j0, &acc[g], sizeof(f32x16));
   }
-  if (j0 < w) { /* the tail */
-    const int tw = w - j0;
+  if (i < n_tiles) { /* the last tile, cut where reading must stop */
+    const int j0 = tiles[i] * SPAN_TILE, tw = readable - j0;
     float x[SPAN_TILE];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < tw; ++j) out[g][j0 + j] = 0.0f;
     for (int d = 0; d < D; ++d) {
-      load_row(kpool, is_bf16, off + (int64_t)d * k_ch + j0, tw, x);
+      load_row(kpool, is_bf16, base + (int64_t)d * k_ch + j0, tw, x);
       for (int g = 0; g < G; ++g) {
         const float qd = qh[g * D + d];
         float* o = out[g] + j0;
@@ -142,7 +168,8 @@ static inline __attribute__((always_inline)) void head_attend(
     int64_t n_runs, int K_COLS, int64_t k_ch, const RunSpans* spans, int D, const float* qh, int G, float sm_scale,
     float* out, float* lse) {
   float acc[KV_MAX_G][KV_MAX_D], m[KV_MAX_G], l[KV_MAX_G], s[KV_MAX_G][ATTEND_CHUNK];
-  float row[KV_MAX_D > SPAN_MAX ? KV_MAX_D : SPAN_MAX], span_s[KV_MAX_G][SPAN_MAX];
+  float row[KV_MAX_D > SPAN_MAX ? KV_MAX_D : SPAN_MAX], span_s[KV_MAX_G][SPAN_ROW];
+  int lead = 0; /* the open span's first tile starts lead tokens before it */
   int64_t v_off_of[ATTEND_CHUNK];
   for (int g = 0; g < G; ++g) {
     m[g] = -INFINITY;
@@ -173,11 +200,15 @@ static inline __attribute__((always_inline)) void head_attend(
           for (int d = 0; d < D; ++d) a += qg[d] * row[d];
           s[g][n] = a * sm_scale;
         }
-      } else if (keep != NULL) { /* a span: every token's logit once, then the kept ones in order */
-        if (t == 0) span_logits(kpool, is_bf16, k_off[u], cnt[u], k_ch, D, qh, G, span_s);
+      } else if (keep != NULL) { /* a span: its kept tiles' logits once, then the kept tokens' in order */
+        if (t == 0) {
+          lead = sp->aligned ? (int)(k_off[u] % SPAN_TILE) : 0;
+          const int readable = sp->aligned ? (lead + cnt[u] + SPAN_TILE - 1) / SPAN_TILE * SPAN_TILE : cnt[u];
+          span_logits(kpool, is_bf16, k_off[u], lead, readable, k_ch, D, qh, G, keep, N_OF(u), span_s);
+        }
         take = N_OF(u) - t < ATTEND_CHUNK - n ? N_OF(u) - t : ATTEND_CHUNK - n;
         for (int g = 0; g < G; ++g)
-          for (int j = 0; j < take; ++j) s[g][n + j] = span_s[g][keep[t + j]] * sm_scale;
+          for (int j = 0; j < take; ++j) s[g][n + j] = span_s[g][lead + keep[t + j]] * sm_scale;
       } else { /* the run's next tokens at once, channel by channel */
         take = cnt[u] - t < ATTEND_CHUNK - n ? cnt[u] - t : ATTEND_CHUNK - n;
         for (int g = 0; g < G; ++g)

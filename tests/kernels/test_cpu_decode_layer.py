@@ -183,8 +183,9 @@ def test_scattered_tokens_on_k_by_channel(spec, geometry, block_size, dtype):
     Gemma 3's, 1 KV head x 4, head dim 256): the kernel reads each block's selected tokens as spans of
     at most 256, by the 16-token tiles of the block's grid that hold a selected token (four at a time,
     one at a time, a tile starting before its span); with blocks of 40 (channel rows off that grid) by
-    tiles from each span's start and a cut last tile; and attends the selected tokens alone; the indexer's 32-channel keys take the 16 x 16 transposed tiles
-    (the other tests' 16 channels in bf16, and the rows' last tiles, the one-position path): the
+    tiles from each span's start and a cut last tile; and attends the selected tokens alone; the
+    indexer's 32-channel keys take the 16 x 16 transposed tiles (the other tests' 16 channels in bf16,
+    and the rows' last tiles, the one-position path): the
     positions and outputs of the plain-PyTorch twin."""
     hkv, g, d = geometry
     gen = torch.Generator().manual_seed(5)
@@ -216,17 +217,13 @@ def test_indexer_heads_in_passes(index_heads, dtype):
     """The indexer's score sums its heads in order while one pass over a tile's channels feeds up to 8
     heads' dot products (whole passes of 8, a last shorter one, or one short pass): the positions and
     outputs of the plain-PyTorch twin, the index keys written equal."""
-    gen = torch.Generator().manual_seed(11)
-    k, v = _cache("vllm-cpu", dtype, gen)
-    per = -(-max(LENS) // BS)
-    table = torch.randperm(BLOCKS - 1, generator=gen)[: per * len(LENS)].numpy().astype(np.int32).reshape(len(LENS), per) + 1
-    lens = np.array(LENS, dtype=np.int32)
-    program = DecodeProgram("indexer", units=24, index_keys=torch.randn(BLOCKS, BS, 32, generator=gen).to(dtype))
+    k, v, table, lens, program, q, _ = _case("indexer", "vllm-cpu", dtype, 11, len(LENS))
     twin = _twin(program)
-    q = torch.randn(len(LENS), HKV * G, D, generator=gen).to(dtype)
-    index = IndexerStep(torch.randn(len(LENS), index_heads, 32, generator=gen).to(dtype).float(),
+    gen = torch.Generator().manual_seed(12)
+    channels = program.index_keys.shape[-1]
+    index = IndexerStep(torch.randn(len(LENS), index_heads, channels, generator=gen).to(dtype).float(),
                         torch.rand(len(LENS), index_heads, generator=gen) + 0.1,
-                        torch.randn(len(LENS), 32, generator=gen))
+                        torch.randn(len(LENS), channels, generator=gen))
     out = torch.empty(len(LENS), HKV * G, D, dtype=torch.float32)
     attended = DecodeLayerCall(k, v, program, num_q_heads=HKV * G, sm_scale=D ** -0.5).run(table, lens, q, out, index)
     want, want_attended = decode_layer_naive(k, v, twin, table, lens, q, sm_scale=D ** -0.5, index=index)

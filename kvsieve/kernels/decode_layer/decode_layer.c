@@ -392,7 +392,7 @@ static int select_units(const DecodeLayerArgs* a, int64_t n, const int64_t* bloc
             f32x16 acc[INDEX_HEADS_PASS];
             for (int j = 0; j < INDEX_HEADS_PASS; ++j) acc[j] = (f32x16){0};
             const float* qh = q + (int64_t)h0 * id;
-            if (nh == INDEX_HEADS_PASS) {
+            if (nh == INDEX_HEADS_PASS) { /* a constant count: the 8 sums stay in registers */
               for (int d = 0; d < id; ++d)
                 for (int j = 0; j < INDEX_HEADS_PASS; ++j) acc[j] += qh[(int64_t)j * id + d] * cols[d];
             } else {

@@ -35,52 +35,57 @@ PROGRAMS = {
 }
 
 
-def _cache(layout: str, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V views ``[BLOCKS, HKV, BS, D]``: vLLM's CPU tile (K by channel) or two row-major pools."""
+def _cache(layout: str, dtype: torch.dtype, gen: torch.Generator, blocks: int = BLOCKS
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V views ``[blocks, HKV, BS, D]``: vLLM's CPU tile (K by channel) or two row-major pools."""
     if layout == "vllm-cpu":
-        raw = torch.randn(BLOCKS, HKV, BS, 2 * D, generator=gen).to(dtype)
-        half = raw.view(BLOCKS, HKV, 2 * BS, D)
-        k = half[:, :, :BS].reshape(BLOCKS, HKV, D, BS).transpose(2, 3)  # stored by channel
+        raw = torch.randn(blocks, HKV, BS, 2 * D, generator=gen).to(dtype)
+        half = raw.view(blocks, HKV, 2 * BS, D)
+        k = half[:, :, :BS].reshape(blocks, HKV, D, BS).transpose(2, 3)  # stored by channel
         return k, half[:, :, BS:]
-    return (torch.randn(BLOCKS, HKV, BS, D, generator=gen).to(dtype) for _ in range(2))
+    return (torch.randn(blocks, HKV, BS, D, generator=gen).to(dtype) for _ in range(2))
 
 
-def _with_pools(spec: dict, k: torch.Tensor, table: np.ndarray, dtype: torch.dtype, gen: torch.Generator
-                ) -> DecodeProgram:
-    """The program with its pools as earlier steps left them: every page summarized over the positions
-    before each row's new token; index keys random (the row's own written by the call)."""
+def _with_pools(spec: dict, k: torch.Tensor, table: np.ndarray, dtype: torch.dtype, gen: torch.Generator,
+                lens: tuple[int, ...]) -> DecodeProgram:
+    """The program with its pools as earlier steps left them: every page of the rows (``lens``)
+    summarized over the positions before each row's new token; index keys random (the row's own
+    written by the call)."""
     pool = index_keys = None
+    blocks = k.shape[0]
     if "page_size" in spec:
         ps = spec["page_size"]
-        pool = torch.full((BLOCKS, HKV, BS // ps, 2, D), float("nan"), dtype=dtype)
-        for r, length in enumerate(LENS):
+        pool = torch.full((blocks, HKV, BS // ps, 2, D), float("nan"), dtype=dtype)
+        for r, length in enumerate(lens):
             for first in range(0, length - 1, ps):
                 blk = int(table[r, first // BS])
                 keys = k[blk, :, first % BS: first % BS + min(ps, length - 1 - first)].float()  # [Hkv, n, D]
                 pool[blk, :, (first % BS) // ps, 0] = keys.amin(1).to(dtype)
                 pool[blk, :, (first % BS) // ps, 1] = keys.amax(1).to(dtype)
     if spec["kind"] == "indexer":
-        index_keys = torch.randn(BLOCKS, BS, 16, generator=gen).to(dtype)
+        index_keys = torch.randn(blocks, BS, 16, generator=gen).to(dtype)
     return DecodeProgram(**spec, pool=pool, index_keys=index_keys)
 
 
-def _case(name: str, layout: str, dtype: torch.dtype, seed: int, rows: int
+def _case(name: str, layout: str, dtype: torch.dtype, seed: int, rows: int, lens: tuple[int, ...] = LENS
           ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray, DecodeProgram, torch.Tensor, IndexerStep | None]:
-    """``(k, v, table, lens, program, q, index)``: a cache, the rows of :data:`LENS` over shuffled blocks,
-    the program with its pools, ``rows`` query rows and, for the indexer, its step inputs (positive
-    weights: scores tie only at 0, below the top-k boundary)."""
+    """``(k, v, table, lens, program, q, index)``: a cache, the rows of ``lens`` over shuffled blocks
+    (:data:`BLOCKS` of them for :data:`LENS`), the program with its pools, ``rows`` query rows and,
+    for the indexer, its step inputs (positive weights: scores tie only at 0, below the top-k
+    boundary)."""
     gen = torch.Generator().manual_seed(seed)
-    k, v = _cache(layout, dtype, gen)
-    per = -(-max(LENS) // BS)
-    table = (torch.randperm(BLOCKS - 1, generator=gen)[: per * len(LENS)].numpy().astype(np.int32) + 1)
-    table = table.reshape(len(LENS), per)
-    program = _with_pools(PROGRAMS[name], k, table, dtype, gen)
+    per = -(-max(lens) // BS)
+    blocks = BLOCKS if lens == LENS else per * len(lens) + 1
+    k, v = _cache(layout, dtype, gen, blocks)
+    table = (torch.randperm(blocks - 1, generator=gen)[: per * len(lens)].numpy().astype(np.int32) + 1)
+    table = table.reshape(len(lens), per)
+    program = _with_pools(PROGRAMS[name], k, table, dtype, gen, lens)
     q = torch.randn(rows, HKV * G, D, generator=gen).to(dtype)
     index = None
     if program.kind == "indexer":
         index = IndexerStep(torch.randn(rows, 4, 16, generator=gen).to(dtype).float(),
                             torch.rand(rows, 4, generator=gen) + 0.1, torch.randn(rows, 16, generator=gen))
-    return k, v, table, np.array(LENS, dtype=np.int32), program, q, index
+    return k, v, table, np.array(lens, dtype=np.int32), program, q, index
 
 
 def _twin(program: DecodeProgram) -> DecodeProgram:
@@ -231,3 +236,35 @@ def test_indexer_heads_in_passes(index_heads, dtype):
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
     assert torch.equal(program.index_keys.float(), twin.index_keys.float())
     assert (attended < lens[:, None]).any()
+
+
+LONG_LENS = (2500, 1100, 1800)  # past the kernel's one-thread cutoff (TEAM_MIN_LEN, 1024 positions)
+
+
+@pytest.mark.parametrize("threads,rows", [(2, 1), (3, 2), (2, 3)], ids=["team-of-2", "team-of-3", "a-row-a-thread"])
+@pytest.mark.parametrize("layout", ["vllm-cpu", "rows"])
+@pytest.mark.parametrize("name", ["indexer", "streaming", "pages-bound", "tokens", "blocks-max"])
+def test_threads_equal_naive(name, layout, threads, rows):
+    """With fewer rows than threads each row's team shares it (the indexer's score tiles split, each
+    head's runs cut into a part a thread, the parts merged by their log-sum-exp); with at least as many
+    rows, each thread takes whole rows. Either way the plain-PyTorch twin's positions, its outputs to
+    fp32 rounding and its pools bit for bit. A team's output is not one thread's bit for bit (its parts
+    were merged: the split ran); a row a thread's is."""
+    k, v, table, lens, program, q, index = _case(name, layout, torch.float32, 13, rows, LONG_LENS)
+    table, lens = table[:rows], lens[:rows]
+    twin, alone = _twin(program), _twin(program)
+    outs, attended = {}, {}
+    for n_threads, prog in ((threads, program), (1, alone)):
+        outs[n_threads] = torch.empty(rows, HKV * G, D)
+        attended[n_threads] = DecodeLayerCall(k, v, prog, num_q_heads=HKV * G, sm_scale=D ** -0.5,
+                                              threads=n_threads).run(table, lens, q, outs[n_threads], index)
+    want, want_attended = decode_layer_naive(k, v, twin, table, lens, q, sm_scale=D ** -0.5, index=index)
+    np.testing.assert_array_equal(attended[threads], want_attended)
+    np.testing.assert_array_equal(attended[1], want_attended)
+    torch.testing.assert_close(outs[threads], want, rtol=2e-5, atol=2e-5)
+    for got, ref in ((program.pool, twin.pool), (program.index_keys, twin.index_keys)):
+        if got is not None:
+            assert torch.equal(got.float().nan_to_num(7.0), ref.float().nan_to_num(7.0))
+    assert torch.equal(outs[threads], outs[1]) == (rows >= threads)
+    assert (want_attended < lens[:, None]).all()
+

@@ -18,19 +18,24 @@
  *                 the `units` best positions (every position when there are no more); one set for
  *                 every KV head.
  * Ties rank the lower unit first. K/V/pools are read where they lie (bf16 or fp32); the math is fp32.
- * Built with -O3 -march=native -fopenmp-simd -fno-math-errno. */
+ * Threads (OpenMP, torch's own runtime and thread count): a call with at least as many rows as threads
+ * gives each thread whole rows; otherwise each row's team shares it (DSA's scores by tiles; each
+ * head's runs cut into a part a thread, attended apart and merged by their log-sum-exp), which sums
+ * the same products in another order, so outputs equal one thread's to fp32 rounding (selections,
+ * pools and counts exactly).
+ * Built with -O3 -march=native -fopenmp -fno-math-errno. */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "attend_runs.h"
+#include "index_score.h"
 #include "page_rank.h"
 
 enum { KIND_PAGES = 1, KIND_STREAMING = 2, KIND_TOKENS_EXACT = 3, KIND_BLOCKS_EXACT = 4, KIND_BLOCKS_BOUND = 5,
        KIND_INDEXER = 6 };
-#define INDEX_MAX_H 64 /* indexer heads the kernel takes at most */
-#define INDEX_TILE 16 /* positions scored together (one f32x16) */
-#define INDEX_HEADS_PASS 8 /* indexer heads whose sums one pass over a tile's channels accumulates */
+#define TEAM_MIN_LEN 1024 /* shorter rows run on one thread (a team costs more than it saves) */
 #define SPAN_GAP 64   /* tokens between two pieces of one block that one span covers, less than */
 
 enum { OK = 0, ERR_SHAPE = -1, ERR_MEMORY = -2, ERR_TABLE = -3, ERR_KIND = -4 };
@@ -67,6 +72,8 @@ typedef struct {
   int32_t ik_bf16, id;
   /* out: positions each (row, KV head) attends [n_rows, hkv] */
   int64_t* attended;
+  /* threads sharing the call (0: OpenMP's default, torch's thread count) */
+  int32_t threads;
 } DecodeLayerArgs;
 
 typedef struct { /* one call's scratch, sized for its longest row */
@@ -82,77 +89,16 @@ typedef struct { /* one call's scratch, sized for its longest row */
   int64_t* at;     /* [max_runs] */
   int32_t* kept;   /* [max_runs] */
   int64_t max_runs;
+  float* qf;       /* [hkv * G * D] the row's query, fp32 */
+  float* part_o;   /* [team * G * D] a head's parts' outputs (attend_head) */
+  float* part_lse; /* [team * G] their log-sum-exps */
+  int64_t* cut;    /* [team + 1] the parts' first runs */
+  int64_t n_runs, total; /* the head's runs and attended tokens */
+  int parts;
 } Scratch;
 
 static inline float load_f(const void* base, int is_bf16, int64_t i) {
   return is_bf16 ? bf16_to_f32(((const uint16_t*)base)[i]) : ((const float*)base)[i];
-}
-
-/* The k best of score[0..n) (ties to the lower index) written ascending to out; returns k. */
-static int64_t top_ascending(const float* score, int64_t n, int64_t k, uint64_t* keys, int32_t* out) {
-  if (k >= n) {
-    for (int64_t i = 0; i < n; ++i) out[i] = (int32_t)i;
-    return n;
-  }
-  for (int64_t i = 0; i < n; ++i) keys[i] = rank_key(score[i], i);
-  uint64_t kth = kth_largest(keys, n, k);
-  int64_t m = 0;
-  for (int64_t i = 0; i < n && m < k; ++i)
-    if (rank_key(score[i], i) >= kth) out[m++] = (int32_t)i;
-  return m;
-}
-
-/* 16 rows of 16 32-bit lanes transposed in place (lane l of row i <-> lane i of row l): for b = 8, 4, 2, 1
- * rows i and i + b swap their off-diagonal b x b blocks. */
-static void transpose16(u32x16 r[16]) {
-  for (int b = 8; b >= 1; b /= 2) {
-    u32x16 lo_mask, hi_mask;
-    for (int l = 0; l < 16; ++l) {
-      lo_mask[l] = (uint32_t)((l & b) ? 16 + l - b : l);
-      hi_mask[l] = (uint32_t)((l & b) ? 16 + l : l + b);
-    }
-    for (int i = 0; i < 16; ++i) {
-      if (i & b) continue;
-      const u32x16 x = r[i], y = r[i + b];
-      r[i] = __builtin_shuffle(x, y, lo_mask);
-      r[i + b] = __builtin_shuffle(x, y, hi_mask);
-    }
-  }
-}
-
-/* Index keys of positions [p0, p0 + nt) (nt <= 16) as channel columns: cols[d] lane t = channel d of
- * position p0 + t (lanes past nt repeat position p0). Sixteen positions in one cache block are 16
- * consecutive rows of the pool, transposed 16 x 16 lanes at a time (a 32-bit lane holds two bf16
- * channels); any other tile one position at a time. */
-static void index_tile(const DecodeLayerArgs* a, const int64_t* blocks, int64_t p0, int nt, f32x16* cols) {
-  const int id = a->id;
-  const int64_t bs = a->block_size;
-  const int es = a->ik_bf16 ? 2 : 4, per_lane = 4 / es; /* bytes an element; channels in a 32-bit lane */
-  if (nt == INDEX_TILE && p0 % bs + INDEX_TILE <= bs && id % (16 * per_lane) == 0) {
-    const int64_t row_bytes = (int64_t)id * es;
-    const char* base = (const char*)a->ik + (blocks[p0 / bs] * bs + p0 % bs) * row_bytes;
-    for (int c0 = 0; c0 < id / per_lane; c0 += 16) { /* 16 lanes (16 or 32 channels) of the 16 rows */
-      u32x16 r[16];
-      for (int t = 0; t < 16; ++t) memcpy(&r[t], base + t * row_bytes + c0 * 4, sizeof(u32x16));
-      transpose16(r);
-      for (int c = 0; c < 16; ++c) {
-        if (a->ik_bf16) {
-          const u32x16 lo = r[c] << 16, hi = r[c] & 0xFFFF0000u;
-          memcpy(&cols[2 * (c0 + c)], &lo, sizeof(lo));
-          memcpy(&cols[2 * (c0 + c) + 1], &hi, sizeof(hi));
-        } else {
-          memcpy(&cols[c0 + c], &r[c], sizeof(r[c]));
-        }
-      }
-    }
-    return;
-  }
-  float row[KV_MAX_D];
-  for (int t = 0; t < INDEX_TILE; ++t) {
-    const int64_t p = p0 + (t < nt ? t : 0);
-    load_row(a->ik, a->ik_bf16, (blocks[p / bs] * bs + p % bs) * id, id, row);
-    for (int d = 0; d < id; ++d) cols[d][t] = row[d];
-  }
 }
 
 /* Units (ascending ids) of `unit` positions, clipped to len, as ranges [ra, rb) merged where they touch. */
@@ -363,65 +309,158 @@ static int select_units(const DecodeLayerArgs* a, int64_t n, const int64_t* bloc
       }
       return OK;
     }
-    case KIND_INDEXER: {
-      const int id = a->id;
-      const int64_t pos = len - 1, bs = a->block_size;
-      { /* this token's index key into the pool */
-        int64_t dst = (blocks[pos / bs] * bs + pos % bs) * id;
-        const float* kn = a->ik_new + n * id;
-        for (int d = 0; d < id; ++d) {
-          if (a->ik_bf16) ((uint16_t*)a->ik)[dst + d] = f32_to_bf16(kn[d]);
-          else ((float*)a->ik)[dst + d] = kn[d];
-        }
-      }
-      float* score = s->scores;
-      if (len <= a->units) { /* every position */
-        for (int64_t p = 0; p < len; ++p) s->sel[p] = (int32_t)p;
-        m[0] = len;
-      } else {
-        const float* q = a->iq + n * (int64_t)a->ih * id;
-        const float* w = a->iw + n * (int64_t)a->ih;
-        const int ih = a->ih;
-        f32x16 cols[KV_MAX_D]; /* a tile of 16 positions channel-major: a head's dots are a vector op a channel */
-        for (int64_t p0 = 0; p0 < len; p0 += INDEX_TILE) {
-          const int nt = (int)(len - p0 < INDEX_TILE ? len - p0 : INDEX_TILE);
-          index_tile(a, blocks, p0, nt, cols);
-          f32x16 out_t = (f32x16){0};
-          for (int h0 = 0; h0 < ih; h0 += INDEX_HEADS_PASS) { /* a channel feeds several heads' sums at once */
-            const int nh = ih - h0 < INDEX_HEADS_PASS ? ih - h0 : INDEX_HEADS_PASS;
-            f32x16 acc[INDEX_HEADS_PASS];
-            for (int j = 0; j < INDEX_HEADS_PASS; ++j) acc[j] = (f32x16){0};
-            const float* qh = q + (int64_t)h0 * id;
-            if (nh == INDEX_HEADS_PASS) { /* a constant count: the 8 sums stay in registers */
-              for (int d = 0; d < id; ++d)
-                for (int j = 0; j < INDEX_HEADS_PASS; ++j) acc[j] += qh[(int64_t)j * id + d] * cols[d];
-            } else {
-              for (int d = 0; d < id; ++d)
-                for (int j = 0; j < nh; ++j) acc[j] += qh[(int64_t)j * id + d] * cols[d];
-            }
-            for (int j = 0; j < nh; ++j) { /* heads in order */
-              const f32x16 relu = (f32x16)((u32x16)acc[j] & (u32x16)(acc[j] > (f32x16){0})); /* acc > 0 ? acc : 0 */
-              out_t += w[h0 + j] * relu;
-            }
-          }
-          memcpy(score + p0, &out_t, sizeof(float) * (size_t)nt);
-        }
-        m[0] = top_ascending(score, len, a->units, s->keys, s->sel);
-      }
-      for (int h = 1; h < hkv; ++h) {
-        memcpy(s->sel + h * n_max, s->sel, sizeof(int32_t) * (size_t)m[0]);
-        m[h] = m[0];
-      }
-      return OK;
-    }
     default:
       return ERR_KIND;
   }
 }
 
+/* DSA's selection of row n, by every thread of the row's team: this token's index key into the pool
+ * (one thread), the positions' scores (the tiles split evenly among the team), the `units` best (one
+ * thread); one set for every KV head. */
+static void index_select(const DecodeLayerArgs* a, int64_t n, const int64_t* blocks, int64_t len, Scratch* s,
+                         int64_t n_max, int64_t* m) {
+  const int id = a->id;
+  const int64_t pos = len - 1, bs = a->block_size;
+#pragma omp single
+  {
+    int64_t dst = (blocks[pos / bs] * bs + pos % bs) * id;
+    const float* kn = a->ik_new + n * id;
+    for (int d = 0; d < id; ++d) {
+      if (a->ik_bf16) ((uint16_t*)a->ik)[dst + d] = f32_to_bf16(kn[d]);
+      else ((float*)a->ik)[dst + d] = kn[d];
+    }
+  }
+  if (len > a->units) {
+    const IndexPool pool = {a->ik, a->ik_bf16, id, bs};
+    const int64_t tiles = (len + INDEX_TILE - 1) / INDEX_TILE, me = omp_get_thread_num(), of = omp_get_num_threads();
+    index_scores(&pool, blocks, len, a->iq + n * (int64_t)a->ih * id, a->iw + n * (int64_t)a->ih, a->ih,
+                 tiles * me / of, tiles * (me + 1) / of, s->scores);
+#pragma omp barrier
+  }
+#pragma omp single
+  {
+    if (len <= a->units) { /* every position */
+      for (int64_t p = 0; p < len; ++p) s->sel[p] = (int32_t)p;
+      m[0] = len;
+    } else {
+      m[0] = top_ascending(s->scores, len, a->units, s->keys, s->sel);
+    }
+    for (int h = 1; h < a->hkv; ++h) {
+      memcpy(s->sel + h * n_max, s->sel, sizeof(int32_t) * (size_t)m[0]);
+      m[h] = m[0];
+    }
+  }
+}
+
+/* KV head h of row n (length len) over its selection (m: the units per head in s->sel; NULL: the
+ * ranges already in s->ra/rb, n_ranges of them), by every thread of the row's team: its runs (one
+ * thread), cut into a part a thread (cut_runs; one part with one thread: the runs in one online
+ * softmax), the parts attended apart and merged into the head's output. *rc: set on an error, the same
+ * for every thread after each barrier. */
+static void attend_head(const DecodeLayerArgs* a, int64_t n, int h, int64_t len, const int64_t* m, int64_t n_ranges,
+                        int64_t n_max, int team, int aligned, Scratch* s, int* rc) {
+  const int G = a->G, D = a->D;
+  const int64_t k_ch = a->k_ch == 1 ? 0 : a->k_ch; /* attend_dispatch: 0 = K rows of D */
+  const RunSpans spans = {s->keep, s->at, s->kept, aligned};
+#pragma omp single
+  if (*rc == OK) {
+    if (m != NULL) n_ranges = units_to_ranges(s->sel + h * n_max, m[h], a->unit, len, s->ra, s->rb);
+    s->n_runs = ranges_to_runs(a, s->blocks, h, s->ra, s->rb, n_ranges, s, k_ch > 0, &s->total);
+    if (s->n_runs < 0) *rc = ERR_MEMORY;
+    else s->parts = cut_runs(s->cnt, &spans, s->n_runs, team, s->cut);
+  }
+  if (*rc != OK) return;
+#pragma omp for schedule(dynamic, 1)
+  for (int i = 0; i < s->parts; ++i) {
+    const int64_t r0 = s->cut[i];
+    const RunSpans part = {s->keep, s->at + r0, s->kept + r0, aligned};
+    attend_dispatch(a->k, a->v, a->kv_bf16, s->k_off + r0, s->v_off + r0, s->cnt + r0, s->cut[i + 1] - r0, k_ch > 0,
+                    k_ch, &part, D, s->qf + (int64_t)h * G * D, G, a->sm_scale, s->part_o + (int64_t)i * G * D,
+                    s->part_lse + (int64_t)i * G);
+  }
+#pragma omp single
+  {
+    float merged[KV_MAX_G * KV_MAX_D];
+    const float* o = s->part_o;
+    if (s->parts > 1) {
+      merge_parts(s->part_o, s->part_lse, s->parts, G, D, merged);
+      o = merged;
+    }
+    int64_t dst = n * a->out_stride + (int64_t)h * G * D;
+    for (int64_t i = 0; i < (int64_t)G * D; ++i) {
+      if (a->out_bf16) ((uint16_t*)a->out)[dst + i] = f32_to_bf16(o[i]);
+      else ((float*)a->out)[dst + i] = o[i];
+    }
+    a->attended[n * a->hkv + h] = s->total;
+  }
+}
+
+/* Row n: its selection and attention by a team of `team` threads (1: the calling thread alone). */
+static int decode_row(const DecodeLayerArgs* a, int64_t n, Scratch* s, int64_t n_max, int team, int aligned) {
+  const int64_t len = a->kv_lens[n];
+  for (int64_t j = 0; j * a->block_size < len; ++j) s->blocks[j] = a->table[n * a->table_stride + j];
+  load_q(a, n, s->qf);
+  int64_t n_stream = 0;
+  if (a->kind == KIND_STREAMING) { /* [0, sink) and [recent, len), merged where they touch */
+    int64_t sink = a->num_sink < len ? a->num_sink : len, recent = len - (a->units - a->num_sink);
+    recent = recent > sink ? recent : sink;
+    if (sink > 0) { s->ra[0] = 0; s->rb[0] = sink; n_stream = 1; }
+    if (recent < len) {
+      if (n_stream && s->rb[0] == recent) s->rb[0] = len;
+      else { s->ra[n_stream] = recent; s->rb[n_stream] = len; ++n_stream; }
+    }
+  }
+  int rc = OK;
+  int64_t m[KV_MAX_G * 64];
+  team = len < TEAM_MIN_LEN ? 1 : team;
+#pragma omp parallel num_threads(team) if (team > 1)
+  {
+    if (a->kind == KIND_INDEXER) {
+      index_select(a, n, s->blocks, len, s, n_max, m);
+    } else if (a->kind != KIND_STREAMING) {
+#pragma omp single
+      rc = select_units(a, n, s->blocks, len, s->qf, s, n_max, m);
+    }
+    for (int h = 0; h < a->hkv; ++h)
+      attend_head(a, n, h, len, a->kind == KIND_STREAMING ? NULL : m, n_stream, n_max, team, aligned, s, &rc);
+  }
+  return rc;
+}
+
+static void scratch_free(Scratch* s) {
+  free(s->scores); free(s->keys); free(s->sel); free(s->ra); free(s->rb); free(s->k_off); free(s->v_off);
+  free(s->cnt); free(s->blocks); free(s->keep); free(s->at); free(s->kept); free(s->qf); free(s->part_o);
+  free(s->part_lse); free(s->cut);
+}
+
+/* Scratch for rows of up to n_max - 2 positions attended by teams of up to `team` threads. */
+static int scratch_init(Scratch* s, const DecodeLayerArgs* a, int64_t n_max, int team) {
+  const int64_t G = a->G, hkv = a->hkv, D = a->D;
+  s->max_runs = 2 * n_max + a->table_width + 4;
+  s->scores = malloc(sizeof(float) * (size_t)((G + hkv + 1) * n_max));
+  s->keys = malloc(sizeof(uint64_t) * (size_t)n_max);
+  s->sel = malloc(sizeof(int32_t) * (size_t)(hkv * n_max));
+  s->ra = malloc(sizeof(int64_t) * (size_t)n_max);
+  s->rb = malloc(sizeof(int64_t) * (size_t)n_max);
+  s->k_off = malloc(sizeof(int64_t) * (size_t)s->max_runs);
+  s->v_off = malloc(sizeof(int64_t) * (size_t)s->max_runs);
+  s->cnt = malloc(sizeof(int32_t) * (size_t)s->max_runs);
+  s->blocks = malloc(sizeof(int64_t) * (size_t)(a->table_width > 0 ? a->table_width : 1));
+  s->keep = malloc(sizeof(int32_t) * (size_t)n_max);
+  s->at = malloc(sizeof(int64_t) * (size_t)s->max_runs);
+  s->kept = malloc(sizeof(int32_t) * (size_t)s->max_runs);
+  s->qf = malloc(sizeof(float) * (size_t)(hkv * G * D));
+  s->part_o = malloc(sizeof(float) * (size_t)(team * G * D));
+  s->part_lse = malloc(sizeof(float) * (size_t)(team * G));
+  s->cut = malloc(sizeof(int64_t) * (size_t)(team + 1));
+  return s->scores && s->keys && s->sel && s->ra && s->rb && s->k_off && s->v_off && s->cnt && s->blocks && s->keep
+         && s->at && s->kept && s->qf && s->part_o && s->part_lse && s->cut ? OK : ERR_MEMORY;
+}
+
 int kvsieve_decode_layer(const DecodeLayerArgs* a) {
   const int hkv = a->hkv, G = a->G, D = a->D;
-  if (D < 1 || D > KV_MAX_D || G < 1 || G > KV_MAX_G || hkv < 1 || a->unit < 1 || a->units < 1 || a->block_size < 1)
+  if (D < 1 || D > KV_MAX_D || G < 1 || G > KV_MAX_G || hkv < 1 || hkv > KV_MAX_G * 64 || a->unit < 1 || a->units < 1
+      || a->block_size < 1 || a->threads < 0)
     return ERR_SHAPE;
   if (!((a->k_ch == 1 && a->k_tok == D) || a->k_tok == 1)) return ERR_SHAPE; /* K rows of D, or by channel */
   if (a->kind == KIND_INDEXER && (a->id < 1 || a->id > KV_MAX_D || a->ih < 1 || a->ih > INDEX_MAX_H || a->unit != 1))
@@ -440,66 +479,26 @@ int kvsieve_decode_layer(const DecodeLayerArgs* a) {
     }
     longest = len > longest ? len : longest;
   }
-  Scratch s;
-  const int64_t n_max = longest + 2;
-  s.max_runs = 2 * n_max + a->table_width + 4;
-  s.scores = malloc(sizeof(float) * (size_t)(G + hkv + 1) * (size_t)n_max);
-  s.keys = malloc(sizeof(uint64_t) * (size_t)n_max);
-  s.sel = malloc(sizeof(int32_t) * (size_t)hkv * (size_t)n_max);
-  s.ra = malloc(sizeof(int64_t) * (size_t)n_max);
-  s.rb = malloc(sizeof(int64_t) * (size_t)n_max);
-  s.k_off = malloc(sizeof(int64_t) * (size_t)s.max_runs);
-  s.v_off = malloc(sizeof(int64_t) * (size_t)s.max_runs);
-  s.cnt = malloc(sizeof(int32_t) * (size_t)s.max_runs);
-  s.blocks = malloc(sizeof(int64_t) * (size_t)(a->table_width > 0 ? a->table_width : 1));
-  s.keep = malloc(sizeof(int32_t) * (size_t)n_max);
-  s.at = malloc(sizeof(int64_t) * (size_t)s.max_runs);
-  s.kept = malloc(sizeof(int32_t) * (size_t)s.max_runs);
-  float* qf = malloc(sizeof(float) * (size_t)hkv * G * D);
+  const int64_t n_max = longest + 2, k_ch = a->k_ch == 1 ? 0 : a->k_ch;
+  const int aligned = a->block_size % SPAN_TILE == 0 && a->k_blk % SPAN_TILE == 0 && a->k_head % SPAN_TILE == 0
+                      && k_ch % SPAN_TILE == 0; /* RunSpans.aligned: channel rows on the tile grid */
+  const int threads = omp_in_parallel() ? 1 : a->threads > 0 ? a->threads : omp_get_max_threads();
   int rc = OK;
-  if (!s.scores || !s.keys || !s.sel || !s.ra || !s.rb || !s.k_off || !s.v_off || !s.cnt || !s.blocks || !s.keep
-      || !s.at || !s.kept || !qf)
-    rc = ERR_MEMORY;
-  int64_t m[KV_MAX_G * 64];
-  if (hkv > KV_MAX_G * 64) rc = ERR_SHAPE;
-  const int64_t k_ch = a->k_ch == 1 ? 0 : a->k_ch; /* attend_dispatch: 0 = K rows of D */
-  const int spans_aligned = a->block_size % SPAN_TILE == 0 && a->k_blk % SPAN_TILE == 0 && a->k_head % SPAN_TILE == 0
-                            && k_ch % SPAN_TILE == 0; /* RunSpans.aligned: channel rows on the tile grid */
-  for (int64_t n = 0; rc == OK && n < a->n_rows; ++n) {
-    const int64_t len = a->kv_lens[n];
-    for (int64_t j = 0; j * a->block_size < len; ++j) s.blocks[j] = a->table[n * a->table_stride + j];
-    load_q(a, n, qf);
-    int64_t n_stream = 0;
-    if (a->kind == KIND_STREAMING) { /* [0, sink) and [recent, len), merged where they touch */
-      int64_t sink = a->num_sink < len ? a->num_sink : len, recent = len - (a->units - a->num_sink);
-      recent = recent > sink ? recent : sink;
-      if (sink > 0) { s.ra[0] = 0; s.rb[0] = sink; n_stream = 1; }
-      if (recent < len) {
-        if (n_stream && s.rb[0] == recent) s.rb[0] = len;
-        else { s.ra[n_stream] = recent; s.rb[n_stream] = len; ++n_stream; }
-      }
-    } else {
-      rc = select_units(a, n, s.blocks, len, qf, &s, n_max, m);
-      if (rc != OK) break;
+  if (threads > 1 && a->n_rows >= threads) { /* a row a thread at a time, each alone */
+#pragma omp parallel num_threads(threads) reduction(min : rc)
+    {
+      Scratch s;
+      rc = scratch_init(&s, a, n_max, 1);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t n = 0; n < a->n_rows; ++n)
+        if (rc == OK) rc = decode_row(a, n, &s, n_max, 1, aligned);
+      scratch_free(&s);
     }
-    for (int h = 0; h < hkv; ++h) {
-      int64_t n_ranges = a->kind == KIND_STREAMING ? n_stream
-                         : units_to_ranges(s.sel + h * n_max, m[h], a->unit, len, s.ra, s.rb);
-      int64_t total = 0, runs = ranges_to_runs(a, s.blocks, h, s.ra, s.rb, n_ranges, &s, k_ch > 0, &total);
-      if (runs < 0) { rc = ERR_MEMORY; break; }
-      float o[KV_MAX_G * KV_MAX_D], lse[KV_MAX_G];
-      const RunSpans spans = {s.keep, s.at, s.kept, spans_aligned};
-      attend_dispatch(a->k, a->v, a->kv_bf16, s.k_off, s.v_off, s.cnt, runs, k_ch > 0, k_ch, &spans, D,
-                      qf + (int64_t)h * G * D, G, a->sm_scale, o, lse);
-      int64_t dst = n * a->out_stride + (int64_t)h * G * D;
-      for (int64_t i = 0; i < (int64_t)G * D; ++i) {
-        if (a->out_bf16) ((uint16_t*)a->out)[dst + i] = f32_to_bf16(o[i]);
-        else ((float*)a->out)[dst + i] = o[i];
-      }
-      a->attended[n * hkv + h] = total;
-    }
+  } else { /* the rows in turn, each by the whole team */
+    Scratch s;
+    rc = scratch_init(&s, a, n_max, threads);
+    for (int64_t n = 0; rc == OK && n < a->n_rows; ++n) rc = decode_row(a, n, &s, n_max, threads, aligned);
+    scratch_free(&s);
   }
-  free(s.scores); free(s.keys); free(s.sel); free(s.ra); free(s.rb); free(s.k_off); free(s.v_off); free(s.cnt);
-  free(s.blocks); free(s.keep); free(s.at); free(s.kept); free(qf);
   return rc;
 }

@@ -36,7 +36,7 @@ class _Args(ctypes.Structure):
         ("local_units", _I32), ("units", _I64),
         ("pool", _P), ("pool_bf16", _I32), ("pool_sub", _I32), ("page_size", _I32), ("ih", _I32),
         ("ik", _P), ("iq", _P), ("iw", _P), ("ik_new", _P), ("ik_bf16", _I32), ("id", _I32),
-        ("attended", _P),
+        ("attended", _P), ("threads", _I32),
     ]
 
 
@@ -62,10 +62,14 @@ def supports_decode_layer(k: torch.Tensor, v: torch.Tensor, num_q_heads: int, pr
 class DecodeLayerCall:
     """One layer's decode steps through ``kvsieve_decode_layer``: ``k``/``v [num_blocks, Hkv,
     block_size, D]`` views of the layer's cache (:func:`supports_decode_layer`), ``num_q_heads``
-    query heads, ``sm_scale``; raises ``NativeUnavailable`` when the library is not there."""
+    query heads, ``sm_scale``; ``threads``: how many threads a call may use (``None``: torch's
+    OpenMP thread count when it is called; the kernel shares that runtime). Raises
+    ``NativeUnavailable`` when the library is not there."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, program: DecodeProgram, *, num_q_heads: int,
-                 sm_scale: float) -> None:
+                 sm_scale: float, threads: int | None = None) -> None:
+        if threads is not None and threads < 1:
+            raise ValueError(f"DecodeLayerCall: threads must be >= 1 (or None for torch's count), got {threads}")
         lib = native_library(SOURCE)
         self._fn = lib.kvsieve_decode_layer
         self._fn.argtypes, self._fn.restype = [ctypes.POINTER(_Args)], ctypes.c_int
@@ -76,7 +80,7 @@ class DecodeLayerCall:
         a.k, a.v, a.k_blk, a.k_head, a.k_tok, a.k_ch = k.data_ptr(), v.data_ptr(), sk[0], sk[1], sk[2], sk[3]
         a.v_blk, a.v_head, a.v_tok, a.num_blocks = sv[0], sv[1], sv[2], num_blocks
         a.kv_bf16, a.block_size, a.hkv, a.D, a.G = int(k.dtype == torch.bfloat16), bs, hkv, d, num_q_heads // hkv
-        a.sm_scale = sm_scale
+        a.sm_scale, a.threads = sm_scale, threads or 0
         p = program
         a.kind, a.mode, a.unit, a.units = KINDS[p.kind], MODES[p.mode], p.unit, p.units
         a.num_sink, a.init_units, a.local_units = p.num_sink, p.init_units, p.local_units

@@ -6,7 +6,7 @@
  * V rows v_offset rows further; in kvsieve_sparse_decode_runs (many tokens) runs given by element
  * offsets, K stored by rows or by channel (vLLM's CPU layout), V by rows. Online softmax over the runs
  * in order (fp32), reading the cache in place (bf16 or fp32; no gather).
- * Built with -O3 -march=native -fopenmp-simd -fno-math-errno: the loops marked `omp simd` are
+ * Built with -O3 -march=native -fopenmp -fno-math-errno: the loops marked `omp simd` are
  * vectorized, nothing else is reassociated. */
 #include <stdint.h>
 #include <stdlib.h>

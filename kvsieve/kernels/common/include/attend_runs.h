@@ -1,6 +1,6 @@
 /* Attention of one decode token's KV head over runs of a paged cache (online softmax, fp32), shared
  * by the native CPU kernels that attend (sparse_gqa_decode.c, decode_layer.c); included, not compiled
- * alone. Built with -O3 -march=native -fopenmp-simd -fno-math-errno: the loops marked `omp simd` are
+ * alone. Built with -O3 -march=native -fopenmp -fno-math-errno: the loops marked `omp simd` are
  * vectorized, nothing else is reassociated. */
 #ifndef KVSIEVE_ATTEND_RUNS_H
 #define KVSIEVE_ATTEND_RUNS_H
@@ -289,6 +289,56 @@ static void attend_dispatch(const void* kpool, const void* vpool, int is_bf16, c
     else ATTEND(1, D, G);
   }
 #undef ATTEND
+}
+
+/* A head's runs cut at run boundaries into at most `team` parts of about equal work (a run's
+ * attended tokens, plus SPAN_TILE for its fixed cost): part i is runs [cut[i], cut[i + 1]). Returns
+ * the parts (1 when team <= 1; fewer than team when the runs are few or uneven). `spans` as
+ * head_attend's (or NULL). */
+static int cut_runs(const int32_t* cnt, const RunSpans* spans, int64_t n_runs, int team, int64_t* cut) {
+  int64_t total = 0, acc = 0;
+  int n = 1;
+  cut[0] = 0;
+#define COST(r) ((spans != NULL && spans->at[r] >= 0 ? spans->kept[r] : cnt[r]) + SPAN_TILE)
+  for (int64_t r = 0; r < n_runs; ++r) total += COST(r);
+  for (int64_t r = 0; r + 1 < n_runs && n < team; ++r) {
+    acc += COST(r);
+    if (acc * team >= total * n) cut[n++] = r + 1;
+  }
+#undef COST
+  cut[n] = n_runs;
+  return n;
+}
+
+/* Parts of one head's runs attended apart (out [n][G * D], lse [n][G]: head_attend's) merged into
+ * the head's output o [G * D], as one softmax over all their tokens (flash-decoding's split): each
+ * part weighted by exp(lse - the largest lse). A part that attends nothing (lse +inf) weighs
+ * nothing; o is 0 when none attends anything, NaN when a part's lse is NaN. */
+static void merge_parts(const float* out, const float* lse, int n, int G, int D, float* o) {
+  for (int g = 0; g < G; ++g) {
+    float top = -INFINITY, sum = 0.0f;
+    int nan = 0;
+    for (int i = 0; i < n; ++i) {
+      const float x = lse[i * G + g];
+      nan |= x != x;
+      if (x != INFINITY && x > top) top = x;
+    }
+    float* og = o + (int64_t)g * D;
+    for (int d = 0; d < D; ++d) og[d] = nan ? NAN : 0.0f;
+    if (nan || top == -INFINITY) continue;
+    for (int i = 0; i < n; ++i) {
+      const float x = lse[i * G + g];
+      if (x == INFINITY) continue;
+      const float wi = exp_nonpositive(x - top);
+      const float* oi = out + ((int64_t)i * G + g) * D;
+      sum += wi;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) og[d] += wi * oi[d];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) og[d] *= inv;
+  }
 }
 
 #endif

@@ -38,6 +38,20 @@ static uint64_t kth_largest(uint64_t* a, int64_t n, int64_t k) {
   return a[want];
 }
 
+/* The k best of score[0..n) (ties to the lower index) written ascending to out; returns k. */
+static int64_t top_ascending(const float* score, int64_t n, int64_t k, uint64_t* keys, int32_t* out) {
+  if (k >= n) {
+    for (int64_t i = 0; i < n; ++i) out[i] = (int32_t)i;
+    return n;
+  }
+  for (int64_t i = 0; i < n; ++i) keys[i] = rank_key(score[i], i);
+  uint64_t kth = kth_largest(keys, n, k);
+  int64_t m = 0;
+  for (int64_t i = 0; i < n && m < k; ++i)
+    if (rank_key(score[i], i) >= kth) out[m++] = (int32_t)i;
+  return m;
+}
+
 /* logits[g * n_pages + p] = sm_scale * qcat[g] . row(p) for KV head h; D is a constant at the
  * call sites that matter, so the row loops unroll. */
 static inline __attribute__((always_inline)) void head_logits(

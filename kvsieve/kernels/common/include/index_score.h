@@ -1,0 +1,108 @@
+/* The DSA lightning indexer's score of cached positions, I[p] = sum over heads h, in order, of
+ * w[h] * relu(q[h] . k[p]), over a paged pool of index keys (decode_layer.c's INDEXER program);
+ * included, not compiled alone. The pool is [num_blocks, block_size, id] (bf16 or fp32, a row of id
+ * channels a position); the math is fp32. */
+#ifndef KVSIEVE_INDEX_SCORE_H
+#define KVSIEVE_INDEX_SCORE_H
+#include <stdint.h>
+#include <string.h>
+
+#include "attend_runs.h"
+
+#define INDEX_MAX_H 64 /* indexer heads the kernels take at most */
+#define INDEX_TILE 16 /* positions scored together (one f32x16) */
+#define INDEX_HEADS_PASS 8 /* indexer heads whose sums one pass over a tile's channels accumulates */
+
+typedef struct { /* a paged pool of index keys: position p of a row at row (blocks[p / block_size] * block_size + p % block_size) */
+  const void* keys;
+  int is_bf16, id;
+  int64_t block_size;
+} IndexPool;
+
+/* 16 rows of 16 32-bit lanes transposed in place (lane l of row i <-> lane i of row l): for b = 8, 4, 2, 1
+ * rows i and i + b swap their off-diagonal b x b blocks. */
+static void transpose16(u32x16 r[16]) {
+  for (int b = 8; b >= 1; b /= 2) {
+    u32x16 lo_mask, hi_mask;
+    for (int l = 0; l < 16; ++l) {
+      lo_mask[l] = (uint32_t)((l & b) ? 16 + l - b : l);
+      hi_mask[l] = (uint32_t)((l & b) ? 16 + l : l + b);
+    }
+    for (int i = 0; i < 16; ++i) {
+      if (i & b) continue;
+      const u32x16 x = r[i], y = r[i + b];
+      r[i] = __builtin_shuffle(x, y, lo_mask);
+      r[i + b] = __builtin_shuffle(x, y, hi_mask);
+    }
+  }
+}
+
+/* Index keys of positions [p0, p0 + nt) (nt <= 16) as channel columns: cols[d] lane t = channel d of
+ * position p0 + t (lanes past nt repeat position p0). Sixteen positions in one cache block are 16
+ * consecutive rows of the pool, transposed 16 x 16 lanes at a time (a 32-bit lane holds two bf16
+ * channels); any other tile one position at a time. */
+static void index_tile(const IndexPool* pool, const int64_t* blocks, int64_t p0, int nt, f32x16* cols) {
+  const int id = pool->id;
+  const int64_t bs = pool->block_size;
+  const int es = pool->is_bf16 ? 2 : 4, per_lane = 4 / es; /* bytes an element; channels in a 32-bit lane */
+  if (nt == INDEX_TILE && p0 % bs + INDEX_TILE <= bs && id % (16 * per_lane) == 0) {
+    const int64_t row_bytes = (int64_t)id * es;
+    const char* base = (const char*)pool->keys + (blocks[p0 / bs] * bs + p0 % bs) * row_bytes;
+    for (int c0 = 0; c0 < id / per_lane; c0 += 16) { /* 16 lanes (16 or 32 channels) of the 16 rows */
+      u32x16 r[16];
+      for (int t = 0; t < 16; ++t) memcpy(&r[t], base + t * row_bytes + c0 * 4, sizeof(u32x16));
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) {
+        if (pool->is_bf16) {
+          const u32x16 lo = r[c] << 16, hi = r[c] & 0xFFFF0000u;
+          memcpy(&cols[2 * (c0 + c)], &lo, sizeof(lo));
+          memcpy(&cols[2 * (c0 + c) + 1], &hi, sizeof(hi));
+        } else {
+          memcpy(&cols[c0 + c], &r[c], sizeof(r[c]));
+        }
+      }
+    }
+    return;
+  }
+  float row[KV_MAX_D];
+  for (int t = 0; t < INDEX_TILE; ++t) {
+    const int64_t p = p0 + (t < nt ? t : 0);
+    load_row(pool->keys, pool->is_bf16, (blocks[p / bs] * bs + p % bs) * id, id, row);
+    for (int d = 0; d < id; ++d) cols[d][t] = row[d];
+  }
+}
+
+/* score[p] for the tiles t0 <= t < t1 of positions [0, len) (tile t: positions 16t .. 16t + 15): the
+ * indexer's q [ih, id] and weights w [ih] fp32 against the pool's keys. Each tile's score is its own
+ * (the tiles may be split among threads). */
+static void index_scores(const IndexPool* pool, const int64_t* blocks, int64_t len, const float* q, const float* w,
+                         int ih, int64_t t0, int64_t t1, float* score) {
+  const int id = pool->id;
+  f32x16 cols[KV_MAX_D]; /* a tile of 16 positions channel-major: a head's dots are a vector op a channel */
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t p0 = t * INDEX_TILE;
+    const int nt = (int)(len - p0 < INDEX_TILE ? len - p0 : INDEX_TILE);
+    index_tile(pool, blocks, p0, nt, cols);
+    f32x16 out_t = (f32x16){0};
+    for (int h0 = 0; h0 < ih; h0 += INDEX_HEADS_PASS) { /* a channel feeds several heads' sums at once */
+      const int nh = ih - h0 < INDEX_HEADS_PASS ? ih - h0 : INDEX_HEADS_PASS;
+      f32x16 acc[INDEX_HEADS_PASS];
+      for (int j = 0; j < INDEX_HEADS_PASS; ++j) acc[j] = (f32x16){0};
+      const float* qh = q + (int64_t)h0 * id;
+      if (nh == INDEX_HEADS_PASS) { /* a constant count: the 8 sums stay in registers */
+        for (int d = 0; d < id; ++d)
+          for (int j = 0; j < INDEX_HEADS_PASS; ++j) acc[j] += qh[(int64_t)j * id + d] * cols[d];
+      } else {
+        for (int d = 0; d < id; ++d)
+          for (int j = 0; j < nh; ++j) acc[j] += qh[(int64_t)j * id + d] * cols[d];
+      }
+      for (int j = 0; j < nh; ++j) { /* heads in order */
+        const f32x16 relu = (f32x16)((u32x16)acc[j] & (u32x16)(acc[j] > (f32x16){0})); /* acc > 0 ? acc : 0 */
+        out_t += w[h0 + j] * relu;
+      }
+    }
+    memcpy(score + p0, &out_t, sizeof(float) * (size_t)nt);
+  }
+}
+
+#endif

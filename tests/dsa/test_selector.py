@@ -202,3 +202,28 @@ def test_geometry_comes_from_the_projections_file(tmp_path):
     save_projections(str(path), {0: IndexerProjections(24, 3, 16, 6), 1: IndexerProjections(24, 2, 16, 6)})
     with pytest.raises(ValueError, match="layers have different indexer geometries"):
         DSAConfig(projections=str(path))
+
+
+def test_default_rope_is_computed_once_a_step(tmp_path, monkeypatch):
+    """Every layer of a step projects at the same positions: the default RoPE's cos/sin are computed
+    once for them and the other layers' index tensors equal those each layer would compute alone;
+    other positions (the next step) compute their own."""
+    from kvsieve.selectors.dsa import projections as proj_mod
+    from kvsieve.selectors.dsa import selector as sel_mod
+    from kvsieve.selectors.dsa.projections import IndexerProjections, save_projections
+
+    torch.manual_seed(0)
+    path = tmp_path / "indexer.pt"
+    save_projections(str(path), {i: IndexerProjections(24, 3, 16, 6) for i in (0, 1)})
+    sel = create_selector("dsa", projections=str(path), index_topk=8)
+    calls = []
+    monkeypatch.setattr(sel_mod, "rope_cos_sin", lambda *a: calls.append(a[0].tolist()) or proj_mod.rope_cos_sin(*a))
+    hidden = torch.randn(2, 24)
+    for positions in ([40, 7], [40, 7], [41, 8]):
+        pos = torch.tensor(positions)
+        for layer in (0, 1):
+            got = sel.index_tensors(layer, IndexerInputs(hidden=hidden), pos)
+            cos, sin = proj_mod.rope_cos_sin(pos, 6, 10000.0)
+            want = sel.index_tensors(layer, IndexerInputs(hidden=hidden, cos=cos, sin=sin), pos)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert calls == [[40, 7], [41, 8]]

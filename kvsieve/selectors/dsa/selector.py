@@ -138,6 +138,7 @@ class DSASelector(SparseSelector):
             self.set_projections(load_projections(c.projections, dev)[0])
         self.stats = DSAStats()
         self._workspace = None
+        self._rope_kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # _default_rope's last
 
     # ---- what was decided ----------------------------------------------------------------
     @property
@@ -195,7 +196,7 @@ class DSASelector(SparseSelector):
             c = self.config
             cos, sin = ii.cos, ii.sin
             if cos is None and c.rope_dim:  # the default RoPE of the configured rope_theta
-                cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
+                cos, sin = self._default_rope(positions)
             with torch.no_grad():  # index tensors only select: no gradient flows through them
                 q, k, w = self.projections[layer](ii.hidden, positions, ii.q_input, cos, sin,
                                                   stacked=self._stacked[layer] if ii.q_input is None else None)
@@ -204,6 +205,20 @@ class DSASelector(SparseSelector):
             raise ValueError(f"dsa: index tensors must be q [T, {c.n_heads}, {c.head_dim}], k [T, {c.head_dim}], "
                              f"w [T, {c.n_heads}]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(w.shape)}")
         return q, k, w
+
+    def _default_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`rope_cos_sin` of the configured RoPE at ``positions [T]``. Every selecting layer of a
+        step asks for the same positions, so on the CPU the last answer is returned again while they
+        are equal (the same values: computed once a step, not once a layer); on a GPU comparing them
+        would wait for the device, so each call computes its own."""
+        c = self.config
+        on_cpu, kept = positions.device.type == "cpu", self._rope_kept
+        if on_cpu and kept is not None and kept[0].shape == positions.shape and torch.equal(kept[0], positions):
+            return kept[1], kept[2]
+        cos, sin = rope_cos_sin(positions, c.rope_dim, c.rope_theta)
+        if on_cpu:
+            self._rope_kept = (positions.clone(), cos, sin)
+        return cos, sin
 
     def decode_program(self, cache: KVCacheManager, layer_idx: int, head_dim: int) -> DecodeProgram | None:
         """The indexer's logits and top-k over the key pool (bf16 or fp32 keys; none with ``top_p``,

@@ -28,7 +28,9 @@ steps* (steps in which all ``C`` requests are past their prompt and each produce
 request generates ``--max-tokens`` plus as many tokens as its staggered cold prefill chunks take). ``--threads N`` runs every
 engine with N unbound OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND=nobind``; default 1: on a machine
 loaded beyond its cores a descheduled thread stalls its partners at every barrier); ``--threads 0``
-keeps vLLM's own binding.
+keeps vLLM's own binding. Every mode's engine stays up for the whole run, so a run whose engines' KV
+space (room for the largest concurrency) and about 2 GiB each exceed the memory available is
+refused before any starts (:func:`check_memory`).
 
 Prints one JSON line per (repetition, concurrency, mode) with the load average before and after,
 then per concurrency and mode the median and [min, max] over repetitions, and the median over
@@ -125,6 +127,28 @@ def _kv_space_gib(args: argparse.Namespace) -> int:
     return max(1, -(-per_token * tokens // 2 ** 30))
 
 
+ENGINE_OVERHEAD_GIB = 2  # an engine's memory beyond its KV space (SmolLM2 fp32: 8.1 GB resident with 6 GiB of KV)
+
+
+def check_memory(n_engines: int, kv_gib: int, available_gib: float) -> None:
+    """Refuse a run whose engines, all up at once (one per mode), would not fit in the memory there
+    is: each holds its KV space and about :data:`ENGINE_OVERHEAD_GIB` more, and one that does not fit
+    is killed by the kernel's out-of-memory killer half-way through the run."""
+    need = n_engines * (kv_gib + ENGINE_OVERHEAD_GIB)
+    if need > available_gib:
+        raise SystemExit(f"vllm_cpu: {n_engines} engines (one per mode, all up at once) need about {need} GiB "
+                         f"({kv_gib} GiB of KV space each for the largest concurrency, plus {ENGINE_OVERHEAD_GIB}); "
+                         f"{available_gib:.1f} GiB are available. Run fewer modes at a time (keep 'own' in each "
+                         "run for its ratios), a lower --concurrency, or bf16")
+
+
+def _available_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2 ** 20
+    return float("inf")
+
+
 def mode_env(mode: str, **extra: str) -> dict[str, str]:
     """The environment of one mode's engine process: this one without the plug-in's settings, plus
     ``extra`` and the mode's: ``own`` none (vLLM's own attention), a ``.yaml``/``.yml``/``.json`` file
@@ -156,7 +180,9 @@ def _expect(proc: subprocess.Popen, prefix: str, mode: str, log: Path) -> str:
     for line in proc.stdout:
         if line.startswith(prefix):
             return line[len(prefix):].strip()
-    raise RuntimeError(f"mode {mode!r}: the engine process exited ({proc.wait()}); its log ends:\n"
+    code = proc.wait()
+    why = " (SIGKILL: on Linux most often the out-of-memory killer)" if code == -9 else ""
+    raise RuntimeError(f"mode {mode!r}: the engine process exited ({code}){why}; its log ends:\n"
                        + log.read_text()[-4000:])
 
 
@@ -210,6 +236,7 @@ def main() -> None:
         return
     args.model_name, args.model = args.model, model_dir(args.model)
     modes = parse_modes(args.modes)
+    check_memory(len(modes), _kv_space_gib(args), _available_gib())
     isa = cpu_isa()
     print(f"CPU {isa}", flush=True)
     logs = Path(tempfile.mkdtemp(prefix="vllm_cpu_"))

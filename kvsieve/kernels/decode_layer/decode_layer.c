@@ -93,8 +93,8 @@ typedef struct { /* one call's scratch, sized for its longest row */
   float* part_o;   /* [team * G * D] a head's parts' outputs (attend_head) */
   float* part_lse; /* [team * G] their log-sum-exps */
   int64_t* cut;    /* [team + 1] the parts' first runs */
-  int64_t n_runs, total; /* the head's runs and attended tokens */
-  int parts;
+  int64_t total;   /* the head's attended tokens */
+  int parts;       /* its parts */
 } Scratch;
 
 static inline float load_f(const void* base, int is_bf16, int64_t i) {
@@ -365,9 +365,9 @@ static void attend_head(const DecodeLayerArgs* a, int64_t n, int h, int64_t len,
 #pragma omp single
   if (*rc == OK) {
     if (m != NULL) n_ranges = units_to_ranges(s->sel + h * n_max, m[h], a->unit, len, s->ra, s->rb);
-    s->n_runs = ranges_to_runs(a, s->blocks, h, s->ra, s->rb, n_ranges, s, k_ch > 0, &s->total);
-    if (s->n_runs < 0) *rc = ERR_MEMORY;
-    else s->parts = cut_runs(s->cnt, &spans, s->n_runs, team, s->cut);
+    const int64_t runs = ranges_to_runs(a, s->blocks, h, s->ra, s->rb, n_ranges, s, k_ch > 0, &s->total);
+    if (runs < 0) *rc = ERR_MEMORY;
+    else s->parts = cut_runs(s->cnt, &spans, runs, team, s->cut);
   }
   if (*rc != OK) return;
 #pragma omp for schedule(dynamic, 1)

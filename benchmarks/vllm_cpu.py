@@ -143,10 +143,13 @@ def check_memory(n_engines: int, kv_gib: int, available_gib: float) -> None:
 
 
 def _available_gib() -> float:
+    """``MemAvailable`` of ``/proc/meminfo`` in GiB (a kernel without the field is refused: the
+    memory check would otherwise be skipped unsaid)."""
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) / 2 ** 20
-    return float("inf")
+    raise SystemExit("vllm_cpu: /proc/meminfo has no MemAvailable line, so the engines' memory cannot be checked "
+                     "before they start")
 
 
 def mode_env(mode: str, **extra: str) -> dict[str, str]:

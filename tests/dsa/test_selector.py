@@ -227,3 +227,38 @@ def test_default_rope_is_computed_once_a_step(tmp_path, monkeypatch):
             want = sel.index_tensors(layer, IndexerInputs(hidden=hidden, cos=cos, sin=sin), pos)
             assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert calls == [[40, 7], [41, 8]]
+
+
+def test_cpu_decode_step_projects_natively(tmp_path):
+    """A CPU step of at most MAX_TOKENS tokens is projected by the native kernel (its bits, which
+    are not torch's matmul's), a longer one by the module; both agree with the module to fp32
+    rounding. A layer whose queries read another input (q_input) always takes the module."""
+    from kvsieve.kernels.common.native import NativeUnavailable
+    from kvsieve.kernels.indexer_project.native import MAX_TOKENS, indexer_project_native, pack_weight
+    from kvsieve.selectors.dsa.projections import IndexerProjections, rope_cos_sin, save_projections
+
+    torch.manual_seed(1)
+    path = tmp_path / "indexer.pt"
+    proj = IndexerProjections(96, 4, 32, 16)
+    save_projections(str(path), {0: proj})
+    sel = create_selector("dsa", projections=str(path), index_topk=8)
+    p = sel.projections[0]
+    for t in (1, 5, MAX_TOKENS + 1):
+        hidden = torch.randn(t, 96).to(torch.bfloat16)
+        pos = torch.randint(0, 9000, (t,))
+        got = sel.index_tensors(0, IndexerInputs(hidden=hidden), pos)
+        cos, sin = rope_cos_sin(pos, 16, 10000.0)
+        with torch.no_grad():
+            module = p(hidden, pos, None, cos, sin)
+        for g, m in zip(got, module):
+            assert torch.allclose(g, m, rtol=1e-5, atol=1e-5)
+        if t > MAX_TOKENS:
+            assert all(torch.equal(g, m) for g, m in zip(got, p(hidden, pos, None, cos, sin, stacked=p.stacked_weight())))
+            continue
+        try:
+            kernel = indexer_project_native(hidden, pack_weight(p.stacked_weight()), p.k_norm.weight, p.k_norm.bias,
+                                            p.k_norm.eps, cos, sin, 4, 32, 16, 32 ** -0.5 * 4 ** -0.5)
+        except NativeUnavailable as e:
+            pytest.skip(f"native kernel unavailable: {e}")
+        assert all(torch.equal(g, k) for g, k in zip(got, kernel))
+        assert not all(torch.equal(g, m) for g, m in zip(got, module))  # the kernel's sums, not torch's

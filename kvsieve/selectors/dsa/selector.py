@@ -34,8 +34,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch import nn
 
+from ...kernels.common.native import NativeUnavailable
 from ...kernels.decode_layer.plan import DecodeProgram, IndexerStep
+from ...kernels.indexer_project.native import indexer_project_native, pack_weight, supports_native
 from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
@@ -133,7 +136,10 @@ class DSASelector(SparseSelector):
             "triton" if dev.type == "cuda" else "reference")
         self.k_dtype = _K_DTYPES[c.index_k_dtype]
         self.projections: dict[int, IndexerProjections] = {}
-        self._stacked: dict[int, torch.Tensor | None] = {}  # each layer's stacked_weight(), taken at set_projections
+        # each layer's stacked_weight() (torch's matmul) and, on the CPU, its copy in the native kernel's
+        # layout (pack_weight); taken at set_projections
+        self._stacked: dict[int, torch.Tensor | None] = {}
+        self._packed: dict[int, torch.Tensor | None] = {}
         if c.projections is not None:
             self.set_projections(load_projections(c.projections, dev)[0])
         self.stats = DSAStats()
@@ -150,7 +156,9 @@ class DSASelector(SparseSelector):
     def set_projections(self, layers: dict[int, IndexerProjections]) -> None:
         """Install per-layer index projections (checked against the configured geometry). The
         selector projects with a copy of each layer's weights stacked (one matmul a step,
-        :meth:`IndexerProjections.stacked_weight`): install them again after changing them."""
+        :meth:`IndexerProjections.stacked_weight`; on the CPU also in the layout of the native projection
+        kernel, :func:`~kvsieve.kernels.indexer_project.native.pack_weight`): install them again after
+        changing them."""
         c = self.config
         for i, p in layers.items():
             if (p.n_heads, p.head_dim, p.rope_dim, p.rope_interleave, float(p.rope_theta)) != (
@@ -160,7 +168,10 @@ class DSASelector(SparseSelector):
                     f"rope_dim={p.rope_dim}, rope_interleave={p.rope_interleave}, rope_theta={p.rope_theta}; "
                     f"the config has {c.n_heads}, {c.head_dim}, {c.rope_dim}, {c.rope_interleave}, {c.rope_theta}")
         self.projections.update(layers)
-        self._stacked.update({i: p.stacked_weight() for i, p in layers.items()})
+        stacked = {i: p.stacked_weight() for i, p in layers.items()}
+        self._stacked.update(stacked)
+        self._packed.update({i: None if w is None or w.device.type != "cpu" else pack_weight(w)
+                             for i, w in stacked.items()})
 
     # ---- hooks ---------------------------------------------------------------------------
     def on_append(self, inputs: SelectorInputs) -> None:
@@ -198,13 +209,34 @@ class DSASelector(SparseSelector):
             if cos is None and c.rope_dim:  # the default RoPE of the configured rope_theta
                 cos, sin = self._default_rope(positions)
             with torch.no_grad():  # index tensors only select: no gradient flows through them
-                q, k, w = self.projections[layer](ii.hidden, positions, ii.q_input, cos, sin,
-                                                  stacked=self._stacked[layer] if ii.q_input is None else None)
+                q, k, w = self._project(layer, ii, positions, cos, sin)
         c = self.config
         if q.shape[1:] != (c.n_heads, c.head_dim) or k.shape[1:] != (c.head_dim,) or w.shape[1:] != (c.n_heads,):
             raise ValueError(f"dsa: index tensors must be q [T, {c.n_heads}, {c.head_dim}], k [T, {c.head_dim}], "
                              f"w [T, {c.n_heads}]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(w.shape)}")
         return q, k, w
+
+    def _project(self, layer: int, ii: IndexerInputs, positions: torch.Tensor, cos: torch.Tensor | None,
+                 sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's projections of ``ii.hidden``: a CPU step of at most ``MAX_TOKENS`` tokens (a
+        decode step) in one native call (:mod:`kvsieve.kernels.indexer_project`: the same values to
+        fp32 rounding, without some twenty torch dispatches), everything else as torch ops. Every path
+        that projects a step (the engine's hooks, the vLLM plug-in's native and Python paths) comes
+        here, so they agree bit for bit."""
+        proj, packed = self.projections[layer], self._packed[layer]
+        norm = proj.k_norm if isinstance(proj.k_norm, nn.LayerNorm) else None
+        if ii.q_input is None and packed is not None and not proj.rope_interleave and (norm is None or (
+                norm.weight is not None and norm.bias is not None)):
+            norm_w, norm_b = (None, None) if norm is None else (norm.weight, norm.bias)
+            if supports_native(ii.hidden, packed, norm_w, norm_b, cos, sin):
+                try:
+                    return indexer_project_native(ii.hidden, packed, norm_w, norm_b, 0.0 if norm is None else norm.eps,
+                                                  cos, sin, proj.n_heads, proj.head_dim, proj.rope_dim,
+                                                  proj.head_dim ** -0.5 * proj.n_heads ** -0.5)
+                except NativeUnavailable:
+                    pass
+        return proj(ii.hidden, positions, ii.q_input, cos, sin,
+                    stacked=self._stacked[layer] if ii.q_input is None else None)
 
     def _default_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`rope_cos_sin` of the configured RoPE at ``positions [T]``. Every selecting layer of a

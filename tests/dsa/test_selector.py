@@ -262,3 +262,35 @@ def test_cpu_decode_step_projects_natively(tmp_path):
             pytest.skip(f"native kernel unavailable: {e}")
         assert all(torch.equal(g, k) for g, k in zip(got, kernel))
         assert not all(torch.equal(g, m) for g, m in zip(got, module))  # the kernel's sums, not torch's
+
+
+def test_projections_load_in_fp32_under_a_bf16_default_dtype(tmp_path):
+    """A vLLM worker builds the model, and the plug-in its selector, with torch's default dtype set to
+    the model's: the saved fp32 indexer still loads as fp32, bit for bit, and a decode step on the CPU
+    takes the native projection (its bits) rather than a bf16 matmul."""
+    from kvsieve.kernels.common.native import NativeUnavailable
+    from kvsieve.kernels.indexer_project.native import indexer_project_native, pack_weight
+    from kvsieve.selectors.dsa.projections import IndexerProjections, rope_cos_sin, save_projections
+
+    torch.manual_seed(2)
+    path = tmp_path / "indexer.pt"
+    saved = IndexerProjections(64, 2, 16, 8)
+    save_projections(str(path), {0: saved})
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        sel = create_selector("dsa", projections=str(path), n_heads=2, head_dim=16, rope_dim=8, index_topk=8)
+    finally:
+        torch.set_default_dtype(before)
+    p = sel.projections[0]
+    assert all(v.dtype == torch.float32 for v in p.state_dict().values())
+    assert all(torch.equal(v, saved.state_dict()[k]) for k, v in p.state_dict().items())
+    hidden, pos = torch.randn(1, 64).to(torch.bfloat16), torch.tensor([300])
+    got = sel.index_tensors(0, IndexerInputs(hidden=hidden), pos)
+    cos, sin = rope_cos_sin(pos, 8, 10000.0)
+    try:
+        want = indexer_project_native(hidden, pack_weight(saved.stacked_weight()), saved.k_norm.weight,
+                                      saved.k_norm.bias, saved.k_norm.eps, cos, sin, 2, 16, 8, 16 ** -0.5 * 2 ** -0.5)
+    except NativeUnavailable as e:
+        pytest.skip(f"native kernel unavailable: {e}")
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

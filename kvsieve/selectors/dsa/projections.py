@@ -209,11 +209,13 @@ def projections_geometry(path: str) -> dict:
 
 
 def load_projections(path: str, device: torch.device | str = "cpu") -> tuple[dict[int, IndexerProjections], dict]:
-    """Inverse of :func:`save_projections`: ``({layer: projections}, meta)``."""
+    """Inverse of :func:`save_projections`: ``({layer: projections}, meta)``, fp32 whatever torch's
+    default dtype (a vLLM worker sets it to the model's while it builds the model and its plug-in: the
+    weights would be rounded to bf16 on loading)."""
     blob = _read(path)
     layers = {}
     for i, entry in blob["layers"].items():
-        proj = IndexerProjections(**entry["geometry"])
+        proj = IndexerProjections(**entry["geometry"]).float()  # fp32 before the saved values are copied in
         proj.load_state_dict(entry["state"])
         layers[int(i)] = proj.to(device).eval()
     return layers, blob["meta"]

@@ -34,6 +34,7 @@ from benchmarks._timing import cpu_isa  # noqa: E402
 from benchmarks.vllm_cpu import FILLER  # noqa: E402
 from kvsieve.eval.haystack import essays_text  # noqa: E402
 from kvsieve.eval.model import load_model  # noqa: E402
+from kvsieve.kernels.dsa_indexer.naive import score_keys  # noqa: E402
 from kvsieve.selectors.dsa.projections import load_projections, rope_cos_sin  # noqa: E402
 
 LINE_TOKENS = 32  # bf16 tokens of one channel in a 64-byte line
@@ -42,7 +43,7 @@ LINE_TOKENS = 32  # bf16 tokens of one channel in a 64-byte line
 def top_positions(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, k: int) -> np.ndarray:
     """The ``k`` positions of ``keys [T, D]`` with the best indexer score ``sum_h w[h] relu(q[h] . key)``
     (``q [H, D]``, ``w [H]``), sorted; all of them when ``T <= k``."""
-    score = (torch.relu(q.float() @ keys.float().T) * w.float()[:, None]).sum(0)
+    score = score_keys(q[None], keys, w[None], None)[0]
     picked = torch.topk(score, min(k, keys.shape[0])).indices
     return np.sort(picked.numpy())
 

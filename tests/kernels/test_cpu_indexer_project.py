@@ -116,3 +116,28 @@ def test_refuses_what_it_does_not_take() -> None:
             cos.data_ptr(), sin.data_ptr(), h, d, r, ws, q.data_ptr(), k.data_ptr(), w.data_ptr(), 1)
     assert rc == 1  # 1 chunk holds 32 outputs, the weight has 50
     assert all(bool((x == 7.0).all()) for x in (q, k, w))
+
+
+def test_shapes_that_do_not_fit_are_refused_by_name() -> None:
+    """A hidden size other than the packed weight's, or cos/sin or norm rows of another shape, is a
+    ``ValueError`` naming the tensor (the kernel would read past them)."""
+    p = _module(48, 2, 16, 8, True, seed=6)
+    packed = pack_weight(p.stacked_weight())
+    args = list(_args(p, torch.randn(3, 48), torch.tensor([1, 2, 3]), packed))
+    _native_or_skip(*args)
+    for i, bad, name in ((0, torch.randn(3, 40), "packed"), (5, torch.randn(3, 4), "cos"), (6, torch.randn(8), "sin"),
+                         (2, torch.ones(8), "norm_weight"), (3, torch.ones(17), "norm_bias")):
+        wrong = list(args)
+        wrong[i] = bad
+        with pytest.raises(ValueError, match=name):
+            indexer_project_native(*wrong)
+
+
+def test_the_off_switch_is_read_every_call(monkeypatch) -> None:
+    """``KVSIEVE_NATIVE=0`` set after the library was loaded still turns the kernel off."""
+    p = _module(48, 2, 16, 8, True, seed=7)
+    args = _args(p, torch.randn(2, 48), torch.tensor([4, 5]), pack_weight(p.stacked_weight()))
+    _native_or_skip(*args)
+    monkeypatch.setenv("KVSIEVE_NATIVE", "0")
+    with pytest.raises(NativeUnavailable):
+        indexer_project_native(*args)

@@ -125,13 +125,18 @@ class IndexerProjections(nn.Module):
         dt = self.wk.weight.dtype
         q_in = hidden if q_input is None else q_input
         q = self.wq(q_in.to(dt)).float().view(-1, self.n_heads, self.head_dim)
-        w = self.weights_proj(hidden.to(dt)).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        w = self.weights_proj(hidden.to(dt)).float() * self.weight_scale
         return self._rope(q, positions, cos, sin), w
 
     def keys(self, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None = None,
              sin: torch.Tensor | None = None) -> torch.Tensor:
         """``k_I [T, D]`` fp32 of the cached tokens (key norm and RoPE applied)."""
         return self._rope(self.k_norm(self.wk(hidden.to(self.wk.weight.dtype))).float(), positions, cos, sin)
+
+    @property
+    def weight_scale(self) -> float:
+        """The factor of the weights, ``head_dim**-0.5 * n_heads**-0.5``."""
+        return self.head_dim ** -0.5 * self.n_heads ** -0.5
 
     def stacked_weight(self) -> torch.Tensor | None:
         """``[H*D + H + D, hidden_size]``: ``wq``, ``weights_proj`` and ``wk`` stacked, a copy for
@@ -177,7 +182,7 @@ class IndexerProjections(nn.Module):
             first, second = x1 * c - x2 * s, x2 * c + x1 * s
             x1.copy_(first)
             x2.copy_(second)
-        return qk[:, :h], qk[:, h], w.float() * (d ** -0.5 * h ** -0.5)
+        return qk[:, :h], qk[:, h], w.float() * self.weight_scale
 
 
 def save_projections(path: str, layers: dict[int, IndexerProjections], meta: dict | None = None) -> None:

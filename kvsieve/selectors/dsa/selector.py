@@ -232,7 +232,7 @@ class DSASelector(SparseSelector):
                 try:
                     return indexer_project_native(ii.hidden, packed, norm_w, norm_b, 0.0 if norm is None else norm.eps,
                                                   cos, sin, proj.n_heads, proj.head_dim, proj.rope_dim,
-                                                  proj.head_dim ** -0.5 * proj.n_heads ** -0.5)
+                                                  proj.weight_scale)
                 except NativeUnavailable:
                     pass
         return proj(ii.hidden, positions, ii.q_input, cos, sin,

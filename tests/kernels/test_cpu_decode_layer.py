@@ -268,3 +268,44 @@ def test_threads_equal_naive(name, layout, threads, rows):
     assert torch.equal(outs[threads], outs[1]) == (rows >= threads)
     assert (want_attended < lens[:, None]).all()
 
+
+
+def _index_scores(program: DecodeProgram, table: np.ndarray, lens: np.ndarray, index: IndexerStep
+                  ) -> list[torch.Tensor]:
+    """Each row's indexer scores of its positions, its new key in place (the plain formula)."""
+    scores = []
+    for r, length in enumerate(lens.tolist()):
+        keys = torch.stack([program.index_keys[int(table[r, p // BS]), p % BS] for p in range(length)]).float()
+        keys[-1] = index.keys[r].to(program.index_keys.dtype).float()
+        scores.append((index.weights[r][:, None] * (index.q[r] @ keys.T).relu()).sum(0))
+    return scores
+
+
+@pytest.mark.parametrize("units", [300, 700, 2999, "tie-group-end"])
+def test_indexer_top_k_through_exact_ties(units):
+    """Index keys and queries of -1, 0 and 1 with unit weights give integer scores, so hundreds of
+    positions tie at the k-th score, and many at 0 (relu): the kernel's top-k (a radix select over
+    digits of the scores' order keys, then a quickselect among the few left) keeps the lower positions
+    of a tie, as the plain-PyTorch twin does; also with k ending a tie group of the first row (the
+    positions above its score plus all of its ties). Rows past the select's 256-key cutoff."""
+    gen = torch.Generator().manual_seed(21)
+    lens = np.array([3000, 1300], dtype=np.int32)
+    per = -(-int(lens.max()) // BS)
+    k, v = _cache("vllm-cpu", torch.float32, gen, 2 * per + 1)
+    table = (torch.randperm(2 * per, generator=gen).numpy().astype(np.int32) + 1).reshape(2, per)
+    index_keys = torch.randint(-1, 2, (2 * per + 1, BS, 32), generator=gen).to(torch.bfloat16)
+    index = IndexerStep(torch.randint(-1, 2, (2, 4, 32), generator=gen).float(), torch.ones(2, 4),
+                        torch.randint(-1, 2, (2, 32), generator=gen).float())
+    scores = _index_scores(DecodeProgram(kind="indexer", units=1, index_keys=index_keys), table, lens, index)
+    if units == "tie-group-end":
+        units = int((scores[0] >= scores[0].median()).sum())
+    for score in scores:  # the k-th score ties
+        assert (score == score.sort(descending=True).values[min(units, len(score)) - 1]).sum() > 1
+    program = DecodeProgram(kind="indexer", units=units, index_keys=index_keys)
+    q = torch.randn(2, HKV * G, D, generator=gen)
+    twin = _twin(program)
+    out = torch.empty(2, HKV * G, D)
+    attended = DecodeLayerCall(k, v, program, num_q_heads=HKV * G, sm_scale=D ** -0.5).run(table, lens, q, out, index)
+    want, want_attended = decode_layer_naive(k, v, twin, table, lens, q, sm_scale=D ** -0.5, index=index)
+    np.testing.assert_array_equal(attended, want_attended)
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)

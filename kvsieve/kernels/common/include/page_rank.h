@@ -38,14 +38,52 @@ static uint64_t kth_largest(uint64_t* a, int64_t n, int64_t k) {
   return a[want];
 }
 
+#define RADIX_BITS 11 /* a narrowing pass's digit: 2,048 counts, 8 KB */
+#define RADIX_MIN 256 /* keys left to quickselect among */
+
+/* The k-th largest of the n keys rank_key(score[i], i), 0 < k <= n: passes of a radix select from the
+ * top digit (every key counted by its digit, the k-th's digit found from the top, the keys of that
+ * digit kept in keys) until at most RADIX_MIN keys remain, then kth_largest among them. Branch-light
+ * where quickselect over all n mispredicts about every other comparison. keys: scratch of n. */
+static uint64_t kth_largest_score(const float* score, int64_t n, int64_t k, uint64_t* keys) {
+  uint32_t count[1 << RADIX_BITS];
+  int64_t m = n;
+  int shift = 64 - RADIX_BITS;
+  for (int first = 1; m > RADIX_MIN && shift >= 0; first = 0, shift -= RADIX_BITS) {
+    memset(count, 0, sizeof(count));
+    const uint64_t mask = (1u << RADIX_BITS) - 1;
+    if (first)
+      for (int64_t i = 0; i < n; ++i) ++count[(rank_key(score[i], i) >> shift) & mask];
+    else
+      for (int64_t i = 0; i < m; ++i) ++count[(keys[i] >> shift) & mask];
+    int64_t above = 0, digit = (int64_t)mask;
+    while (above + count[digit] < k) above += count[digit--]; /* the k-th key's digit */
+    const uint64_t want = (uint64_t)digit;
+    int64_t kept = 0;
+    if (first) {
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t key = rank_key(score[i], i);
+        if (((key >> shift) & mask) == want) keys[kept++] = key;
+      }
+    } else {
+      for (int64_t i = 0; i < m; ++i)
+        if (((keys[i] >> shift) & mask) == want) keys[kept++] = keys[i];
+    }
+    m = kept;
+    k -= above;
+  }
+  if (m == n) /* no pass ran: every key */
+    for (int64_t i = 0; i < n; ++i) keys[i] = rank_key(score[i], i);
+  return kth_largest(keys, m, k);
+}
+
 /* The k best of score[0..n) (ties to the lower index) written ascending to out; returns k. */
 static int64_t top_ascending(const float* score, int64_t n, int64_t k, uint64_t* keys, int32_t* out) {
   if (k >= n) {
     for (int64_t i = 0; i < n; ++i) out[i] = (int32_t)i;
     return n;
   }
-  for (int64_t i = 0; i < n; ++i) keys[i] = rank_key(score[i], i);
-  uint64_t kth = kth_largest(keys, n, k);
+  const uint64_t kth = kth_largest_score(score, n, k, keys);
   int64_t m = 0;
   for (int64_t i = 0; i < n && m < k; ++i)
     if (rank_key(score[i], i) >= kth) out[m++] = (int32_t)i;

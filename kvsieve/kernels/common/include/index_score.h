@@ -11,6 +11,7 @@
 
 #define INDEX_MAX_H 64 /* indexer heads the kernels take at most */
 #define INDEX_TILE 16 /* positions scored together (one f32x16) */
+#define INDEX_PREFETCH 8 /* tiles ahead whose keys are requested */
 #define INDEX_HEADS_PASS 8 /* indexer heads whose sums one pass over a tile's channels accumulates */
 
 typedef struct { /* a paged pool of index keys: position p of a row at row (blocks[p / block_size] * block_size + p % block_size) */
@@ -20,21 +21,26 @@ typedef struct { /* a paged pool of index keys: position p of a row at row (bloc
 } IndexPool;
 
 /* 16 rows of 16 32-bit lanes transposed in place (lane l of row i <-> lane i of row l): for b = 8, 4, 2, 1
- * rows i and i + b swap their off-diagonal b x b blocks. */
-static void transpose16(u32x16 r[16]) {
-  for (int b = 8; b >= 1; b /= 2) {
-    u32x16 lo_mask, hi_mask;
-    for (int l = 0; l < 16; ++l) {
-      lo_mask[l] = (uint32_t)((l & b) ? 16 + l - b : l);
-      hi_mask[l] = (uint32_t)((l & b) ? 16 + l : l + b);
-    }
-    for (int i = 0; i < 16; ++i) {
-      if (i & b) continue;
-      const u32x16 x = r[i], y = r[i + b];
-      r[i] = __builtin_shuffle(x, y, lo_mask);
-      r[i + b] = __builtin_shuffle(x, y, hi_mask);
-    }
+ * rows i and i + b swap their off-diagonal b x b blocks, each pair by two two-source shuffles whose
+ * lane maps are constants (one register permute each). */
+static inline __attribute__((always_inline)) void transpose16(u32x16 r[16]) {
+#define TRANSPOSE_LEVEL(b, LO, HI)                                   \
+  for (int i = 0; i < 16; ++i) {                                     \
+    if (i & (b)) continue;                                           \
+    const u32x16 x = r[i], y = r[i + (b)];                           \
+    r[i] = __builtin_shuffle(x, y, (u32x16)LO);                      \
+    r[i + (b)] = __builtin_shuffle(x, y, (u32x16)HI);                \
   }
+  /* level b: lane l of the low row takes x[l] where l & b is 0, else y[l - b]; the high row x[l + b], else y[l] */
+  TRANSPOSE_LEVEL(8, ((u32x16){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}),
+                  ((u32x16){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}))
+  TRANSPOSE_LEVEL(4, ((u32x16){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}),
+                  ((u32x16){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}))
+  TRANSPOSE_LEVEL(2, ((u32x16){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}),
+                  ((u32x16){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}))
+  TRANSPOSE_LEVEL(1, ((u32x16){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}),
+                  ((u32x16){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}))
+#undef TRANSPOSE_LEVEL
 }
 
 /* Index keys of positions [p0, p0 + nt) (nt <= 16) as channel columns: cols[d] lane t = channel d of
@@ -72,6 +78,18 @@ static void index_tile(const IndexPool* pool, const int64_t* blocks, int64_t p0,
   }
 }
 
+/* Ask for the keys of the tile at p0 (its positions below len) while earlier tiles are scored: blocks
+ * lie anywhere in the pool, so the hardware's stream prefetch restarts at every block. */
+static inline void index_prefetch(const IndexPool* pool, const int64_t* blocks, int64_t p0, int64_t len) {
+  const int64_t bs = pool->block_size, row_bytes = (int64_t)pool->id * (pool->is_bf16 ? 2 : 4);
+  const int64_t n = len - p0 < INDEX_TILE ? len - p0 : INDEX_TILE;
+  for (int64_t p = p0; p < p0 + n;) { /* the tile's pieces in each cache block */
+    const int64_t in_blk = bs - p % bs < p0 + n - p ? bs - p % bs : p0 + n - p;
+    prefetch_span((const char*)pool->keys + (blocks[p / bs] * bs + p % bs) * row_bytes, in_blk * row_bytes);
+    p += in_blk;
+  }
+}
+
 /* score[p] for the tiles t0 <= t < t1 of positions [0, len) (tile t: positions 16t .. 16t + 15): the
  * indexer's q [ih, id] and weights w [ih] fp32 against the pool's keys. Each tile's score is its own
  * (the tiles may be split among threads). */
@@ -82,6 +100,7 @@ static void index_scores(const IndexPool* pool, const int64_t* blocks, int64_t l
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t p0 = t * INDEX_TILE;
     const int nt = (int)(len - p0 < INDEX_TILE ? len - p0 : INDEX_TILE);
+    if (t + INDEX_PREFETCH < t1) index_prefetch(pool, blocks, (t + INDEX_PREFETCH) * INDEX_TILE, len);
     index_tile(pool, blocks, p0, nt, cols);
     f32x16 out_t = (f32x16){0};
     for (int h0 = 0; h0 < ih; h0 += INDEX_HEADS_PASS) { /* a channel feeds several heads' sums at once */

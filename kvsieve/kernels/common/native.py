@@ -28,7 +28,7 @@ from ...cache_dir import default_cache_dir
 __all__ = ["ENV_VAR", "FLAGS", "INCLUDE", "NativeUnavailable", "native_library", "native_status"]
 
 ENV_VAR = "KVSIEVE_NATIVE"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c11", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast", "-std=c11", "-fPIC", "-shared")
 
 INCLUDE = Path(__file__).with_name("include")  # headers every kernel may include
 _loaded: dict[Path, ctypes.CDLL | str] = {}  # source -> its library, or why it has none

@@ -1,7 +1,7 @@
 /* The DSA indexer's projections of a step's few tokens on the CPU (the op's contract:
  * indexer_project/__init__.py): one pass over the stacked weight, then the key's LayerNorm, the
  * neox RoPE and the weights' scale, in place in the outputs.
- * Built with -O3 -march=native -fopenmp -fno-math-errno. */
+ * Built with -O3 -march=native -fopenmp -fno-math-errno -ffp-contract=fast. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>

@@ -5,7 +5,7 @@
  * strides) are written to that block's summary rows of sub-page starts[i] / page_size (fp32, or bf16
  * rounded to nearest-even as torch's conversion does). A channel holding a NaN summarizes to NaN in
  * both rows, as torch's amin/amax propagate it.
- * Built with -O3 -march=native -fopenmp -fno-math-errno. */
+ * Built with -O3 -march=native -fopenmp -fno-math-errno -ffp-contract=fast. */
 #include <stdint.h>
 
 #include "vec_math.h"

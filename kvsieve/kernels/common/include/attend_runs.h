@@ -1,7 +1,8 @@
 /* Attention of one decode token's KV head over runs of a paged cache (online softmax, fp32), shared
  * by the native CPU kernels that attend (sparse_gqa_decode.c, decode_layer.c); included, not compiled
- * alone. Built with -O3 -march=native -fopenmp -fno-math-errno: the loops marked `omp simd` are
- * vectorized, nothing else is reassociated. */
+ * alone. Built with -O3 -march=native -fopenmp -fno-math-errno -ffp-contract=fast: the loops marked
+ * `omp simd` are vectorized, a product added to a sum is one fused multiply-add, nothing else is
+ * reassociated. */
 #ifndef KVSIEVE_ATTEND_RUNS_H
 #define KVSIEVE_ATTEND_RUNS_H
 #include <math.h>
@@ -11,7 +12,8 @@
 #include "vec_math.h"
 
 #define ATTEND_CHUNK 64 /* tokens scored before their softmax update */
-#define PREFETCH_RUNS 8 /* how many runs ahead the rows are requested */
+#define PREFETCH_RUNS 8 /* how many runs ahead the V rows are requested */
+#define PREFETCH_K_RUNS 3 /* and the K lines (nearer: a span's K is D lines a kept line) */
 
 /* n consecutive elements as fp32: a row of D channels, or n tokens of one K channel stored by channel. */
 static inline void load_row(const void* pool, int is_bf16, int64_t off, int n, float* dst) {
@@ -24,27 +26,38 @@ static inline void load_row(const void* pool, int is_bf16, int64_t off, int n, f
   }
 }
 
+/* Request `bytes` from p into the L2 (locality hint 2: prefetcht1): a decode step reads each row once,
+ * and the L2 keeps more misses in flight than the L1, so more of the step's scattered lines arrive at
+ * once. */
 static inline void prefetch_span(const char* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
 }
 
-/* Ask for the K and V of a later run (its valid tokens) while this one is computed: a decode step
- * reads each run once, cold, so without this every run waits on memory. K by rows (k_ch = 0): n_tok
- * rows of D from k_off; by channel: D spans of n_tok tokens, k_ch apart. V: n_tok rows of D. A span
- * (keep != NULL): the V rows of its n_keep kept tokens alone. */
+/* Ask for the K (want_k) and V (want_v) of a later run (its valid tokens) while this one is computed:
+ * a decode step reads each run once, cold, so without this every run waits on memory. K by rows
+ * (k_ch = 0): n_tok rows of D from k_off; by channel: D spans of n_tok tokens, k_ch apart. V: n_tok
+ * rows of D. A span (keep != NULL): in every channel, the K lines holding its n_keep kept tokens, and
+ * their V rows. */
 static inline void prefetch_run(const void* kpool, const void* vpool, int is_bf16, int64_t k_off, int64_t v_off,
-                                int n_tok, int64_t k_ch, int D, const int32_t* keep, int n_keep) {
+                                int n_tok, int64_t k_ch, int D, const int32_t* keep, int n_keep, int want_k, int want_v) {
   const int es = is_bf16 ? 2 : 4;
   if (n_tok <= 0) return;
   const char* k = (const char*)kpool + k_off * es;
   const char* v = (const char*)vpool + v_off * es;
-  if (keep != NULL) { /* a span's K is read in order (the hardware prefetches it): its kept V rows */
-    for (int i = 0; i < n_keep; ++i) prefetch_span(v + (int64_t)keep[i] * D * es, (int64_t)D * es);
+  if (keep != NULL) { /* a span: the K lines holding a kept token, in every channel, and the kept V rows */
+    int64_t last = -1;
+    for (int i = 0; i < n_keep; ++i) {
+      const int64_t line = ((int64_t)(k - (const char*)kpool) + (int64_t)keep[i] * es) >> 6;
+      if (want_k && line != last)
+        for (int d = 0; d < D; ++d) prefetch_span(k + ((int64_t)d * k_ch + keep[i]) * es, 1);
+      last = line;
+      if (want_v) prefetch_span(v + (int64_t)keep[i] * D * es, (int64_t)D * es);
+    }
     return;
   }
-  if (k_ch == 0) prefetch_span(k, (int64_t)n_tok * D * es);
-  else for (int d = 0; d < D; ++d) prefetch_span(k + (int64_t)d * k_ch * es, (int64_t)n_tok * es);
-  prefetch_span(v, (int64_t)n_tok * D * es);
+  if (want_k && k_ch == 0) prefetch_span(k, (int64_t)n_tok * D * es);
+  else if (want_k) for (int d = 0; d < D; ++d) prefetch_span(k + (int64_t)d * k_ch * es, (int64_t)n_tok * es);
+  if (want_v) prefetch_span(v, (int64_t)n_tok * D * es);
 }
 
 /* Spans (K stored by channel only): run u is a span of cnt[u] consecutive tokens of one cache block
@@ -180,15 +193,17 @@ static inline __attribute__((always_inline)) void head_attend(
   const RunSpans* sp = K_COLS ? spans : NULL;
 #define KEEP_OF(r) (sp != NULL && sp->at[r] >= 0 ? sp->keep + sp->at[r] : (const int32_t*)NULL)
 #define N_OF(r) (sp != NULL && sp->at[r] >= 0 ? sp->kept[r] : cnt[r]) /* the run's attended tokens */
-#define PREFETCH(r) prefetch_run(kpool, vpool, is_bf16, k_off[r], v_off[r], cnt[r], pf_ch, D, KEEP_OF(r), N_OF(r))
-  for (int64_t r = 0; r < PREFETCH_RUNS && r < n_runs; ++r) PREFETCH(r);
+#define PREFETCH(r, K, V) \
+  prefetch_run(kpool, vpool, is_bf16, k_off[r], v_off[r], cnt[r], pf_ch, D, KEEP_OF(r), N_OF(r), K, V)
+  for (int64_t r = 0; r < PREFETCH_RUNS && r < n_runs; ++r) PREFETCH(r, r < PREFETCH_K_RUNS, 1);
   int64_t u = 0;
   int t = 0; /* the run's next attended token (an index into its kept tokens for a span) */
   while (u < n_runs) {
     int n = 0; /* gather up to ATTEND_CHUNK tokens' scores */
     while (u < n_runs && n < ATTEND_CHUNK) {
       if (t >= N_OF(u)) { ++u; t = 0; continue; }
-      if (t == 0 && u + PREFETCH_RUNS < n_runs) PREFETCH(u + PREFETCH_RUNS);
+      if (t == 0 && u + PREFETCH_RUNS < n_runs) PREFETCH(u + PREFETCH_RUNS, 0, 1);
+      if (t == 0 && u + PREFETCH_K_RUNS < n_runs) PREFETCH(u + PREFETCH_K_RUNS, 1, 0);
       int take = 1;
       const int32_t* keep = KEEP_OF(u);
       if (!K_COLS) {

@@ -1,0 +1,149 @@
+"""The native decode-layer call on its own (``kernels/decode_layer``, the vLLM plug-in's one-call decode
+path): a model's attention geometry on vLLM's CPU cache layout (K stored by channel), one call per layer
+with the layers cycled, so that each call reads its cache cold, as a decode step does.
+
+    python benchmarks/decode_layer_call.py [--geometry smollm2|gemma3] [--dtype bfloat16|float32]
+        [--rows 1,8] [--programs indexer-random,indexer-clustered,streaming,pages] [--threads 1]
+        [--kv-len N] [--layers N] [--reps 15]
+
+Programs, each at density 1/16 of ``--kv-len``:
+
+* ``indexer-random``: DSA's program with random index keys. The selection is scattered and touches about
+  88% of K's cache lines (32 bf16 tokens of one channel a line).
+* ``indexer-clustered``: the same, with 24 runs of 20 positions whose keys point along the index
+  query, so that they hold most of the selection. This touches about as many lines as a real DSA
+  selection of a served prompt (0.25-0.30: ``benchmarks/dsa_k_lines.py``).
+* ``streaming``: the first 4 positions and the last ones, in two runs.
+* ``pages``: Quest's program on 128-token pages (vLLM's block size).
+
+Prints the CPU's instruction set and the load average, then, per program and row count, the median
+and minimum time of one layer call and the positions each (row, KV head) attended.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._timing import cpu_isa, load_average  # noqa: E402
+from kvsieve.kernels.decode_layer.native import DecodeLayerCall  # noqa: E402
+from kvsieve.kernels.decode_layer.plan import DecodeProgram, IndexerStep  # noqa: E402
+
+BLOCK = 128  # vLLM's CPU block size
+INDEX_HEADS, INDEX_DIM = 8, 32  # the served indexers' geometry
+PROGRAMS = ("indexer-random", "indexer-clustered", "streaming", "pages")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A model's attention layers as the plug-in sees them: ``kv_heads`` x ``group`` query heads of
+    ``head_dim``, ``layers`` of them, decoding at ``kv_len`` tokens."""
+
+    kv_heads: int
+    group: int
+    head_dim: int
+    layers: int
+    kv_len: int
+
+
+GEOMETRIES = {"smollm2": Geometry(3, 3, 64, 30, 8000), "gemma3": Geometry(1, 4, 256, 6, 16000)}
+
+
+def _layer(g: Geometry, program: str, rows: int, table: np.ndarray, iq: torch.Tensor, dtype: torch.dtype,
+           gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, DecodeProgram]:
+    """One layer's K/V views ``[blocks, Hkv, BLOCK, D]`` (K by channel) and its program with pools."""
+    blocks = int(table.max()) + 1
+    raw = torch.randn(blocks, g.kv_heads, BLOCK, 2 * g.head_dim, generator=gen).to(dtype)
+    half = raw.view(blocks, g.kv_heads, 2 * BLOCK, g.head_dim)
+    k = half[:, :, :BLOCK].reshape(blocks, g.kv_heads, g.head_dim, BLOCK).transpose(2, 3)
+    v = half[:, :, BLOCK:]
+    units = max(1, g.kv_len // 16)
+    if program == "streaming":
+        return k, v, DecodeProgram("streaming", units=units, num_sink=4)
+    if program == "pages":
+        pool = torch.randn(blocks, g.kv_heads, 1, 2, g.head_dim, generator=gen).to(dtype)
+        return k, v, DecodeProgram("pages", units=-(-units // BLOCK), unit=BLOCK, mode="bound", page_size=BLOCK,
+                                   pool=pool)
+    keys = torch.randn(blocks, BLOCK, INDEX_DIM, generator=gen)
+    if program == "indexer-clustered":
+        keys *= 0.1
+        for r in range(rows):
+            for start in torch.randint(0, g.kv_len - 20, (24,), generator=gen).tolist():
+                for p in range(start, start + 20):
+                    keys[int(table[r, p // BLOCK]), p % BLOCK] = iq[r, 0]
+    return k, v, DecodeProgram("indexer", units=units, index_keys=keys.to(torch.bfloat16))
+
+
+def measure(g: Geometry, program: str, rows: int, dtype: torch.dtype, reps: int, threads: int
+            ) -> tuple[float, float, list[int]]:
+    """``(median ms, min ms, attended positions of row 0 per KV head)`` of one layer call, over ``reps``
+    passes through the layers (after 3 untimed)."""
+    gen = torch.Generator().manual_seed(0)
+    per = -(-g.kv_len // BLOCK)
+    table = (torch.randperm(per * rows, generator=gen).numpy().astype(np.int32) + 1).reshape(rows, per)
+    iq = torch.randn(rows, INDEX_HEADS, INDEX_DIM, generator=gen).to(torch.bfloat16).float()
+    index = None
+    if program.startswith("indexer"):
+        index = IndexerStep(iq, torch.rand(rows, INDEX_HEADS, generator=gen) + 0.1,
+                            torch.randn(rows, INDEX_DIM, generator=gen))
+    calls = []
+    for _ in range(g.layers):
+        k, v, prog = _layer(g, program, rows, table, iq, dtype, gen)
+        calls.append(DecodeLayerCall(k, v, prog, num_q_heads=g.kv_heads * g.group, sm_scale=g.head_dim ** -0.5,
+                                     threads=threads))
+    lens = np.full(rows, g.kv_len, dtype=np.int32)
+    q = torch.randn(rows, g.kv_heads * g.group, g.head_dim, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+
+    def one_pass() -> tuple[float, np.ndarray]:
+        spent, attended = 0.0, None
+        for call in calls:
+            t0 = time.perf_counter()
+            attended = call.run(table, lens, q, out, index)
+            spent += time.perf_counter() - t0
+        return spent / len(calls), attended
+
+    for _ in range(3):
+        one_pass()
+    times = sorted(one_pass()[0] for _ in range(reps))
+    return times[len(times) // 2] * 1e3, times[0] * 1e3, one_pass()[1][0].tolist()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--geometry", default="smollm2", choices=sorted(GEOMETRIES))
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--rows", default="1,8", help="decode rows (requests) per call, comma-separated")
+    ap.add_argument("--programs", default=",".join(PROGRAMS))
+    ap.add_argument("--threads", type=int, default=1, help="OpenMP threads of the call")
+    ap.add_argument("--kv-len", type=int, help="tokens in the cache (default: the geometry's)")
+    ap.add_argument("--layers", type=int, help="layers cycled (default: the geometry's)")
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args(argv)
+    g = GEOMETRIES[args.geometry]
+    g = Geometry(g.kv_heads, g.group, g.head_dim, args.layers or g.layers, args.kv_len or g.kv_len)
+    programs = args.programs.split(",")
+    unknown = sorted(set(programs) - set(PROGRAMS))
+    if unknown:
+        ap.error(f"unknown programs {unknown}; choose from {', '.join(PROGRAMS)}")
+    torch.set_num_threads(args.threads)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    print(f"CPU {cpu_isa()}; threads {args.threads}; load average {load_average():.2f}")
+    print(f"{args.geometry}: {g.kv_heads} KV heads x {g.group}, head dim {g.head_dim}, {g.layers} layers cycled, "
+          f"{g.kv_len} tokens, {args.dtype}, density 1/16")
+    print(f"  {'program':<18} {'rows':>4} {'median ms':>10} {'min ms':>8}  attended by row 0's KV heads")
+    for program in programs:
+        for rows in (int(r) for r in args.rows.split(",")):
+            median, low, attended = measure(g, program, rows, dtype, args.reps, args.threads)
+            print(f"  {program:<18} {rows:>4} {median:>10.3f} {low:>8.3f}  {attended}")
+    print(f"load average after {load_average():.2f}")
+
+
+if __name__ == "__main__":
+    main()

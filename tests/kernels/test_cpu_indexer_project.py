@@ -14,8 +14,8 @@ import torch
 
 from kvsieve.kernels.common.native import NativeUnavailable
 from kvsieve.kernels.indexer_project.naive import indexer_project_naive
-from kvsieve.kernels.indexer_project.native import (MAX_TOKENS, indexer_project_native, pack_weight,
-                                                    supports_native)
+from kvsieve.kernels.indexer_project.native import (MAX_TOKENS, IndexerProjectCall, indexer_project_native,
+                                                    pack_weight, supports_native)
 from kvsieve.selectors.dsa.projections import IndexerProjections, rope_cos_sin
 
 
@@ -113,9 +113,26 @@ def test_refuses_what_it_does_not_take() -> None:
     q, k, w = (torch.full((2, n), 7.0) for n in (32, 16, 2))
     _, _, nw, nb, eps, cos, sin, h, d, r, ws = args
     rc = fn(hidden.data_ptr(), 0, 48, 2, 48, packed.data_ptr(), 1, nw.data_ptr(), nb.data_ptr(), eps,
-            cos.data_ptr(), sin.data_ptr(), h, d, r, ws, q.data_ptr(), k.data_ptr(), w.data_ptr(), 1)
+            cos.data_ptr(), sin.data_ptr(), h, d, r, ws, q.data_ptr(), k.data_ptr(), w.data_ptr(), 0, 1)
     assert rc == 1  # 1 chunk holds 32 outputs, the weight has 50
     assert all(bool((x == 7.0).all()) for x in (q, k, w))
+
+
+def test_q_rounded_to_bf16_as_torch_rounds() -> None:
+    """``round_q_bf16``: q is torch's ``q.to(torch.bfloat16).float()`` of the unrounded call, bit for
+    bit (nearest-even), and only q is rounded; the bound call gives the function's bits."""
+    p = _module(576, 8, 32, 16, True, seed=8)
+    packed = pack_weight(p.stacked_weight())
+    args = _args(p, torch.randn(5, 576).to(torch.bfloat16), torch.tensor([0, 7, 300, 4095, 8000]), packed)
+    q, k, w = _native_or_skip(*args)
+    qr, kr, wr = indexer_project_native(*args, round_q_bf16=True)
+    assert torch.equal(qr, q.to(torch.bfloat16).float()) and not torch.equal(qr, q)
+    assert torch.equal(kr, k) and torch.equal(wr, w)
+    hidden, _, nw, nb, eps, cos, sin, h, d, r, ws = args
+    call = IndexerProjectCall(packed, nw, nb, eps, h, d, r, ws)
+    assert call.takes(hidden, cos, sin) and not call.takes(hidden.half(), cos, sin)
+    assert not IndexerProjectCall(packed.double(), nw, nb, eps, h, d, r, ws).takes(hidden, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(call.run(hidden, cos, sin, round_q_bf16=True), (qr, kr, wr)))
 
 
 def test_shapes_that_do_not_fit_are_refused_by_name() -> None:

@@ -57,12 +57,13 @@ static inline void layer_norm(float* v, const float* w, const float* b, float ep
 /* hidden: token t's channel c at hidden[t * h_stride + c] (fp32, or bf16 when hidden_bf16); wt [chunks, K,
  * CHUNK] fp32, the stacked weight (rows wq, weights_proj, wk) packed: its row n, channel c at
  * wt[n / CHUNK][c][n % CHUNK], the entries past its last row zero; ln_w/ln_b [D] or both NULL; cos/sin [T, R] (NULL when R == 0);
- * q [T, H, D], k [T, D], w [T, H] fp32 contiguous, written. threads <= 0: OpenMP's default.
+ * q [T, H, D], k [T, D], w [T, H] fp32 contiguous, written; q_bf16: q rounded to bf16's precision last
+ * (nearest-even, as torch rounds), for a bf16 key pool. threads <= 0: OpenMP's default.
  * Returns 0; 1 for a shape outside what the kernel takes (nothing written); 2 out of memory. */
 int kvsieve_indexer_project(const void* hidden, int hidden_bf16, int64_t h_stride, int T, int K, const float* wt,
                             int chunks, const float* ln_w, const float* ln_b, float eps, const float* cos,
                             const float* sin, int H, int D, int R, float w_scale, float* q, float* k, float* w,
-                            int threads) {
+                            int q_bf16, int threads) {
   const int64_t HD = (int64_t)H * D, N = HD + H + D;
   if (T < 0 || T > MAX_TOKENS || K < 1 || H < 1 || D < 1 || R < 0 || R > D || R % 2 || (R && (!cos || !sin))
       || (!ln_w) != (!ln_b) || (int64_t)chunks * CHUNK < N)
@@ -109,6 +110,8 @@ int kvsieve_indexer_project(const void* hidden, int hidden_bf16, int64_t h_strid
         neox(kt, c, s, R);
         for (int h = 0; h < H; ++h) neox(q + (int64_t)t * HD + (int64_t)h * D, c, s, R);
       }
+      if (q_bf16)
+        for (int64_t i = t * HD; i < (t + 1) * HD; ++i) q[i] = bf16_to_f32(f32_to_bf16(q[i]));
     }
   }
   free(x);

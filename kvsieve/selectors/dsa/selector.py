@@ -38,7 +38,7 @@ from torch import nn
 
 from ...kernels.common.native import NativeUnavailable
 from ...kernels.decode_layer.plan import DecodeProgram, IndexerStep
-from ...kernels.indexer_project.native import indexer_project_native, pack_weight, supports_native
+from ...kernels.indexer_project.native import IndexerProjectCall, pack_weight
 from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
@@ -139,7 +139,7 @@ class DSASelector(SparseSelector):
         # each layer's stacked_weight() (torch's matmul) and, on the CPU, its copy in the native kernel's
         # layout (pack_weight); taken at set_projections
         self._stacked: dict[int, torch.Tensor | None] = {}
-        self._packed: dict[int, torch.Tensor | None] = {}
+        self._native: dict[int, IndexerProjectCall | None] = {}  # the native projection bound per layer (CPU)
         if c.projections is not None:
             self.set_projections(load_projections(c.projections, dev)[0])
         self.stats = DSAStats()
@@ -170,8 +170,7 @@ class DSASelector(SparseSelector):
         self.projections.update(layers)
         stacked = {i: p.stacked_weight() for i, p in layers.items()}
         self._stacked.update(stacked)
-        self._packed.update({i: None if w is None or w.device.type != "cpu" else pack_weight(w)
-                             for i, w in stacked.items()})
+        self._native.update({i: _bind_native(layers[i], w) for i, w in stacked.items()})
 
     # ---- hooks ---------------------------------------------------------------------------
     def on_append(self, inputs: SelectorInputs) -> None:
@@ -191,14 +190,16 @@ class DSASelector(SparseSelector):
             q = q.to(self.k_dtype)
         inputs.state["index_qw"] = (q, w.float().contiguous())
 
-    def index_tensors(self, layer: int, ii: IndexerInputs, positions: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def index_tensors(self, layer: int, ii: IndexerInputs, positions: torch.Tensor, *,
+                      q_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 index ``q [T, H, Di]``, ``k [T, Di]`` and ``w [T, H]`` of the step's tokens (at
         ``positions [T]``) from this layer's :class:`IndexerInputs`: given finished, or projected
-        from the hidden state by the layer's :class:`IndexerProjections`. Writes nothing: a debug
-        check may call it again (:mod:`kvsieve.integrations.vllm.state_check`)."""
+        from the hidden state by the layer's :class:`IndexerProjections`; q rounded to ``q_dtype``'s
+        precision (``q.to(q_dtype).float()``; the native projection rounds to bf16 itself). Writes
+        nothing: a debug check may call it again (:mod:`kvsieve.integrations.vllm.state_check`)."""
         if ii.is_finished:
             q, k, w = ii.q_index.float(), ii.k_index.float(), ii.weights.float()
+            q = q if q_dtype == torch.float32 else q.to(q_dtype).float()
         else:
             if layer not in self.projections:
                 raise RuntimeError(f"dsa: layer {layer} got hidden states but has no IndexerProjections; load a "
@@ -209,7 +210,7 @@ class DSASelector(SparseSelector):
             if cos is None and c.rope_dim:  # the default RoPE of the configured rope_theta
                 cos, sin = self._default_rope(positions)
             with torch.no_grad():  # index tensors only select: no gradient flows through them
-                q, k, w = self._project(layer, ii, positions, cos, sin)
+                q, k, w = self._project(layer, ii, positions, cos, sin, q_dtype)
         c = self.config
         if q.shape[1:] != (c.n_heads, c.head_dim) or k.shape[1:] != (c.head_dim,) or w.shape[1:] != (c.n_heads,):
             raise ValueError(f"dsa: index tensors must be q [T, {c.n_heads}, {c.head_dim}], k [T, {c.head_dim}], "
@@ -217,26 +218,21 @@ class DSASelector(SparseSelector):
         return q, k, w
 
     def _project(self, layer: int, ii: IndexerInputs, positions: torch.Tensor, cos: torch.Tensor | None,
-                 sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer's projections of ``ii.hidden``: a CPU step of at most ``MAX_TOKENS`` tokens (a
-        decode step) in one native call (:mod:`kvsieve.kernels.indexer_project`: the same values to
-        fp32 rounding, without some twenty torch dispatches), everything else as torch ops. Every path
-        that projects a step (the engine's hooks, the vLLM plug-in's native and Python paths) comes
-        here, so they agree bit for bit."""
-        proj, packed = self.projections[layer], self._packed[layer]
-        norm = proj.k_norm if isinstance(proj.k_norm, nn.LayerNorm) else None
-        if ii.q_input is None and packed is not None and not proj.rope_interleave and (norm is None or (
-                norm.weight is not None and norm.bias is not None)):
-            norm_w, norm_b = (None, None) if norm is None else (norm.weight, norm.bias)
-            if supports_native(ii.hidden, packed, norm_w, norm_b, cos, sin):
-                try:
-                    return indexer_project_native(ii.hidden, packed, norm_w, norm_b, 0.0 if norm is None else norm.eps,
-                                                  cos, sin, proj.n_heads, proj.head_dim, proj.rope_dim,
-                                                  proj.weight_scale)
-                except NativeUnavailable:
-                    pass
-        return proj(ii.hidden, positions, ii.q_input, cos, sin,
-                    stacked=self._stacked[layer] if ii.q_input is None else None)
+                 sin: torch.Tensor | None, q_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's projections of ``ii.hidden``, q rounded to ``q_dtype``'s precision: a CPU step of
+        at most ``MAX_TOKENS`` tokens (a decode step) in one native call bound to the layer
+        (:mod:`kvsieve.kernels.indexer_project`: the same values to fp32 rounding, without some twenty
+        torch dispatches), everything else as torch ops. Every path that projects a step (the engine's
+        hooks, the vLLM plug-in's native and Python paths) comes here, so they agree bit for bit."""
+        call = self._native[layer]
+        if call is not None and ii.q_input is None and call.takes(ii.hidden, cos, sin):
+            try:
+                return call.run(ii.hidden, cos, sin, round_q_bf16=q_dtype == torch.bfloat16)
+            except NativeUnavailable:
+                pass
+        q, k, w = self.projections[layer](ii.hidden, positions, ii.q_input, cos, sin,
+                                          stacked=self._stacked[layer] if ii.q_input is None else None)
+        return q if q_dtype == torch.float32 else q.to(q_dtype).float(), k, w
 
     def _default_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`rope_cos_sin` of the configured RoPE at ``positions [T]``. Every selecting layer of a
@@ -264,8 +260,8 @@ class DSASelector(SparseSelector):
     def decode_step_inputs(self, layer_idx: int, model_inputs: IndexerInputs, positions: torch.Tensor) -> IndexerStep:
         """The rows' index queries rounded to the key pool's dtype (as ``on_append`` rounds them),
         weights and keys, fp32."""
-        q, k, w = self.index_tensors(layer_idx, model_inputs, positions)
-        return IndexerStep(q.to(self.k_dtype).float().contiguous(), w.float().contiguous(), k.float().contiguous())
+        q, k, w = self.index_tensors(layer_idx, model_inputs, positions, q_dtype=self.k_dtype)
+        return IndexerStep(q.contiguous(), w.contiguous(), k.contiguous())
 
     def index_pools(self, inputs: SelectorInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This layer's aux pools: index keys ``[num_blocks, tokens_per_block, head_dim]`` and, for FP8
@@ -414,3 +410,17 @@ def _top_p_tokens(picked: torch.Tensor, logits: torch.Tensor, lens: torch.Tensor
     ranked = torch.gather(torch.where(unused, -1, ids), 1, order)
     mass = torch.gather(val, 1, order).exp()
     return top_p_cut(ranked, mass, torch.ones_like(mass[:, 0]), p).to(torch.int32)
+
+
+def _bind_native(proj: IndexerProjections, stacked: torch.Tensor | None) -> IndexerProjectCall | None:
+    """The native projection bound to a layer whose weights are on the CPU (``stacked``: its stacked
+    weight), or ``None`` where the kernel does not compute the module's function: interleaved RoPE, a
+    key norm other than an affine LayerNorm."""
+    if stacked is None or stacked.device.type != "cpu" or proj.rope_interleave:
+        return None
+    norm = proj.k_norm if isinstance(proj.k_norm, nn.LayerNorm) else None
+    if norm is not None and (norm.weight is None or norm.bias is None):
+        return None
+    return IndexerProjectCall(pack_weight(stacked), None if norm is None else norm.weight.detach(),
+                              None if norm is None else norm.bias.detach(), 0.0 if norm is None else norm.eps,
+                              proj.n_heads, proj.head_dim, proj.rope_dim, proj.weight_scale)

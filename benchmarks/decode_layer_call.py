@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     g = GEOMETRIES[args.geometry]
     g = Geometry(g.kv_heads, g.group, g.head_dim, args.layers or g.layers, args.kv_len or g.kv_len)
+    if g.kv_len < 64:  # the clustered program plants 20-token runs; 1/16 of fewer than 64 is a handful
+        ap.error(f"--kv-len {g.kv_len}: at least 64 tokens")
     programs = args.programs.split(",")
     unknown = sorted(set(programs) - set(PROGRAMS))
     if unknown:

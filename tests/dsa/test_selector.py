@@ -264,6 +264,33 @@ def test_cpu_decode_step_projects_natively(tmp_path):
         assert not all(torch.equal(g, m) for g, m in zip(got, module))  # the kernel's sums, not torch's
 
 
+def test_a_key_norm_the_kernel_does_not_compute_takes_the_module_and_q_rounding_is_fp32_or_bf16(tmp_path):
+    """A layer whose key norm is neither none nor an affine LayerNorm (here an RMSNorm) is projected by
+    its module, norm included, not by the kernel (which would skip the norm); ``index_tensors`` rounds q
+    to fp32 or bf16 only and refuses another ``q_dtype`` by name."""
+    from kvsieve.selectors.dsa.projections import IndexerProjections, rope_cos_sin, save_projections
+
+    torch.manual_seed(3)
+    path = tmp_path / "indexer.pt"
+    save_projections(str(path), {0: IndexerProjections(64, 2, 16, 8)})
+    sel = create_selector("dsa", projections=str(path), n_heads=2, head_dim=16, rope_dim=8, index_topk=8)
+    p = sel.projections[0]
+    p.k_norm = torch.nn.RMSNorm(16)
+    with torch.no_grad():
+        p.k_norm.weight.uniform_(0.5, 1.5)
+    sel.set_projections({0: p})
+    hidden, pos = torch.randn(1, 64).to(torch.bfloat16), torch.tensor([300])
+    got = sel.index_tensors(0, IndexerInputs(hidden=hidden), pos)
+    cos, sin = rope_cos_sin(pos, 8, 10000.0)
+    with torch.no_grad():
+        want = p(hidden, pos, None, cos, sin, stacked=p.stacked_weight())
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    rounded = sel.index_tensors(0, IndexerInputs(hidden=hidden), pos, q_dtype=torch.bfloat16)
+    assert torch.equal(rounded[0], want[0].to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="q_dtype=torch.float8_e4m3fn"):
+        sel.index_tensors(0, IndexerInputs(hidden=hidden), pos, q_dtype=torch.float8_e4m3fn)
+
+
 def test_projections_load_in_fp32_under_a_bf16_default_dtype(tmp_path):
     """A vLLM worker builds the model, and the plug-in its selector, with torch's default dtype set to
     the model's: the saved fp32 indexer still loads as fp32, bit for bit, and a decode step on the CPU

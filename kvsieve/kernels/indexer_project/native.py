@@ -34,10 +34,20 @@ def supports_native(hidden: torch.Tensor, packed: torch.Tensor, *others: torch.T
     CPU, ``hidden`` fp32 or bf16 with contiguous channels and at most ``MAX_TOKENS`` rows, ``packed``
     (:func:`pack_weight`) and ``others`` (the norm's weight and bias, cos and sin, those given) fp32
     contiguous."""
-    fp32 = [packed, *(t for t in others if t is not None)]
+    return _hidden_taken(hidden) and _fp32_cpu(packed, *others)
+
+
+def _hidden_taken(hidden: torch.Tensor) -> bool:
+    """A step's hidden state the kernel reads: on the CPU, fp32 or bf16, channels contiguous, at most
+    ``MAX_TOKENS`` rows."""
     return (hidden.device.type == "cpu" and hidden.dim() == 2 and hidden.dtype in (torch.float32, torch.bfloat16)
-            and hidden.stride(1) == 1 and hidden.shape[0] <= MAX_TOKENS
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in fp32))
+            and hidden.stride(1) == 1 and hidden.shape[0] <= MAX_TOKENS)
+
+
+def _fp32_cpu(*tensors: torch.Tensor | None) -> bool:
+    """Every tensor given (``None`` skipped) fp32, contiguous, on the CPU."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+               for t in tensors if t is not None)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -68,8 +78,7 @@ class IndexerProjectCall:
                 or any(v is not None and v.shape != (head_dim,) for v in (norm_weight, norm_bias))):
             raise ValueError(self._misfit(None, None, None))
         self.hidden_size = packed.shape[1]
-        self._fp32_cpu = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                             for t in (packed, norm_weight, norm_bias) if t is not None)
+        self._bound_taken = _fp32_cpu(packed, norm_weight, norm_bias)
 
     def _misfit(self, hidden: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None) -> str:
         """The message naming every tensor whose shape does not fit the others."""
@@ -90,11 +99,7 @@ class IndexerProjectCall:
 
     def takes(self, hidden: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> bool:
         """:func:`supports_native` for this layer's bound tensors and a step's ``hidden``, ``cos``, ``sin``."""
-        return (self._fp32_cpu and hidden.device.type == "cpu" and hidden.dim() == 2
-                and hidden.dtype in (torch.float32, torch.bfloat16) and hidden.stride(1) == 1
-                and hidden.shape[0] <= MAX_TOKENS
-                and all(t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous())
-                        for t in (cos, sin)))
+        return self._bound_taken and _hidden_taken(hidden) and _fp32_cpu(cos, sin)
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, *,
             round_q_bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

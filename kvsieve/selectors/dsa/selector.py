@@ -136,10 +136,10 @@ class DSASelector(SparseSelector):
             "triton" if dev.type == "cuda" else "reference")
         self.k_dtype = _K_DTYPES[c.index_k_dtype]
         self.projections: dict[int, IndexerProjections] = {}
-        # each layer's stacked_weight() (torch's matmul) and, on the CPU, its copy in the native kernel's
-        # layout (pack_weight); taken at set_projections
+        # each layer's stacked_weight() (torch's matmul) and, on the CPU, the native projection bound to its
+        # copy in the kernel's layout (_bind_native); taken at set_projections
         self._stacked: dict[int, torch.Tensor | None] = {}
-        self._native: dict[int, IndexerProjectCall | None] = {}  # the native projection bound per layer (CPU)
+        self._native: dict[int, IndexerProjectCall | None] = {}
         if c.projections is not None:
             self.set_projections(load_projections(c.projections, dev)[0])
         self.stats = DSAStats()
@@ -196,7 +196,10 @@ class DSASelector(SparseSelector):
         ``positions [T]``) from this layer's :class:`IndexerInputs`: given finished, or projected
         from the hidden state by the layer's :class:`IndexerProjections`; q rounded to ``q_dtype``'s
         precision (``q.to(q_dtype).float()``; the native projection rounds to bf16 itself). Writes
-        nothing: a debug check may call it again (:mod:`kvsieve.integrations.vllm.state_check`)."""
+        nothing: a debug check may call it again (:mod:`kvsieve.integrations.vllm.state_check`). Another
+        ``q_dtype`` than fp32 or bf16 is refused (FP8 queries are quantized with scales, not rounded)."""
+        if q_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dsa: index_tensors rounds q to float32 or bfloat16, not q_dtype={q_dtype}")
         if ii.is_finished:
             q, k, w = ii.q_index.float(), ii.k_index.float(), ii.weights.float()
             q = q if q_dtype == torch.float32 else q.to(q_dtype).float()
@@ -415,11 +418,12 @@ def _top_p_tokens(picked: torch.Tensor, logits: torch.Tensor, lens: torch.Tensor
 def _bind_native(proj: IndexerProjections, stacked: torch.Tensor | None) -> IndexerProjectCall | None:
     """The native projection bound to a layer whose weights are on the CPU (``stacked``: its stacked
     weight), or ``None`` where the kernel does not compute the module's function: interleaved RoPE, a
-    key norm other than an affine LayerNorm."""
+    key norm other than none (``nn.Identity``) or an affine LayerNorm."""
     if stacked is None or stacked.device.type != "cpu" or proj.rope_interleave:
         return None
     norm = proj.k_norm if isinstance(proj.k_norm, nn.LayerNorm) else None
-    if norm is not None and (norm.weight is None or norm.bias is None):
+    if (norm is None and not isinstance(proj.k_norm, nn.Identity)) or (
+            norm is not None and (norm.weight is None or norm.bias is None)):
         return None
     return IndexerProjectCall(pack_weight(stacked), None if norm is None else norm.weight.detach(),
                               None if norm is None else norm.bias.detach(), 0.0 if norm is None else norm.eps,

@@ -48,8 +48,8 @@ static uint64_t kth_largest(uint64_t* a, int64_t n, int64_t k) {
 static uint64_t kth_largest_score(const float* score, int64_t n, int64_t k, uint64_t* keys) {
   uint32_t count[1 << RADIX_BITS];
   int64_t m = n;
-  int shift = 64 - RADIX_BITS;
-  for (int first = 1; m > RADIX_MIN && shift >= 0; first = 0, shift -= RADIX_BITS) {
+  int shift = 64 - RADIX_BITS, first = 1; /* first: no pass ran yet (keys holds nothing) */
+  for (; m > RADIX_MIN && shift >= 0; first = 0, shift -= RADIX_BITS) {
     memset(count, 0, sizeof(count));
     const uint64_t mask = (1u << RADIX_BITS) - 1;
     if (first)
@@ -72,7 +72,7 @@ static uint64_t kth_largest_score(const float* score, int64_t n, int64_t k, uint
     m = kept;
     k -= above;
   }
-  if (m == n) /* no pass ran: every key */
+  if (first) /* no pass ran: every key */
     for (int64_t i = 0; i < n; ++i) keys[i] = rank_key(score[i], i);
   return kth_largest(keys, m, k);
 }

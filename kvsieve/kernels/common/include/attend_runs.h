@@ -26,11 +26,12 @@ static inline void load_row(const void* pool, int is_bf16, int64_t off, int n, f
   }
 }
 
-/* Request `bytes` from p into the L2 (locality hint 2: prefetcht1): a decode step reads each row once,
+/* Request the lines holding bytes [p, p + bytes) into the L2 (locality hint 2: prefetcht1): a decode step reads each row once,
  * and the L2 keeps more misses in flight than the L1, so more of the step's scattered lines arrive at
  * once. */
 static inline void prefetch_span(const char* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+  const char* end = p + bytes;
+  for (p = (const char*)((uintptr_t)p & ~(uintptr_t)63); p < end; p += 64) __builtin_prefetch(p, 0, 2);
 }
 
 /* Ask for the K (want_k) and V (want_v) of a later run (its valid tokens) while this one is computed:
@@ -100,7 +101,8 @@ static inline f32x16 load16(const void* pool, int is_bf16, int64_t off) {
 
 /* The unscaled logits of a span's kept tokens (K by channel: channel d of the span's token j at off +
  * d*k_ch + j): out[g][lead + j] = sum over d, in order, of qh[g][d] * K[d][j] (the products and sums a
- * run of its own computes, in the same order) for every kept j (keep [n_keep], ascending, < w), computed
+ * run of its own computes, in the same order) for every kept j (keep [n_keep], ascending, < w; keep NULL:
+ * every j < n_keep, a whole run), computed
  * by tiles of SPAN_TILE tokens starting lead tokens before the span (lead < SPAN_TILE), the tiles without
  * a kept token skipped; up to four tiles share a channel's pass, their G x SPAN_TILE sums in registers.
  * `readable`: the tokens from the first tile's start that may be read (a tile reaching past it is read
@@ -111,7 +113,9 @@ static inline __attribute__((always_inline)) void span_logits(const void* kpool,
                                                               const int32_t* keep, int n_keep,
                                                               float out[][SPAN_ROW]) {
   int tiles[SPAN_ROW / SPAN_TILE], n_tiles = 0;
-  for (int i = 0; i < n_keep; ++i) {
+  if (keep == NULL)
+    for (int tile = lead / SPAN_TILE; tile * SPAN_TILE < lead + n_keep; ++tile) tiles[n_tiles++] = tile;
+  for (int i = 0; keep != NULL && i < n_keep; ++i) {
     const int tile = (lead + keep[i]) / SPAN_TILE;
     if (n_tiles == 0 || tiles[n_tiles - 1] != tile) tiles[n_tiles++] = tile;
   }
@@ -215,16 +219,18 @@ static inline __attribute__((always_inline)) void head_attend(
           for (int d = 0; d < D; ++d) a += qg[d] * row[d];
           s[g][n] = a * sm_scale;
         }
-      } else if (keep != NULL) { /* a span: its kept tiles' logits once, then the kept tokens' in order */
+      } else if (keep != NULL || cnt[u] <= SPAN_MAX) {
+        /* a span, or a run that fits one: its (kept) tiles' logits once, then its tokens' in order */
         if (t == 0) {
-          lead = sp->aligned ? (int)(k_off[u] % SPAN_TILE) : 0;
-          const int readable = sp->aligned ? (lead + cnt[u] + SPAN_TILE - 1) / SPAN_TILE * SPAN_TILE : cnt[u];
+          const int aligned = sp != NULL && sp->aligned;
+          lead = aligned ? (int)(k_off[u] % SPAN_TILE) : 0;
+          const int readable = aligned ? (lead + cnt[u] + SPAN_TILE - 1) / SPAN_TILE * SPAN_TILE : cnt[u];
           span_logits(kpool, is_bf16, k_off[u], lead, readable, k_ch, D, qh, G, keep, N_OF(u), span_s);
         }
         take = N_OF(u) - t < ATTEND_CHUNK - n ? N_OF(u) - t : ATTEND_CHUNK - n;
         for (int g = 0; g < G; ++g)
-          for (int j = 0; j < take; ++j) s[g][n + j] = span_s[g][lead + keep[t + j]] * sm_scale;
-      } else { /* the run's next tokens at once, channel by channel */
+          for (int j = 0; j < take; ++j) s[g][n + j] = span_s[g][lead + (keep != NULL ? keep[t + j] : t + j)] * sm_scale;
+      } else { /* a run longer than a span: its next tokens at once, channel by channel */
         take = cnt[u] - t < ATTEND_CHUNK - n ? cnt[u] - t : ATTEND_CHUNK - n;
         for (int g = 0; g < G; ++g)
           for (int j = 0; j < take; ++j) s[g][n + j] = 0.0f;

@@ -4,7 +4,7 @@ with the layers cycled, so that each call reads its cache cold, as a decode step
 
     python benchmarks/decode_layer_call.py [--geometry smollm2|gemma3] [--dtype bfloat16|float32]
         [--rows 1,8] [--programs indexer-random,indexer-clustered,streaming,pages] [--threads 1]
-        [--kv-len N] [--layers N] [--reps 15]
+        [--kv-len N] [--layers N] [--reps 15] [--selections FILE [--selection-prompt filler]]
 
 Programs, each at density 1/16 of ``--kv-len``:
 
@@ -13,6 +13,10 @@ Programs, each at density 1/16 of ``--kv-len``:
 * ``indexer-clustered``: the same, with 24 runs of 20 positions whose keys point along the index
   query, so that they hold most of the selection. This touches about as many lines as a real DSA
   selection of a served prompt (0.25-0.30: ``benchmarks/dsa_k_lines.py``).
+* ``indexer-recorded`` (with ``--selections FILE``): the same, with the keys planted at real selections,
+  those ``benchmarks/dsa_k_lines.py --save FILE`` kept from the model and its indexer on a prompt
+  (``--selection-prompt``): layer ``l``, row ``r`` takes the recorded layer ``l`` and row ``r`` (cycled),
+  at the recorded budget (the served SmolLM2 config's 512). Their runs are short and many (about 200).
 * ``streaming``: the first 4 positions and the last ones, in two runs.
 * ``pages``: Quest's program on 128-token pages (vLLM's block size).
 
@@ -37,7 +41,7 @@ from kvsieve.kernels.decode_layer.plan import DecodeProgram, IndexerStep  # noqa
 
 BLOCK = 128  # vLLM's CPU block size
 INDEX_HEADS, INDEX_DIM = 8, 32  # the served indexers' geometry
-PROGRAMS = ("indexer-random", "indexer-clustered", "streaming", "pages")
+PROGRAMS = ("indexer-random", "indexer-clustered", "indexer-recorded", "streaming", "pages")
 
 
 @dataclass(frozen=True)
@@ -56,14 +60,15 @@ GEOMETRIES = {"smollm2": Geometry(3, 3, 64, 30, 8000), "gemma3": Geometry(1, 4, 
 
 
 def _layer(g: Geometry, program: str, rows: int, table: np.ndarray, iq: torch.Tensor, dtype: torch.dtype,
-           gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, DecodeProgram]:
-    """One layer's K/V views ``[blocks, Hkv, BLOCK, D]`` (K by channel) and its program with pools."""
+           gen: torch.Generator, recorded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, DecodeProgram]:
+    """One layer's K/V views ``[blocks, Hkv, BLOCK, D]`` (K by channel) and its program with pools;
+    ``recorded [rows', positions]``: the layer's real selections (``indexer-recorded``)."""
     blocks = int(table.max()) + 1
     raw = torch.randn(blocks, g.kv_heads, BLOCK, 2 * g.head_dim, generator=gen).to(dtype)
     half = raw.view(blocks, g.kv_heads, 2 * BLOCK, g.head_dim)
     k = half[:, :, :BLOCK].reshape(blocks, g.kv_heads, g.head_dim, BLOCK).transpose(2, 3)
     v = half[:, :, BLOCK:]
-    units = max(1, g.kv_len // 16)
+    units = max(1, g.kv_len // 16) if recorded is None else recorded.shape[-1]
     if program == "streaming":
         return k, v, DecodeProgram("streaming", units=units, num_sink=4)
     if program == "pages":
@@ -77,13 +82,19 @@ def _layer(g: Geometry, program: str, rows: int, table: np.ndarray, iq: torch.Te
             for start in torch.randint(0, g.kv_len - 20, (24,), generator=gen).tolist():
                 for p in range(start, start + 20):
                     keys[int(table[r, p // BLOCK]), p % BLOCK] = iq[r, 0]
+    elif program == "indexer-recorded":
+        keys *= 0.1
+        for r in range(rows):
+            for p in recorded[r % recorded.shape[0]].tolist():
+                keys[int(table[r, p // BLOCK]), p % BLOCK] = iq[r, 0]
     return k, v, DecodeProgram("indexer", units=units, index_keys=keys.to(torch.bfloat16))
 
 
-def measure(g: Geometry, program: str, rows: int, dtype: torch.dtype, reps: int, threads: int
-            ) -> tuple[float, float, list[int]]:
+def measure(g: Geometry, program: str, rows: int, dtype: torch.dtype, reps: int, threads: int,
+            recorded: torch.Tensor | None = None) -> tuple[float, float, list[int]]:
     """``(median ms, min ms, attended positions of row 0 per KV head)`` of one layer call, over ``reps``
-    passes through the layers (after 3 untimed)."""
+    passes through the layers (after 3 untimed); ``recorded [layers', rows', positions]``: real
+    selections for ``indexer-recorded``, layer ``l`` taking ``recorded[l % layers']``."""
     gen = torch.Generator().manual_seed(0)
     per = -(-g.kv_len // BLOCK)
     table = (torch.randperm(per * rows, generator=gen).numpy().astype(np.int32) + 1).reshape(rows, per)
@@ -93,8 +104,9 @@ def measure(g: Geometry, program: str, rows: int, dtype: torch.dtype, reps: int,
         index = IndexerStep(iq, torch.rand(rows, INDEX_HEADS, generator=gen) + 0.1,
                             torch.randn(rows, INDEX_DIM, generator=gen))
     calls = []
-    for _ in range(g.layers):
-        k, v, prog = _layer(g, program, rows, table, iq, dtype, gen)
+    for layer in range(g.layers):
+        k, v, prog = _layer(g, program, rows, table, iq, dtype, gen,
+                            None if program != "indexer-recorded" else recorded[layer % recorded.shape[0]])
         calls.append(DecodeLayerCall(k, v, prog, num_q_heads=g.kv_heads * g.group, sm_scale=g.head_dim ** -0.5,
                                      threads=threads))
     lens = np.full(rows, g.kv_len, dtype=np.int32)
@@ -120,20 +132,33 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--geometry", default="smollm2", choices=sorted(GEOMETRIES))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--rows", default="1,8", help="decode rows (requests) per call, comma-separated")
-    ap.add_argument("--programs", default=",".join(PROGRAMS))
+    ap.add_argument("--programs", help="comma-separated (default: all; indexer-recorded with --selections)")
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads of the call")
     ap.add_argument("--kv-len", type=int, help="tokens in the cache (default: the geometry's)")
     ap.add_argument("--layers", type=int, help="layers cycled (default: the geometry's)")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--selections", help="real selections for indexer-recorded (benchmarks/dsa_k_lines.py --save)")
+    ap.add_argument("--selection-prompt", default="filler", help="which prompt's selections of that file")
     args = ap.parse_args(argv)
     g = GEOMETRIES[args.geometry]
     g = Geometry(g.kv_heads, g.group, g.head_dim, args.layers or g.layers, args.kv_len or g.kv_len)
     if g.kv_len < 64:  # the clustered program plants 20-token runs; 1/16 of fewer than 64 is a handful
         ap.error(f"--kv-len {g.kv_len}: at least 64 tokens")
-    programs = args.programs.split(",")
+    programs = args.programs.split(",") if args.programs else [
+        p for p in PROGRAMS if p != "indexer-recorded" or args.selections]
     unknown = sorted(set(programs) - set(PROGRAMS))
     if unknown:
         ap.error(f"unknown programs {unknown}; choose from {', '.join(PROGRAMS)}")
+    recorded = None
+    if args.selections:
+        kept = torch.load(args.selections)
+        if args.selection_prompt not in kept:
+            ap.error(f"--selection-prompt {args.selection_prompt!r}: {args.selections} holds {sorted(kept)}")
+        recorded = kept[args.selection_prompt].long()
+        if int(recorded.max()) >= g.kv_len:
+            ap.error(f"{args.selections}: positions up to {int(recorded.max())}, beyond --kv-len {g.kv_len}")
+    elif "indexer-recorded" in programs:
+        ap.error("indexer-recorded needs --selections FILE")
     torch.set_num_threads(args.threads)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     print(f"CPU {cpu_isa()}; threads {args.threads}; load average {load_average():.2f}")
@@ -142,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  {'program':<18} {'rows':>4} {'median ms':>10} {'min ms':>8}  attended by row 0's KV heads")
     for program in programs:
         for rows in (int(r) for r in args.rows.split(",")):
-            median, low, attended = measure(g, program, rows, dtype, args.reps, args.threads)
+            median, low, attended = measure(g, program, rows, dtype, args.reps, args.threads, recorded)
             print(f"  {program:<18} {rows:>4} {median:>10.3f} {low:>8.3f}  {attended}")
     print(f"load average after {load_average():.2f}")
 

@@ -18,6 +18,8 @@ holds them. Prompts:
 
 Prints, per prompt: the mean share of lines touched, its range over (layer, row), the runs of
 consecutive positions per selection, and the share a random selection of the same size would touch.
+``--save FILE`` keeps the selections, ``{prompt: int32 [layers, rows, index_topk]}`` (sorted positions),
+for ``benchmarks/decode_layer_call.py --selections FILE``.
 """
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ def prompt_ids(kind: str, tokenizer, n: int) -> list[int]:
 
 
 def measure(model: torch.nn.Module, ids: list[int], layers: dict, rows: int, topk: int) -> dict:
-    """Lines touched and runs of the last ``rows`` positions' selections on every layer of ``layers``."""
+    """Lines touched and runs of the last ``rows`` positions' selections on every layer of ``layers``, and
+    the selections (``"picked"``: int32 ``[len(layers), rows, min(topk, len(ids) - rows + 1)]``)."""
     caught: dict[int, torch.Tensor] = {}
     hooks = [model.model.layers[i].self_attn.register_forward_pre_hook(
         lambda mod, args, kwargs, i=i: caught.__setitem__(i, kwargs["hidden_states"][0].detach()), with_kwargs=True)
@@ -84,7 +87,7 @@ def measure(model: torch.nn.Module, ids: list[int], layers: dict, rows: int, top
             h.remove()
     n = len(ids)
     positions = torch.arange(n)
-    shares, counts = [], []
+    shares, counts, picks = [], [], []
     for i, p in layers.items():
         cos, sin = rope_cos_sin(positions, p.rope_dim, p.rope_theta) if p.rope_dim else (None, None)
         with torch.no_grad():
@@ -92,10 +95,12 @@ def measure(model: torch.nn.Module, ids: list[int], layers: dict, rows: int, top
         q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
         for t in range(n - rows, n):
             picked = top_positions(q[t], w[t], k[: t + 1], topk)
+            picks.append(picked[: min(topk, n - rows + 1)])
             shares.append(lines_touched(picked, t + 1))
             counts.append(runs(picked))
     return {"mean": float(np.mean(shares)), "min": float(np.min(shares)), "max": float(np.max(shares)),
-            "runs": float(np.mean(counts)), "random": 1 - (1 - topk / n) ** LINE_TOKENS}
+            "runs": float(np.mean(counts)), "random": 1 - (1 - topk / n) ** LINE_TOKENS,
+            "picked": torch.from_numpy(np.stack(picks).astype(np.int32)).reshape(len(layers), rows, -1)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--index-topk", type=int, default=512)
     ap.add_argument("--prompt", default="filler,essay")
+    ap.add_argument("--save", help="write the selections here (torch.save)")
     args = ap.parse_args(argv)
     if args.rows < 1 or args.rows > args.prompt_tokens or args.index_topk < 1:
         ap.error("--rows must be in [1, --prompt-tokens] and --index-topk >= 1")
@@ -113,11 +119,15 @@ def main(argv: list[str] | None = None) -> None:
     layers, _ = load_projections(args.projections)
     print(f"CPU {cpu_isa()}; load {os.getloadavg()[0]:.2f}; {args.model}, {len(layers)} layers, "
           f"top {args.index_topk} of {args.prompt_tokens}, last {args.rows} positions", flush=True)
+    kept = {}
     for kind in args.prompt.split(","):
         r = measure(loaded.model, prompt_ids(kind, loaded.tokenizer, args.prompt_tokens), layers, args.rows,
                     args.index_topk)
         print(f"{kind}: K lines touched {r['mean']:.3f} (by layer and row {r['min']:.3f}-{r['max']:.3f}); "
               f"runs per selection {r['runs']:.0f}; a random selection would touch {r['random']:.3f}", flush=True)
+        kept[kind] = r["picked"]
+    if args.save:
+        torch.save(kept, args.save)
 
 
 if __name__ == "__main__":

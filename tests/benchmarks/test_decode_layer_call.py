@@ -1,28 +1,50 @@
 """benchmarks/decode_layer_call.py: the clustered indexer layer's top positions lie in its planted runs,
-and the whole measurement on a small cache, each program attending what its budget says."""
+the recorded one's are exactly its selection, and the whole measurement on a small cache, each program
+attending what its budget says."""
 from __future__ import annotations
 
 import re
 
 import numpy as np
+import pytest
 import torch
 
 from benchmarks.decode_layer_call import BLOCK, Geometry, _layer, main
 from kvsieve.kernels.dsa_indexer.naive import score_keys
 
 
+G2K = Geometry(2, 2, 32, 1, 2000)
+
+
+def _setup(rows: int, seed: int) -> tuple[torch.Generator, np.ndarray, torch.Tensor, torch.Tensor]:
+    """A generator, a shuffled table of ``rows`` rows, bf16-valued index queries and weights."""
+    gen = torch.Generator().manual_seed(seed)
+    table = (torch.randperm(16 * rows, generator=gen).numpy().astype(np.int32) + 1).reshape(rows, 16)
+    return gen, table, torch.randn(rows, 8, 32, generator=gen).to(torch.bfloat16).float(), torch.rand(8, generator=gen) + 0.1
+
+
+def _top(prog, table: np.ndarray, iq: torch.Tensor, w: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row ``r``'s index keys ``[kv_len, 32]`` and its ``prog.units`` best positions by the plain formula."""
+    keys = torch.stack([prog.index_keys[int(table[r, p // BLOCK]), p % BLOCK] for p in range(G2K.kv_len)]).float()
+    return keys, score_keys(iq[r:r + 1], keys, w[None], None)[0].topk(prog.units).indices
+
+
 def test_clustered_keys_hold_most_of_the_selection() -> None:
-    g = Geometry(2, 2, 32, 1, 2000)
-    gen = torch.Generator().manual_seed(3)
-    table = (torch.randperm(16, generator=gen).numpy().astype(np.int32) + 1).reshape(1, 16)
-    iq = torch.randn(1, 8, 32, generator=gen).to(torch.bfloat16).float()
-    w = torch.rand(8, generator=gen) + 0.1
+    gen, table, iq, w = _setup(1, 3)
     for program in ("indexer-clustered", "indexer-random"):
-        _, _, prog = _layer(g, program, 1, table, iq, torch.float32, gen)
-        keys = torch.stack([prog.index_keys[int(table[0, p // BLOCK]), p % BLOCK] for p in range(g.kv_len)]).float()
-        top = score_keys(iq, keys, w[None], None)[0].topk(prog.units).indices
+        _, _, prog = _layer(G2K, program, 1, table, iq, torch.float32, gen)
+        keys, top = _top(prog, table, iq, w, 0)
         planted = (keys[top] == iq[0, 0].to(torch.bfloat16).float()).all(1).float().mean().item()
         assert planted >= 0.8 if program == "indexer-clustered" else planted == 0.0, (program, planted)
+
+
+def test_recorded_keys_give_the_recorded_selection() -> None:
+    gen, table, iq, w = _setup(2, 4)
+    recorded = torch.stack([torch.randperm(2000, generator=gen)[:125].sort().values for _ in range(2)])
+    _, _, prog = _layer(G2K, "indexer-recorded", 2, table, iq, torch.float32, gen, recorded)
+    assert prog.units == 125
+    for r in range(2):
+        assert torch.equal(_top(prog, table, iq, w, r)[1].sort().values, recorded[r])
 
 
 def test_small_run_attends_each_budget(capsys) -> None:
@@ -39,3 +61,20 @@ def test_small_run_attends_each_budget(capsys) -> None:
             assert all(0 < c <= BLOCK for c in counts)
         else:
             assert counts == [600 // 16] * 3
+
+
+def test_small_run_of_recorded_selections(tmp_path, capsys) -> None:
+    gen = torch.Generator().manual_seed(6)
+    picked = torch.stack([torch.stack([torch.randperm(600, generator=gen)[:40].sort().values for _ in range(2)])
+                          for _ in range(2)]).to(torch.int32)  # [layers, rows, 40]
+    torch.save({"essay": picked}, tmp_path / "picked.pt")
+    argv = ["--kv-len", "600", "--layers", "3", "--rows", "1,3", "--reps", "2", "--selections", str(tmp_path / "picked.pt")]
+    main([*argv, "--selection-prompt", "essay", "--programs", "indexer-recorded"])
+    found = re.findall(r"^  indexer-recorded\s+(\d+)\s+[\d.]+\s+[\d.]+  \[(.*)\]$", capsys.readouterr().out, re.M)
+    assert [(int(r), a) for r, a in found] == [(1, "40, 40, 40"), (3, "40, 40, 40")]
+    with pytest.raises(SystemExit):
+        main([*argv, "--programs", "indexer-recorded"])  # no "filler" selections in the file
+    with pytest.raises(SystemExit):
+        main(["--kv-len", "600", "--programs", "indexer-recorded"])  # no file
+    with pytest.raises(SystemExit):
+        main([*argv[:-2], "--selections", str(tmp_path / "picked.pt"), "--kv-len", "500", "--selection-prompt", "essay"])

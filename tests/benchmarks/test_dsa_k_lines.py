@@ -34,7 +34,7 @@ def test_end_to_end_on_the_tiny_model(tmp_path, capsys) -> None:
     path = tmp_path / "indexer.pt"
     save_projections(str(path), {i: IndexerProjections(64, 2, 16, 8) for i in (0, 1)})
     main(["--projections", str(path), "--model", "tiny-random", "--prompt-tokens", "300", "--rows", "3",
-          "--index-topk", "16", "--prompt", "filler"])
+          "--index-topk", "16", "--prompt", "filler", "--save", str(tmp_path / "picked.pt")])
     out = capsys.readouterr().out
     found = re.search(r"filler: K lines touched ([\d.]+) \(by layer and row ([\d.]+)-([\d.]+)\); runs per selection "
                       r"(\d+); a random selection would touch ([\d.]+)", out)
@@ -42,3 +42,8 @@ def test_end_to_end_on_the_tiny_model(tmp_path, capsys) -> None:
     mean, lo, hi, n_runs, random = (float(x) for x in found.groups())
     assert 1 / 10 <= lo <= mean <= hi <= 1 and 1 <= n_runs <= 16
     assert abs(random - (1 - (1 - 16 / 300) ** 32)) < 1e-3
+    picked = torch.load(tmp_path / "picked.pt")["filler"]  # [layers, rows, topk], sorted, each row's own
+    assert picked.dtype == torch.int32 and picked.shape == (2, 3, 16)
+    assert (picked.diff(dim=-1) > 0).all() and int(picked.min()) >= 0 and int(picked.max()) < 300
+    share = np.mean([len(np.unique(sel.numpy() // 32)) / 10 for sel in picked.reshape(-1, 16)])
+    assert abs(share - mean) < 1e-3

@@ -309,3 +309,28 @@ def test_indexer_top_k_through_exact_ties(units):
     want, want_attended = decode_layer_naive(k, v, twin, table, lens, q, sm_scale=D ** -0.5, index=index)
     np.testing.assert_array_equal(attended, want_attended)
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+
+
+def test_indexer_q_off_the_bf16_grid_is_scored_in_fp32():
+    """A bf16 key pool scored with a q that is not made of bf16 values: the kernel's bf16-pair pass (CPUs
+    with AVX512-BF16) would drop q's low bits, so it must fall back to fp32. Position 3's key is channel 1
+    and position 20's channel 0; q's channel 0 is 1 + 2^-12 (1 in bf16) and channel 1 is 1, so only an
+    fp32 score keeps 20 above 3 (dropped bits tie them, and the tie keeps 3)."""
+    gen = torch.Generator().manual_seed(5)
+    lens = np.array([64], dtype=np.int32)
+    k, v = _cache("vllm-cpu", torch.float32, gen, 3)
+    table = np.array([[2, 1]], dtype=np.int32)
+    index_keys = torch.zeros(3, BS, 32, dtype=torch.bfloat16)
+    index_keys[2, 3, 1] = 1.0
+    index_keys[2, 20, 0] = 1.0
+    iq = torch.zeros(1, 1, 32)
+    iq[0, 0, 0], iq[0, 0, 1] = 1.0 + 2.0 ** -12, 1.0
+    index = IndexerStep(iq, torch.ones(1, 1), torch.zeros(1, 32))
+    program = DecodeProgram(kind="indexer", units=1, index_keys=index_keys)
+    q = torch.randn(1, HKV * G, D, generator=gen)
+    out = torch.empty(1, HKV * G, D)
+    DecodeLayerCall(k, v, program, num_q_heads=HKV * G, sm_scale=D ** -0.5).run(table, lens, q, out, index)
+    want, _ = decode_layer_naive(k, v, _twin(program), table, lens, q, sm_scale=D ** -0.5, index=index)
+    v20 = v[2, :, 20].repeat_interleave(G, dim=0)  # the one position attended: out is its V row
+    torch.testing.assert_close(want[0], v20, rtol=0, atol=0)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)

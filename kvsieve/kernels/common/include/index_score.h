@@ -1,13 +1,22 @@
 /* The DSA lightning indexer's score of cached positions, I[p] = sum over heads h, in order, of
  * w[h] * relu(q[h] . k[p]), over a paged pool of index keys (decode_layer.c's INDEXER program);
  * included, not compiled alone. The pool is [num_blocks, block_size, id] (bf16 or fp32, a row of id
- * channels a position); the math is fp32. */
+ * channels a position); the math is fp32. On a CPU with AVX512-BF16, a bf16 pool scored with a q of bf16
+ * values (as the plug-in's) takes the pairs pass: each product is the same exact fp32 value, added to the
+ * sum a channel pair at a time by the bf16 dot-product instruction, so a sum may differ from the fp32
+ * pass's in its last bits. */
 #ifndef KVSIEVE_INDEX_SCORE_H
 #define KVSIEVE_INDEX_SCORE_H
 #include <stdint.h>
 #include <string.h>
 
 #include "attend_runs.h"
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define INDEX_PAIRS 1 /* the CPU multiplies bf16 pairs and adds both products to an fp32 sum in one instruction */
+#else
+#define INDEX_PAIRS 0
+#endif
 
 #define INDEX_MAX_H 64 /* indexer heads the kernels take at most */
 #define INDEX_TILE 16 /* positions scored together (one f32x16) */
@@ -78,6 +87,65 @@ static void index_tile(const IndexPool* pool, const int64_t* blocks, int64_t p0,
   }
 }
 
+#if INDEX_PAIRS
+/* q [ih, id] as bf16 pairs for the pairs pass (a bf16 pool, id a multiple of 32):
+ * pairs[h * id / 2 + c] holds q[h][2c]'s bits in its low half and q[h][2c + 1]'s in its high half.
+ * Returns 0, and the fp32 pass scores every tile, when the pass does not apply or some element of q is
+ * not a bf16 value (the plug-in rounds q to the bf16 pool's precision: a bf16 q times a bf16 key is
+ * exact in fp32 either way). */
+static int index_q_pairs(const IndexPool* pool, const float* q, int ih, uint32_t* pairs) {
+  if (!pool->is_bf16 || pool->id % 32) return 0;
+  const int64_t n = (int64_t)ih * pool->id;
+  for (int64_t i = 0; i < n; i += 2) {
+    uint32_t lo, hi;
+    memcpy(&lo, q + i, sizeof(lo));
+    memcpy(&hi, q + i + 1, sizeof(hi));
+    if ((lo | hi) & 0xFFFFu) return 0;
+    pairs[i / 2] = (lo >> 16) | (hi & 0xFFFF0000u);
+  }
+  return 1;
+}
+
+/* The score of 16 positions [p0, p0 + 16) of one cache block from a bf16 pool, q as pairs
+ * (index_q_pairs): the rows transposed 16 x 16 lanes (a 32-bit lane, two channels, of each position),
+ * then per head one bf16 dot-product instruction a channel pair, which adds the pair's two exact
+ * products to the head's fp32 sum; heads in order as the fp32 pass. */
+static inline f32x16 index_tile_pairs(const IndexPool* pool, const int64_t* blocks, int64_t p0, const uint32_t* qp,
+                                      const float* w, int ih) {
+  const int np = pool->id / 2;
+  const int64_t bs = pool->block_size, row_bytes = (int64_t)pool->id * 2;
+  const char* base = (const char*)pool->keys + (blocks[p0 / bs] * bs + p0 % bs) * row_bytes;
+  __m512i cols[KV_MAX_D / 2];
+  for (int c0 = 0; c0 < np; c0 += 16) {
+    u32x16 r[16];
+    for (int t = 0; t < 16; ++t) memcpy(&r[t], base + t * row_bytes + c0 * 4, sizeof(u32x16));
+    transpose16(r);
+    for (int c = 0; c < 16; ++c) memcpy(&cols[c0 + c], &r[c], sizeof(r[c]));
+  }
+  f32x16 out = (f32x16){0};
+  for (int h0 = 0; h0 < ih; h0 += INDEX_HEADS_PASS) {
+    const int nh = ih - h0 < INDEX_HEADS_PASS ? ih - h0 : INDEX_HEADS_PASS;
+    const uint32_t* qh = qp + (int64_t)h0 * np;
+    __m512 acc[INDEX_HEADS_PASS];
+    for (int j = 0; j < INDEX_HEADS_PASS; ++j) acc[j] = _mm512_setzero_ps();
+#define PAIRS_PASS(NH)                                                                                    \
+  for (int c = 0; c < np; ++c)                                                                            \
+    for (int j = 0; j < (NH); ++j)                                                                        \
+      acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32((int)qh[(int64_t)j * np + c]), (__m512bh)cols[c]);
+    if (nh == INDEX_HEADS_PASS) PAIRS_PASS(INDEX_HEADS_PASS) /* a constant count: the sums stay in registers */
+    else PAIRS_PASS(nh)
+#undef PAIRS_PASS
+    for (int j = 0; j < nh; ++j) {
+      f32x16 a;
+      memcpy(&a, &acc[j], sizeof(a));
+      const f32x16 relu = (f32x16)((u32x16)a & (u32x16)(a > (f32x16){0}));
+      out += w[h0 + j] * relu;
+    }
+  }
+  return out;
+}
+#endif
+
 /* Ask for the keys of the tile at p0 (its positions below len) while earlier tiles are scored: blocks
  * lie anywhere in the pool, so the hardware's stream prefetch restarts at every block. */
 static inline void index_prefetch(const IndexPool* pool, const int64_t* blocks, int64_t p0, int64_t len) {
@@ -97,10 +165,21 @@ static void index_scores(const IndexPool* pool, const int64_t* blocks, int64_t l
                          int ih, int64_t t0, int64_t t1, float* score) {
   const int id = pool->id;
   f32x16 cols[KV_MAX_D]; /* a tile of 16 positions channel-major: a head's dots are a vector op a channel */
+#if INDEX_PAIRS
+  uint32_t qp[INDEX_MAX_H * KV_MAX_D / 2];
+  const int pairs = index_q_pairs(pool, q, ih, qp);
+#endif
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t p0 = t * INDEX_TILE;
     const int nt = (int)(len - p0 < INDEX_TILE ? len - p0 : INDEX_TILE);
     if (t + INDEX_PREFETCH < t1) index_prefetch(pool, blocks, (t + INDEX_PREFETCH) * INDEX_TILE, len);
+#if INDEX_PAIRS
+    if (pairs && nt == INDEX_TILE && p0 % pool->block_size + INDEX_TILE <= pool->block_size) {
+      const f32x16 out_t = index_tile_pairs(pool, blocks, p0, qp, w, ih);
+      memcpy(score + p0, &out_t, sizeof(out_t));
+      continue;
+    }
+#endif
     index_tile(pool, blocks, p0, nt, cols);
     f32x16 out_t = (f32x16){0};
     for (int h0 = 0; h0 < ih; h0 += INDEX_HEADS_PASS) { /* a channel feeds several heads' sums at once */

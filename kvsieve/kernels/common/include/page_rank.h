@@ -41,52 +41,56 @@ static uint64_t kth_largest(uint64_t* a, int64_t n, int64_t k) {
 #define RADIX_BITS 11 /* a narrowing pass's digit: 2,048 counts, 8 KB */
 #define RADIX_MIN 256 /* keys left to quickselect among */
 
-/* The k-th largest of the n keys rank_key(score[i], i), 0 < k <= n: passes of a radix select from the
- * top digit (every key counted by its digit, the k-th's digit found from the top, the keys of that
- * digit kept in keys) until at most RADIX_MIN keys remain, then kth_largest among them. Branch-light
- * where quickselect over all n mispredicts about every other comparison. keys: scratch of n. */
+/* The k-th largest of the n keys rank_key(score[i], i), 0 < k <= n: every key computed once into
+ * keys (a vector loop), then passes of a radix select from the top digit (every key left counted by
+ * its digit, the k-th's digit found from the top, the keys of that digit kept, branch-free) until at
+ * most RADIX_MIN keys remain, then kth_largest among them. Where quickselect over all n mispredicts
+ * about every other comparison. keys: scratch of n. */
 static uint64_t kth_largest_score(const float* score, int64_t n, int64_t k, uint64_t* keys) {
   uint32_t count[1 << RADIX_BITS];
+  const uint64_t mask = (1u << RADIX_BITS) - 1;
   int64_t m = n;
-  int shift = 64 - RADIX_BITS, first = 1; /* first: no pass ran yet (keys holds nothing) */
-  for (; m > RADIX_MIN && shift >= 0; first = 0, shift -= RADIX_BITS) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) keys[i] = rank_key(score[i], i);
+  for (int shift = 64 - RADIX_BITS; m > RADIX_MIN && shift >= 0; shift -= RADIX_BITS) {
     memset(count, 0, sizeof(count));
-    const uint64_t mask = (1u << RADIX_BITS) - 1;
-    if (first)
-      for (int64_t i = 0; i < n; ++i) ++count[(rank_key(score[i], i) >> shift) & mask];
-    else
-      for (int64_t i = 0; i < m; ++i) ++count[(keys[i] >> shift) & mask];
+    for (int64_t i = 0; i < m; ++i) ++count[(keys[i] >> shift) & mask];
     int64_t above = 0, digit = (int64_t)mask;
     while (above + count[digit] < k) above += count[digit--]; /* the k-th key's digit */
     const uint64_t want = (uint64_t)digit;
     int64_t kept = 0;
-    if (first) {
-      for (int64_t i = 0; i < n; ++i) {
-        const uint64_t key = rank_key(score[i], i);
-        if (((key >> shift) & mask) == want) keys[kept++] = key;
-      }
-    } else {
-      for (int64_t i = 0; i < m; ++i)
-        if (((keys[i] >> shift) & mask) == want) keys[kept++] = keys[i];
+    for (int64_t i = 0; i < m; ++i) {
+      const uint64_t key = keys[i];
+      keys[kept] = key;
+      kept += ((key >> shift) & mask) == want;
     }
     m = kept;
     k -= above;
   }
-  if (first) /* no pass ran: every key */
-    for (int64_t i = 0; i < n; ++i) keys[i] = rank_key(score[i], i);
   return kth_largest(keys, m, k);
 }
 
-/* The k best of score[0..n) (ties to the lower index) written ascending to out; returns k. */
+#define SELECT_CHUNK 64 /* positions whose comparisons one vector loop makes before they are written */
+
+/* The k best of score[0..n) (ties to the lower index) written ascending to out (room for k + 1);
+ * returns k. */
 static int64_t top_ascending(const float* score, int64_t n, int64_t k, uint64_t* keys, int32_t* out) {
   if (k >= n) {
     for (int64_t i = 0; i < n; ++i) out[i] = (int32_t)i;
     return n;
   }
   const uint64_t kth = kth_largest_score(score, n, k, keys);
-  int64_t m = 0;
-  for (int64_t i = 0; i < n && m < k; ++i)
-    if (rank_key(score[i], i) >= kth) out[m++] = (int32_t)i;
+  int64_t m = 0; /* exactly k keys are >= the k-th (keys are distinct) */
+  for (int64_t i0 = 0; i0 < n; i0 += SELECT_CHUNK) {
+    const int64_t i1 = n - i0 < SELECT_CHUNK ? n : i0 + SELECT_CHUNK;
+    uint8_t hit[SELECT_CHUNK];
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i) hit[i - i0] = rank_key(score[i], i) >= kth;
+    for (int64_t i = i0; i < i1; ++i) {
+      out[m] = (int32_t)i;
+      m += hit[i - i0];
+    }
+  }
   return m;
 }
 

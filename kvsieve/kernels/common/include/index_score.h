@@ -52,6 +52,27 @@ static inline __attribute__((always_inline)) void transpose16(u32x16 r[16]) {
 #undef TRANSPOSE_LEVEL
 }
 
+/* Whether the tile of nt positions from p0 is 16 consecutive rows of the pool (one cache block's). */
+static inline int tile_in_block(const IndexPool* pool, int64_t p0, int nt) {
+  return nt == INDEX_TILE && p0 % pool->block_size + INDEX_TILE <= pool->block_size;
+}
+
+/* Lanes [c0, c0 + 16) (32 bits each: one fp32 channel or two bf16 ones) of the 16 rows from p0
+ * (tile_in_block), transposed: r[c] lane t = lane c0 + c of position p0 + t. */
+static inline __attribute__((always_inline)) void tile_lanes(const IndexPool* pool, const int64_t* blocks,
+                                                             int64_t p0, int c0, u32x16 r[16]) {
+  const int64_t bs = pool->block_size, row_bytes = (int64_t)pool->id * (pool->is_bf16 ? 2 : 4);
+  const char* base = (const char*)pool->keys + (blocks[p0 / bs] * bs + p0 % bs) * row_bytes + c0 * 4;
+  for (int t = 0; t < 16; ++t) memcpy(&r[t], base + t * row_bytes, sizeof(u32x16));
+  transpose16(r);
+}
+
+/* out + w * relu(acc): one head's term of the score (heads added in order). */
+static inline f32x16 add_relu_weighted(f32x16 out, f32x16 acc, float w) {
+  const f32x16 relu = (f32x16)((u32x16)acc & (u32x16)(acc > (f32x16){0})); /* acc > 0 ? acc : 0 */
+  return out + w * relu;
+}
+
 /* Index keys of positions [p0, p0 + nt) (nt <= 16) as channel columns: cols[d] lane t = channel d of
  * position p0 + t (lanes past nt repeat position p0). Sixteen positions in one cache block are 16
  * consecutive rows of the pool, transposed 16 x 16 lanes at a time (a 32-bit lane holds two bf16
@@ -59,14 +80,11 @@ static inline __attribute__((always_inline)) void transpose16(u32x16 r[16]) {
 static void index_tile(const IndexPool* pool, const int64_t* blocks, int64_t p0, int nt, f32x16* cols) {
   const int id = pool->id;
   const int64_t bs = pool->block_size;
-  const int es = pool->is_bf16 ? 2 : 4, per_lane = 4 / es; /* bytes an element; channels in a 32-bit lane */
-  if (nt == INDEX_TILE && p0 % bs + INDEX_TILE <= bs && id % (16 * per_lane) == 0) {
-    const int64_t row_bytes = (int64_t)id * es;
-    const char* base = (const char*)pool->keys + (blocks[p0 / bs] * bs + p0 % bs) * row_bytes;
+  const int per_lane = pool->is_bf16 ? 2 : 1; /* channels in a 32-bit lane */
+  if (tile_in_block(pool, p0, nt) && id % (16 * per_lane) == 0) {
     for (int c0 = 0; c0 < id / per_lane; c0 += 16) { /* 16 lanes (16 or 32 channels) of the 16 rows */
       u32x16 r[16];
-      for (int t = 0; t < 16; ++t) memcpy(&r[t], base + t * row_bytes + c0 * 4, sizeof(u32x16));
-      transpose16(r);
+      tile_lanes(pool, blocks, p0, c0, r);
       for (int c = 0; c < 16; ++c) {
         if (pool->is_bf16) {
           const u32x16 lo = r[c] << 16, hi = r[c] & 0xFFFF0000u;
@@ -113,13 +131,10 @@ static int index_q_pairs(const IndexPool* pool, const float* q, int ih, uint32_t
 static inline f32x16 index_tile_pairs(const IndexPool* pool, const int64_t* blocks, int64_t p0, const uint32_t* qp,
                                       const float* w, int ih) {
   const int np = pool->id / 2;
-  const int64_t bs = pool->block_size, row_bytes = (int64_t)pool->id * 2;
-  const char* base = (const char*)pool->keys + (blocks[p0 / bs] * bs + p0 % bs) * row_bytes;
   __m512i cols[KV_MAX_D / 2];
   for (int c0 = 0; c0 < np; c0 += 16) {
     u32x16 r[16];
-    for (int t = 0; t < 16; ++t) memcpy(&r[t], base + t * row_bytes + c0 * 4, sizeof(u32x16));
-    transpose16(r);
+    tile_lanes(pool, blocks, p0, c0, r);
     for (int c = 0; c < 16; ++c) memcpy(&cols[c0 + c], &r[c], sizeof(r[c]));
   }
   f32x16 out = (f32x16){0};
@@ -138,8 +153,7 @@ static inline f32x16 index_tile_pairs(const IndexPool* pool, const int64_t* bloc
     for (int j = 0; j < nh; ++j) {
       f32x16 a;
       memcpy(&a, &acc[j], sizeof(a));
-      const f32x16 relu = (f32x16)((u32x16)a & (u32x16)(a > (f32x16){0}));
-      out += w[h0 + j] * relu;
+      out = add_relu_weighted(out, a, w[h0 + j]);
     }
   }
   return out;
@@ -174,7 +188,7 @@ static void index_scores(const IndexPool* pool, const int64_t* blocks, int64_t l
     const int nt = (int)(len - p0 < INDEX_TILE ? len - p0 : INDEX_TILE);
     if (t + INDEX_PREFETCH < t1) index_prefetch(pool, blocks, (t + INDEX_PREFETCH) * INDEX_TILE, len);
 #if INDEX_PAIRS
-    if (pairs && nt == INDEX_TILE && p0 % pool->block_size + INDEX_TILE <= pool->block_size) {
+    if (pairs && tile_in_block(pool, p0, nt)) {
       const f32x16 out_t = index_tile_pairs(pool, blocks, p0, qp, w, ih);
       memcpy(score + p0, &out_t, sizeof(out_t));
       continue;
@@ -194,10 +208,7 @@ static void index_scores(const IndexPool* pool, const int64_t* blocks, int64_t l
         for (int d = 0; d < id; ++d)
           for (int j = 0; j < nh; ++j) acc[j] += qh[(int64_t)j * id + d] * cols[d];
       }
-      for (int j = 0; j < nh; ++j) { /* heads in order */
-        const f32x16 relu = (f32x16)((u32x16)acc[j] & (u32x16)(acc[j] > (f32x16){0})); /* acc > 0 ? acc : 0 */
-        out_t += w[h0 + j] * relu;
-      }
+      for (int j = 0; j < nh; ++j) out_t = add_relu_weighted(out_t, acc[j], w[h0 + j]); /* heads in order */
     }
     memcpy(score + p0, &out_t, sizeof(float) * (size_t)nt);
   }

@@ -76,16 +76,15 @@ def _layer(g: Geometry, program: str, rows: int, table: np.ndarray, iq: torch.Te
         return k, v, DecodeProgram("pages", units=-(-units // BLOCK), unit=BLOCK, mode="bound", page_size=BLOCK,
                                    pool=pool)
     keys = torch.randn(blocks, BLOCK, INDEX_DIM, generator=gen)
-    if program == "indexer-clustered":
+    if program != "indexer-random":  # small keys, and row r's planted positions along its index query
         keys *= 0.1
         for r in range(rows):
-            for start in torch.randint(0, g.kv_len - 20, (24,), generator=gen).tolist():
-                for p in range(start, start + 20):
-                    keys[int(table[r, p // BLOCK]), p % BLOCK] = iq[r, 0]
-    elif program == "indexer-recorded":
-        keys *= 0.1
-        for r in range(rows):
-            for p in recorded[r % recorded.shape[0]].tolist():
+            if program == "indexer-clustered":
+                starts = torch.randint(0, g.kv_len - 20, (24,), generator=gen).tolist()
+                planted = [p for start in starts for p in range(start, start + 20)]
+            else:
+                planted = recorded[r % recorded.shape[0]].tolist()
+            for p in planted:
                 keys[int(table[r, p // BLOCK]), p % BLOCK] = iq[r, 0]
     return k, v, DecodeProgram("indexer", units=units, index_keys=keys.to(torch.bfloat16))
 
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, help="layers cycled (default: the geometry's)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--selections", help="real selections for indexer-recorded (benchmarks/dsa_k_lines.py --save)")
-    ap.add_argument("--selection-prompt", default="filler", help="which prompt's selections of that file")
+    ap.add_argument("--selection-prompt", help="which prompt's selections of that file (default: filler)")
     args = ap.parse_args(argv)
     g = GEOMETRIES[args.geometry]
     g = Geometry(g.kv_heads, g.group, g.head_dim, args.layers or g.layers, args.kv_len or g.kv_len)
@@ -151,14 +150,16 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown programs {unknown}; choose from {', '.join(PROGRAMS)}")
     recorded = None
     if args.selections:
+        prompt = args.selection_prompt or "filler"
         kept = torch.load(args.selections)
-        if args.selection_prompt not in kept:
-            ap.error(f"--selection-prompt {args.selection_prompt!r}: {args.selections} holds {sorted(kept)}")
-        recorded = kept[args.selection_prompt].long()
-        if int(recorded.max()) >= g.kv_len:
-            ap.error(f"{args.selections}: positions up to {int(recorded.max())}, beyond --kv-len {g.kv_len}")
-    elif "indexer-recorded" in programs:
-        ap.error("indexer-recorded needs --selections FILE")
+        if prompt not in kept:
+            ap.error(f"--selection-prompt {prompt!r}: {args.selections} holds {sorted(kept)}")
+        recorded = kept[prompt].long()
+        if int(recorded.min()) < 0 or int(recorded.max()) >= g.kv_len:
+            ap.error(f"{args.selections}: positions {int(recorded.min())}..{int(recorded.max())}, outside "
+                     f"[0, --kv-len {g.kv_len})")
+    elif "indexer-recorded" in programs or args.selection_prompt:
+        ap.error("indexer-recorded and --selection-prompt need --selections FILE")
     torch.set_num_threads(args.threads)
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     print(f"CPU {cpu_isa()}; threads {args.threads}; load average {load_average():.2f}")

@@ -77,4 +77,11 @@ def test_small_run_of_recorded_selections(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--kv-len", "600", "--programs", "indexer-recorded"])  # no file
     with pytest.raises(SystemExit):
+        main(["--kv-len", "600", "--programs", "streaming", "--selection-prompt", "essay"])  # a prompt of no file
+    negative = picked.clone()
+    negative[0, 0, 0] = -1
+    torch.save({"essay": negative}, tmp_path / "negative.pt")
+    with pytest.raises(SystemExit):
+        main(["--kv-len", "600", "--selections", str(tmp_path / "negative.pt"), "--selection-prompt", "essay"])
+    with pytest.raises(SystemExit):
         main([*argv[:-2], "--selections", str(tmp_path / "picked.pt"), "--kv-len", "500", "--selection-prompt", "essay"])

@@ -84,7 +84,7 @@ class IndexerProjectCall:
         """The message naming every tensor whose shape does not fit the others."""
         h, d, r, packed = self.n_heads, self.head_dim, self.rope_dim, self.packed
         n, wrong = h * d + h + d, []
-        width = packed.shape[1] if hidden is None and packed.dim() == 3 else None if hidden is None else hidden.shape[1]
+        width = hidden.shape[1] if hidden is not None else packed.shape[1] if packed.dim() == 3 else None
         if packed.dim() != 3 or packed.shape[1:] != (width, CHUNK) or packed.shape[0] * CHUNK < n:
             wrong.append(f"packed {tuple(packed.shape)} (want [>= {-(-n // CHUNK)}, {width}, {CHUNK}])")
         for name, v in (("norm_weight", self.norm_weight), ("norm_bias", self.norm_bias)):

@@ -2,7 +2,7 @@
 measurement behind docs/results/vllm.md's "The K lines a real selection touches").
 
     python benchmarks/dsa_k_lines.py --projections FILE [--model smollm2] [--prompt-tokens 8000]
-                                     [--rows 8] [--index-topk 512] [--prompt filler,essay] [--kernel-size 1]
+                                     [--rows 8] [--index-topk 512] [--prompt filler,essay]
 
 vLLM's CPU layout stores K by channel: a 64-byte line holds 32 consecutive bf16 tokens of one channel,
 so attending one token reads a line of every channel, and a selection's K traffic is the share of
@@ -10,8 +10,7 @@ so attending one token reads a line of every channel, and a selection's K traffi
 never straddles two). The model runs each prompt once through transformers. Each layer with
 projections gets its attention module's input, the hidden state the plug-in hands the indexer, which
 goes through the indexer's projections. The last ``--rows`` positions then each pick their
-``--index-topk`` best by the indexer's score (with ``--kernel-size``, the selector's ``kernel_size``: by the
-best score within ``kernel_size // 2`` positions). Keys and queries are rounded to bf16, as the served pool
+``--index-topk`` best by the indexer's score. Keys and queries are rounded to bf16, as the served pool
 holds them. Prompts:
 
 * ``filler``: ``benchmarks/vllm_cpu.py``'s repeated sentence;
@@ -37,19 +36,17 @@ from benchmarks._timing import cpu_isa  # noqa: E402
 from benchmarks.vllm_cpu import FILLER  # noqa: E402
 from kvsieve.eval.haystack import essays_text  # noqa: E402
 from kvsieve.eval.model import load_model  # noqa: E402
-from kvsieve.kernels.dsa_indexer.naive import pool_scores, score_keys  # noqa: E402
+from kvsieve.kernels.dsa_indexer.naive import score_keys  # noqa: E402
 from kvsieve.selectors.dsa.projections import load_projections, rope_cos_sin  # noqa: E402
 
 LINE_TOKENS = 32  # bf16 tokens of one channel in a 64-byte line
 
 
-def top_positions(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, k: int, kernel_size: int = 1) -> np.ndarray:
+def top_positions(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, k: int) -> np.ndarray:
     """The ``k`` positions of ``keys [T, D]`` with the best indexer score ``sum_h w[h] relu(q[h] . key)``
-    (``q [H, D]``, ``w [H]``; max-pooled over ``kernel_size``, as the selector pools; ties to the lower
-    position, the selector's rule), sorted; all of them when ``T <= k``."""
-    score = score_keys(q[None], keys, w[None], None)
-    score = pool_scores(score, torch.tensor([keys.shape[0]]), kernel_size)[0]
-    picked = torch.sort(score, descending=True, stable=True).indices[:k]  # ties to the lower position
+    (``q [H, D]``, ``w [H]``), sorted; all of them when ``T <= k``."""
+    score = score_keys(q[None], keys, w[None], None)[0]
+    picked = torch.topk(score, min(k, keys.shape[0])).indices
     return np.sort(picked.numpy())
 
 
@@ -75,7 +72,7 @@ def prompt_ids(kind: str, tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def measure(model: torch.nn.Module, ids: list[int], layers: dict, rows: int, topk: int, kernel_size: int = 1) -> dict:
+def measure(model: torch.nn.Module, ids: list[int], layers: dict, rows: int, topk: int) -> dict:
     """Lines touched and runs of the last ``rows`` positions' selections on every layer of ``layers``, and
     the selections (``"picked"``: int32 ``[len(layers), rows, min(topk, len(ids) - rows + 1)]``)."""
     caught: dict[int, torch.Tensor] = {}
@@ -97,7 +94,7 @@ def measure(model: torch.nn.Module, ids: list[int], layers: dict, rows: int, top
             q, k, w = p(caught[i].float(), positions, None, cos, sin)
         q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
         for t in range(n - rows, n):
-            picked = top_positions(q[t], w[t], k[: t + 1], topk, kernel_size)
+            picked = top_positions(q[t], w[t], k[: t + 1], topk)
             picks.append(picked[: min(topk, n - rows + 1)])
             shares.append(lines_touched(picked, t + 1))
             counts.append(runs(picked))
@@ -115,21 +112,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--index-topk", type=int, default=512)
     ap.add_argument("--prompt", default="filler,essay")
     ap.add_argument("--save", help="write the selections here (torch.save)")
-    ap.add_argument("--kernel-size", type=int, default=1, help="the dsa selector's kernel_size (odd; 1: no pooling)")
     args = ap.parse_args(argv)
     if args.rows < 1 or args.rows > args.prompt_tokens or args.index_topk < 1:
         ap.error("--rows must be in [1, --prompt-tokens] and --index-topk >= 1")
-    if args.kernel_size < 1 or args.kernel_size % 2 == 0:
-        ap.error(f"--kernel-size must be odd (1, 3, 5, ...), got {args.kernel_size}")
     loaded = load_model(args.model)
     layers, _ = load_projections(args.projections)
     print(f"CPU {cpu_isa()}; load {os.getloadavg()[0]:.2f}; {args.model}, {len(layers)} layers, "
-          f"top {args.index_topk} of {args.prompt_tokens} (kernel_size {args.kernel_size}), last {args.rows} positions",
-          flush=True)
+          f"top {args.index_topk} of {args.prompt_tokens}, last {args.rows} positions", flush=True)
     kept = {}
     for kind in args.prompt.split(","):
         r = measure(loaded.model, prompt_ids(kind, loaded.tokenizer, args.prompt_tokens), layers, args.rows,
-                    args.index_topk, args.kernel_size)
+                    args.index_topk)
         print(f"{kind}: K lines touched {r['mean']:.3f} (by layer and row {r['min']:.3f}-{r['max']:.3f}); "
               f"runs per selection {r['runs']:.0f}; a random selection would touch {r['random']:.3f}", flush=True)
         kept[kind] = r["picked"]

@@ -46,19 +46,13 @@ class Rig:
             t0 += n
         return self.layer.last.params
 
-    def expected(self, rid, n_last, kernel_size=1):
-        """Radix top-k of fp32 logits computed from the remembered tensors, last ``n_last`` rows; with
-        ``kernel_size`` each visible position's logit is first the largest within ``kernel_size // 2``
-        (windows of the padded row, ``unfold``)."""
+    def expected(self, rid, n_last):
+        """Radix top-k of fp32 logits computed from the remembered tensors, last ``n_last`` rows."""
         q, k, w = (torch.cat(x) for x in zip(*self.hist[rid]))
         total = k.shape[0]
         logits = torch.einsum("th,ths->ts", w, torch.einsum("thd,sd->ths", q, k).relu())[-n_last:]
         lens = torch.arange(total - n_last, total, dtype=torch.int32) + 1
-        past = torch.arange(total) >= lens[:, None]
-        logits = logits.masked_fill(past, float("-inf"))
-        if kernel_size > 1:
-            padded = torch.nn.functional.pad(logits, (kernel_size // 2,) * 2, value=float("-inf"))
-            logits = padded.unfold(1, kernel_size, 1).amax(-1).masked_fill(past, float("-inf"))
+        logits = logits.masked_fill(torch.arange(total) >= lens[:, None], float("-inf"))
         return radix_topk(logits.contiguous(), lens, TOPK)
 
 
@@ -89,23 +83,6 @@ def test_selection_equals_exact_topk(cfg):
     assert all(len(s) == min(TOPK, pos + 1) for s, pos in zip(got[40:], range(60)))
     assert rig.selector.stats.indexed_steps == 3 and rig.selector.stats.short_path_steps == 0
     assert rig.selector.topk_engine == cfg.get("topk_engine", "torch")
-
-
-@pytest.mark.parametrize("kernel_size", [3, 7])
-def test_pooled_selection_equals_top_k_of_neighbourhood_maxima(kernel_size):
-    """``kernel_size`` ranks each token by the largest index logit within ``kernel_size // 2`` of it
-    (SnapKV's max pooling): the selection is the exact top-k of those maxima, in prefill and decode, and
-    it differs from the unpooled selection (clusters of neighbours instead of scattered tokens)."""
-    rig = Rig(index_k_dtype="float32", kernel_size=kernel_size)
-    p = rig.step([0], [90], 1)
-    d = rig.step([0], [1], 0)
-    got = _sets(p, range(90)) + _sets(d, range(1))
-    want = [{int(x) for x in row if x >= 0} for row in rig.expected(0, 91, kernel_size)]
-    plain = [{int(x) for x in row if x >= 0} for row in rig.expected(0, 91)]
-    assert _overlap(got, want) > 0.995  # fp32 rounding only
-    assert _overlap(got[TOPK:], plain[TOPK:]) < 0.9
-    runs = sum(len({s - 1 for s in row} - row) for row in got[TOPK:])  # run starts: fewer with pooling
-    assert runs < sum(len({s - 1 for s in row} - row) for row in plain[TOPK:])
 
 
 @pytest.mark.parametrize("k_dtype", ["bfloat16", "float8_e4m3"])
@@ -148,10 +125,6 @@ def test_missing_inputs_and_bad_config():
         create_selector("dsa", index_k_dtype="int4")
     with pytest.raises(ValueError, match="compress_ratio"):
         create_selector("dsa", compress_ratio=4)
-    with pytest.raises(ValueError, match="dsa.kernel_size must be odd"):
-        create_selector("dsa", kernel_size=4)
-    with pytest.raises(ValueError, match="dsa.kernel_size=3 with top_p"):
-        create_selector("dsa", kernel_size=3, top_p=0.9)
     with pytest.raises(ValueError, match="rope_dim"):
         create_selector("dsa", head_dim=32, rope_dim=48)
     with pytest.raises(ValueError, match="cute_gvr"):

@@ -32,7 +32,6 @@ PROGRAMS = {
     "blocks-64": dict(kind="blocks_exact", units=2, unit=64, mode="max", local_units=1),
     "blocks-bound": dict(kind="blocks_bound", units=3, unit=32, page_size=16, local_units=1),
     "indexer": dict(kind="indexer", units=24),
-    "indexer-pooled": dict(kind="indexer", units=24, kernel_size=5),
 }
 
 
@@ -282,15 +281,13 @@ def _index_scores(program: DecodeProgram, table: np.ndarray, lens: np.ndarray, i
     return scores
 
 
-@pytest.mark.parametrize("kernel_size", [1, 7])
 @pytest.mark.parametrize("units", [300, 700, 2999, "tie-group-end"])
-def test_indexer_top_k_through_exact_ties(units, kernel_size):
+def test_indexer_top_k_through_exact_ties(units):
     """Index keys and queries of -1, 0 and 1 with unit weights give integer scores, so hundreds of
     positions tie at the k-th score, and many at 0 (relu): the kernel's top-k (a radix select over
     digits of the scores' order keys, then a quickselect among the few left) keeps the lower positions
     of a tie, as the plain-PyTorch twin does; also with k ending a tie group of the first row (the
-    positions above its score plus all of its ties), and with the scores max-pooled (``kernel_size``: wider
-    tie groups still). Rows past the select's 256-key cutoff."""
+    positions above its score plus all of its ties). Rows past the select's 256-key cutoff."""
     gen = torch.Generator().manual_seed(21)
     lens = np.array([3000, 1300], dtype=np.int32)
     per = -(-int(lens.max()) // BS)
@@ -304,7 +301,7 @@ def test_indexer_top_k_through_exact_ties(units, kernel_size):
         units = int((scores[0] >= scores[0].median()).sum())
     for score in scores:  # the k-th score ties
         assert (score == score.sort(descending=True).values[min(units, len(score)) - 1]).sum() > 1
-    program = DecodeProgram(kind="indexer", units=units, index_keys=index_keys, kernel_size=kernel_size)
+    program = DecodeProgram(kind="indexer", units=units, index_keys=index_keys)
     q = torch.randn(2, HKV * G, D, generator=gen)
     twin = _twin(program)
     out = torch.empty(2, HKV * G, D)
@@ -337,36 +334,3 @@ def test_indexer_q_off_the_bf16_grid_is_scored_in_fp32():
     v20 = v[2, :, 20].repeat_interleave(G, dim=0)  # the one position attended: out is its V row
     torch.testing.assert_close(want[0], v20, rtol=0, atol=0)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("radius", [1, 4])
-def test_indexer_pooled_selection_is_the_peaks_neighbourhood(radius):
-    """With ``kernel_size = 2 * radius + 1`` the kernel ranks each position by the best score within
-    ``radius`` of it: one key far above the rest (position 70 of 100) and ``kernel_size`` units attend
-    exactly 70 +- radius,
-    where without pooling the same budget keeps the peak and the next best positions elsewhere."""
-    gen = torch.Generator().manual_seed(9)
-    lens = np.array([100], dtype=np.int32)
-    k, v = _cache("vllm-cpu", torch.float32, gen, 5)
-    table = np.array([[3, 1, 4, 2]], dtype=np.int32)
-    index_keys = (torch.rand(5, BS, 32, generator=gen) * 0.1).to(torch.bfloat16)
-    index_keys[int(table[0, 70 // BS]), 70 % BS] = 8.0
-    index = IndexerStep(torch.ones(1, 1, 32), torch.ones(1, 1), torch.zeros(1, 32))
-    q = torch.randn(1, HKV * G, D, generator=gen)
-    units = 2 * radius + 1
-    got = {}
-    for r in (0, radius):
-        program = DecodeProgram(kind="indexer", units=units, index_keys=index_keys.clone(), kernel_size=2 * r + 1)
-        out = torch.empty(1, HKV * G, D)
-        DecodeLayerCall(k, v, program, num_q_heads=HKV * G, sm_scale=D ** -0.5).run(table, lens, q, out, index)
-        want, _ = decode_layer_naive(k, v, _twin(program), table, lens, q, sm_scale=D ** -0.5, index=index)
-        torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
-        got[r] = out
-    pos = torch.arange(70 - radius, 71 + radius)
-    blk = torch.from_numpy(table[0].astype(np.int64))[pos // BS]
-    keys, values = k[blk, :, pos % BS].float(), v[blk, :, pos % BS].float()  # [units, Hkv, D]
-    qn = q[0].view(HKV, G, D)
-    for h in range(HKV):
-        att = torch.softmax(qn[h] @ keys[:, h].T * D ** -0.5, dim=-1)
-        torch.testing.assert_close(got[radius][0, h * G:(h + 1) * G], att @ values[:, h], rtol=2e-5, atol=2e-5)
-    assert not torch.allclose(got[0], got[radius])  # unpooled, the budget goes elsewhere

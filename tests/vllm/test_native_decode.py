@@ -42,7 +42,6 @@ SELECTORS = [
     ("block_select", {"block_size": 16, "topk_blocks": 4, "init_blocks": 1, "score_type": "mean"}),
     ("block_select", {"block_size": 64, "topk_blocks": 2, "scoring": "summary"}),
     ("dsa", {"index_topk": 48}),
-    ("dsa", {"index_topk": 48, "kernel_size": 5}),
 ]
 
 

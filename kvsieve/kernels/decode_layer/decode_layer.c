@@ -14,9 +14,9 @@
  *                 local_units forced; keep min(units, blocks).
  *   BLOCKS_BOUND  the same from page min/max summaries (Quest's bound, group max); the newest page
  *                 refreshed first.
- *   INDEXER       DSA: write this token's index key, score I[s] = sum_h w[h] relu(q[h] . k[s]), with
- *                 kernel_size > 1 rank s by the largest I within kernel_size / 2 of it, keep the `units`
- *                 best positions (every position when there are no more); one set for every KV head.
+ *   INDEXER       DSA: write this token's index key, score I[s] = sum_h w[h] relu(q[h] . k[s]), keep
+ *                 the `units` best positions (every position when there are no more); one set for
+ *                 every KV head.
  * Ties rank the lower unit first. K/V/pools are read where they lie (bf16 or fp32); the math is fp32.
  * Threads (OpenMP, torch's own runtime and thread count): a call with at least as many rows as threads
  * gives each thread whole rows; otherwise each row's team shares it (DSA's scores by tiles; each
@@ -69,7 +69,7 @@ typedef struct {
   const float* iq;
   const float* iw;
   const float* ik_new;
-  int32_t ik_bf16, id, kernel_size; /* odd: positions ranked by the largest score within kernel_size / 2 */
+  int32_t ik_bf16, id;
   /* out: positions each (row, KV head) attends [n_rows, hkv] */
   int64_t* attended;
   /* threads sharing the call (0: OpenMP's default, torch's thread count) */
@@ -343,12 +343,7 @@ static void index_select(const DecodeLayerArgs* a, int64_t n, const int64_t* blo
       for (int64_t p = 0; p < len; ++p) s->sel[p] = (int32_t)p;
       m[0] = len;
     } else {
-      const float* ranked = s->scores;
-      if (a->kernel_size > 1) { /* scratch holds 3 * n_max scores or more */
-        pool_max(s->scores, len, a->kernel_size / 2, s->scores + n_max);
-        ranked = s->scores + n_max;
-      }
-      m[0] = top_ascending(ranked, len, a->units, s->keys, s->sel);
+      m[0] = top_ascending(s->scores, len, a->units, s->keys, s->sel);
     }
     for (int h = 1; h < a->hkv; ++h) {
       memcpy(s->sel + h * n_max, s->sel, sizeof(int32_t) * (size_t)m[0]);
@@ -470,7 +465,6 @@ int kvsieve_decode_layer(const DecodeLayerArgs* a) {
   if (!((a->k_ch == 1 && a->k_tok == D) || a->k_tok == 1)) return ERR_SHAPE; /* K rows of D, or by channel */
   if (a->kind == KIND_INDEXER && (a->id < 1 || a->id > KV_MAX_D || a->ih < 1 || a->ih > INDEX_MAX_H || a->unit != 1))
     return ERR_SHAPE;
-  if (a->kernel_size < 1 || a->kernel_size % 2 == 0 || (a->kernel_size > 1 && a->kind != KIND_INDEXER)) return ERR_SHAPE;
   if ((a->kind == KIND_PAGES || a->kind == KIND_BLOCKS_BOUND)
       && (a->page_size < 1 || a->block_size % a->page_size || a->block_size / a->page_size != a->pool_sub
           || (a->kind == KIND_PAGES && a->unit != a->page_size) || (a->kind == KIND_BLOCKS_BOUND && a->unit % a->page_size)))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dsa_indexer.naive import pool_scores
 from .plan import DecodeProgram, IndexerStep
 
 __all__ = ["decode_layer_device"]
@@ -96,7 +95,7 @@ def _select(program: DecodeProgram, k: torch.Tensor, table: torch.Tensor, lens: 
     if p.kind == "indexer":
         keys = p.index_keys[table].float().flatten(1, 2)  # [B, L, Di]
         score = torch.einsum("bhd,bld->bhl", index.q, keys).relu()
-        score = pool_scores(torch.einsum("bh,bhl->bl", index.weights, score), lens, p.kernel_size)
+        score = torch.einsum("bh,bhl->bl", index.weights, score).masked_fill(~visible, float("-inf"))
         idx, ok = _top_stable(score, min(p.units, w * bs))
         return idx[:, None].expand(-1, hkv, -1), ok[:, None].expand(-1, hkv, -1)
     u = torch.arange(cap, device=dev)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..dsa_indexer.naive import pool_scores
 from .plan import DecodeProgram, IndexerStep
 
 __all__ = ["decode_layer_naive"]
@@ -58,7 +57,7 @@ def _select(program: DecodeProgram, qn: torch.Tensor, keys: torch.Tensor, blocks
         iq, iw = index
         ik = torch.stack([p.index_keys[int(blocks[s // block_size]), s % block_size] for s in range(length)]).float()
         score = (iw[:, None] * (iq @ ik.T).relu()).sum(0)
-        return _top(pool_scores(score[None], torch.tensor([length]), p.kernel_size)[0], p.units)
+        return _top(score, p.units)
     qg = qn[h].float()
     if p.kind == "pages":
         summ = _page_rows(p, blocks, n_units, block_size)[:, h]  # [n, 2, D]

@@ -35,7 +35,7 @@ class _Args(ctypes.Structure):
         ("kind", _I32), ("mode", _I32), ("unit", _I32), ("num_sink", _I32), ("init_units", _I32),
         ("local_units", _I32), ("units", _I64),
         ("pool", _P), ("pool_bf16", _I32), ("pool_sub", _I32), ("page_size", _I32), ("ih", _I32),
-        ("ik", _P), ("iq", _P), ("iw", _P), ("ik_new", _P), ("ik_bf16", _I32), ("id", _I32), ("kernel_size", _I32),
+        ("ik", _P), ("iq", _P), ("iw", _P), ("ik_new", _P), ("ik_bf16", _I32), ("id", _I32),
         ("attended", _P), ("threads", _I32),
     ]
 
@@ -89,7 +89,6 @@ class DecodeLayerCall:
                                                             p.pool.shape[2], p.page_size)
         if p.index_keys is not None:
             a.ik, a.ik_bf16, a.id = p.index_keys.data_ptr(), int(p.index_keys.dtype == torch.bfloat16), p.index_keys.shape[-1]
-        a.kernel_size = p.kernel_size
         self._args = a
         self._ref = ctypes.byref(a)
 

@@ -23,9 +23,7 @@ class DecodeProgram:
     ``pool``: the layer's page-summary pool ``[num_blocks, Hkv, S, 2, D]`` (bf16 or fp32; pages of
     ``page_size`` tokens, ``S`` per cache block), for ``pages`` and ``blocks_bound``; ``index_keys``:
     the layer's indexer key pool ``[num_blocks, block_size, index_dim]`` (bf16 or fp32), for
-    ``indexer``, whose per-step inputs come with each call (:class:`IndexerStep`); ``kernel_size``
-    (``indexer`` only, odd): positions ranked by the largest score within ``kernel_size // 2`` of them
-    (:func:`~kvsieve.kernels.dsa_indexer.naive.pool_scores`; 1: their own)."""
+    ``indexer``, whose per-step inputs come with each call (:class:`IndexerStep`)."""
 
     kind: str
     units: int
@@ -37,14 +35,10 @@ class DecodeProgram:
     pool: torch.Tensor | None = None
     page_size: int = 0
     index_keys: torch.Tensor | None = None
-    kernel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"decode program kind must be one of {sorted(KINDS)}, got {self.kind!r}")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0 or (self.kernel_size > 1 and self.kind != "indexer"):
-            raise ValueError(f"decode program {self.kind!r}: kernel_size must be odd and is above 1 for 'indexer' "
-                             f"only, got {self.kernel_size}")
         modes = _KIND_MODES.get(self.kind, (None,))
         if self.mode not in modes:  # a mode another kind takes would be read as this kind's (same code)
             raise ValueError(f"decode program {self.kind!r} takes mode {' or '.join(map(repr, modes))}, "

@@ -12,7 +12,7 @@ import torch
 
 from .plan import check_decode_args, check_prefill_args
 
-__all__ = ["indexer_logits_prefill", "indexer_logits_decode", "pool_scores", "score_keys"]
+__all__ = ["indexer_logits_prefill", "indexer_logits_decode", "score_keys"]
 
 # Rows are scored in chunks whose per-row intermediate (gathered keys, or the ``[rows, H, L]``
 # scores where all rows share their keys) holds about this many elements (4 MB in fp32), so it
@@ -106,17 +106,3 @@ def indexer_logits_decode(q: torch.Tensor, k_cache: torch.Tensor, k_scale_cache:
         scale = None if k_scale_cache is None else k_scale_cache.index_select(0, blk).view(r1 - r0, -1)[:, :width]
         out[r0:r1] = score_keys(q[r0:r1], keys, weights[r0:r1], scale)
     return _mask(out, kv_lens)
-
-
-def pool_scores(scores: torch.Tensor, lens: torch.Tensor, kernel_size: int) -> torch.Tensor:
-    """fp32 ``[n, width]``: each visible position's largest score within ``h = kernel_size // 2``
-    positions (``max(scores[r, max(s - h, 0): min(s + h + 1, lens[r])])``; SnapKV's max pooling, odd
-    ``kernel_size``) of ``scores [n, width]``
-    (``lens [n]`` visible each); past ``lens`` the pooled row holds ``-inf``. A maximum, so every
-    order of evaluation gives the same values (``decode_layer.c``'s ``pool_max`` is this pass)."""
-    if scores.shape[1] == 0:
-        return scores.float()
-    valid = torch.arange(scores.shape[1], device=scores.device) < lens.unsqueeze(1)
-    x = scores.float().masked_fill(~valid, float("-inf")).unsqueeze(1)
-    pooled = torch.nn.functional.max_pool1d(x, kernel_size, stride=1, padding=kernel_size // 2).squeeze(1)
-    return pooled.masked_fill(~valid, float("-inf"))

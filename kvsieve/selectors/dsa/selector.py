@@ -26,14 +26,6 @@ of ``kvsieve distill-indexer``). Per query token the ``index_topk`` best tokens 
 descending ``I`` (ties to the lower position) and the list stops once the mass before the next
 token reaches ``top_p``; the indexer is per token, so every KV head keeps the same set. The
 short-sequence fast path is off with ``top_p`` (the cut needs the logits).
-
-Neighbourhood pooling (``kernel_size``, beyond DeepSeek-V3.2; SnapKV's max pooling of its votes,
-arXiv 2404.14469): with an odd ``kernel_size`` above 1 each visible token is ranked by the largest
-logit within ``kernel_size // 2`` positions of it
-(:func:`~kvsieve.kernels.dsa_indexer.naive.pool_scores`), so a token the indexer ranks high brings
-its neighbours: the budget goes to runs around the best tokens instead of scattered ones. A
-maximum, so every path (the engines' top-k, the native decode kernel, the GPU decode path) ranks
-the same values.
 """
 from __future__ import annotations
 
@@ -46,7 +38,6 @@ from torch import nn
 
 from ...kernels.common.native import NativeUnavailable
 from ...kernels.decode_layer.plan import DecodeProgram, IndexerStep
-from ...kernels.dsa_indexer.naive import pool_scores
 from ...kernels.indexer_project.native import IndexerProjectCall, pack_weight
 from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
@@ -77,8 +68,7 @@ class DSAConfig:
     ``radix``, ``gvr``, ``cute_gvr``) and ``logits_kernel`` (``auto``: Triton on CUDA, reference
     on CPU) are decided for ``device``; ``projections``: a file from ``kvsieve distill-indexer``;
     ``max_logits_elems`` bounds one logits chunk (rows x width fp32); ``top_p`` (``None``) turns
-    ``index_topk`` into a cap (module docstring); ``kernel_size`` (odd; 1: off) ranks each token by
-    the largest index score within ``kernel_size // 2`` positions of it (module docstring)."""
+    ``index_topk`` into a cap (module docstring)."""
 
     index_topk: int = knob(2048, ge=1)
     n_heads: int | None = knob(None, ge=1)
@@ -94,7 +84,6 @@ class DSAConfig:
     projections: str | None = None
     max_logits_elems: int = knob(1 << 26, ge=1)
     top_p: float | None = top_p_knob()
-    kernel_size: int = knob(1, ge=1)
 
     def __post_init__(self) -> None:
         check_knobs(self, "dsa")
@@ -106,11 +95,6 @@ class DSAConfig:
             elif stored is not None and value != stored:
                 raise KnobError(f"dsa.{name}={value!r} contradicts the projections file {self.projections} "
                                 f"({name}={stored!r}); leave it unset to take the file's")
-        if self.kernel_size % 2 == 0:
-            raise KnobError(f"dsa.kernel_size must be odd (1, 3, 5, ...), got {self.kernel_size}")
-        if self.kernel_size > 1 and self.top_p is not None:
-            raise KnobError(f"dsa.kernel_size={self.kernel_size} with top_p: the top_p cut reads each token's "
-                            "own estimated mass, which pooling replaces; use one of them")
         if self.rope_dim > self.head_dim or self.rope_dim % 2:
             raise KnobError(f"dsa.rope_dim must be even and <= head_dim={self.head_dim}, got {self.rope_dim}")
         if self.compress_ratio != 1:
@@ -274,7 +258,7 @@ class DSASelector(SparseSelector):
         if c.top_p is not None or self.k_dtype not in (torch.bfloat16, torch.float32) or layer_idx not in self.projections:
             return None
         pool = cache.add_aux_pool(INDEX_K_POOL, (cache.tokens_per_block, c.head_dim), self.k_dtype)[layer_idx]
-        return DecodeProgram("indexer", units=c.index_topk, index_keys=pool, kernel_size=c.kernel_size)
+        return DecodeProgram("indexer", units=c.index_topk, index_keys=pool)
 
     def decode_step_inputs(self, layer_idx: int, model_inputs: IndexerInputs, positions: torch.Tensor) -> IndexerStep:
         """The rows' index queries rounded to the key pool's dtype (as ``on_append`` rounds them),
@@ -351,9 +335,6 @@ class DSASelector(SparseSelector):
         out = torch.empty(inputs.num_rows, self.config.index_topk, dtype=torch.int32, device=lens.device)
         for rows, logits in self._logits_chunks(inputs, q, w, k_pool, s_pool):
             logits = inputs.mask_outside_window(logits, lens[rows])
-            if self.config.kernel_size > 1:
-                logits = inputs.mask_outside_window(pool_scores(logits, lens[rows], self.config.kernel_size),
-                                                    lens[rows])
             picked = run_topk(self._workspace, logits, lens[rows].contiguous())
             if self.config.top_p is not None:
                 picked = _top_p_tokens(picked, logits, lens[rows], self.config.top_p)

@@ -214,18 +214,4 @@ static void index_scores(const IndexPool* pool, const int64_t* blocks, int64_t l
   }
 }
 
-/* out[s] = the largest of score[max(s - r, 0) .. min(s + r, n - 1)]: each position ranked by its
- * neighbourhood's best score (the DSA selector's kernel_size = 2r + 1; dsa_indexer/naive.py's pool_scores). A
- * maximum of the same values in any order, so the reference's equal bit for bit (-0.0 and +0.0 rank as
- * one value). Each shift is one vector loop; r is small. */
-static void pool_max(const float* score, int64_t n, int r, float* out) {
-  memcpy(out, score, sizeof(float) * (size_t)n);
-  for (int j = 1; j <= r && j < n; ++j) {
-#pragma omp simd
-    for (int64_t s = j; s < n; ++s) out[s] = score[s - j] > out[s] ? score[s - j] : out[s];
-#pragma omp simd
-    for (int64_t s = 0; s < n - j; ++s) out[s] = score[s + j] > out[s] ? score[s + j] : out[s];
-  }
-}
-
 #endif

@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"unknown programs {unknown}; choose from {', '.join(PROGRAMS)}")
     recorded = None
+    if args.selections and "indexer-recorded" not in programs:
+        ap.error("--selections is read by indexer-recorded only; add it to --programs")
     if args.selections:
         prompt = args.selection_prompt or "filler"
         kept = torch.load(args.selections)

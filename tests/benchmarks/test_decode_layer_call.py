@@ -78,6 +78,8 @@ def test_small_run_of_recorded_selections(tmp_path, capsys) -> None:
         main(["--kv-len", "600", "--programs", "indexer-recorded"])  # no file
     with pytest.raises(SystemExit):
         main(["--kv-len", "600", "--programs", "streaming", "--selection-prompt", "essay"])  # a prompt of no file
+    with pytest.raises(SystemExit):
+        main([*argv, "--selection-prompt", "essay", "--programs", "streaming"])  # selections nothing reads
     negative = picked.clone()
     negative[0, 0, 0] = -1
     torch.save({"essay": negative}, tmp_path / "negative.pt")

@@ -120,3 +120,31 @@ def test_collect_samples_the_tail_rows_and_never_trains_on_held_out_essays():
         assert torch.equal(w.ids, ids)
         assert set(range(w.tail_start, 900)) <= set(got.rows.tolist()) and len(got.rows) == 400
         assert 900 - w.tail_start < 400  # prose rows were drawn besides the tail
+
+
+def test_more_windows_than_one_pass_take_the_essays_in_other_orders():
+    """Past the windows one pass of the essays holds, further passes cut the same (training) essays
+    in other seeded orders: the first pass is the windows a smaller count gets, every window's
+    essay text is a run of one order's stream, and the later passes' windows are new text runs."""
+    from kvsieve.selectors.common.text_windows import window_capacity
+
+    tok, docs = ByteTokenizer(), _essays(8, sentences=15)  # a window spans several essays
+    per_pass = window_capacity(tok, docs, 1200)
+    assert per_pass == len(" ".join(d.text for d in docs)) // 1200 >= 2
+    few = retrieval_windows(tok, docs, 1200, per_pass, 3, seed=0)
+    many = retrieval_windows(tok, docs, 1200, 2 * per_pass + 1, 3, seed=0)
+    assert len(many) == 2 * per_pass + 1
+    assert all(torch.equal(a.ids, b.ids) and a.facts == b.facts for a, b in zip(few, many))
+    again = retrieval_windows(tok, docs, 1200, 2 * per_pass + 1, 3, seed=0)
+    assert all(torch.equal(a.ids, b.ids) for a, b in zip(many, again))  # deterministic in the seed
+    stream = " ".join(d.text for d in docs[::-1])
+    rests = []
+    for w in many:
+        ids = w.ids[0].tolist()
+        rest = [t for j, t in enumerate(ids[: w.tail_start]) if not any(a <= j < b for a, b in w.fact_spans)]
+        rests.append(tok.decode(rest))
+    assert all(r in stream for r in rests[:per_pass])
+    assert not all(r in stream for r in rests[per_pass:])  # other neighbours: not runs of the first order
+    for r in rests[per_pass:]:  # yet only the given essays' sentences
+        assert set(re.findall(r"Essay (\d+) ", r)) <= {str(i) for i in range(8)}
+    assert len(set(rests)) == len(rests)

@@ -10,7 +10,7 @@ import torch
 
 from ...sparse.prepare import Document
 
-__all__ = ["split_documents", "special_prefix", "token_windows"]
+__all__ = ["split_documents", "special_prefix", "token_windows", "window_capacity"]
 
 _MAX_CHARS_PER_TOKEN = 12  # enough text is read for this many characters per token
 
@@ -58,3 +58,11 @@ def token_windows(tokenizer: Any, docs: list[Document], seq_len: int, count: int
         raise ValueError(f"token_windows: {len(docs)} documents give {len(ids)} tokens; {count} windows of "
                          f"{seq_len} need {count * body}")
     return [torch.tensor(prefix + ids[j * body: (j + 1) * body]).unsqueeze(0) for j in range(count)]
+
+
+def window_capacity(tokenizer: Any, docs: list[Document], seq_len: int) -> int:
+    """How many windows :func:`token_windows` can cut from all of ``docs`` at ``seq_len``."""
+    body = seq_len - len(special_prefix(tokenizer))
+    if body < 1:
+        raise ValueError(f"window_capacity: seq_len {seq_len} leaves no room after the special prefix")
+    return len(tokenizer.encode(" ".join(d.text for d in docs), add_special_tokens=False)) // body

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ...sparse.prepare import Document
-from ..common.text_windows import special_prefix, token_windows
+from ..common.text_windows import special_prefix, token_windows, window_capacity
 
 __all__ = ["RetrievalWindow", "retrieval_windows", "make_fact", "PROJECTS", "PEOPLE", "CODE_WORDS"]
 
@@ -106,18 +106,28 @@ def _build(tokenizer: Any, prefix: list[int], body: list[int], facts: int, rng: 
 def retrieval_windows(tokenizer: Any, docs: list[Document], seq_len: int, count: int, facts: int,
                       seed: int) -> list[RetrievalWindow]:
     """``count`` retrieval windows of exactly ``seq_len`` tokens (module docstring) cut from the
-    essays among ``docs`` (pass the training documents only), taken in reverse order so that their
-    windows start elsewhere than the prose windows of the same essays. Deterministic in ``seed``.
-    Refuses when the essays hold fewer tokens than asked for or the facts leave less than half of
-    a window to the essay text."""
+    essays among ``docs`` (pass the training documents only). The first pass takes the essays in
+    reverse order, so that its windows start elsewhere than the prose windows of the same essays;
+    when ``count`` needs more windows than one pass holds, each further pass takes the same essays
+    in another seeded order, so the text recurs with other neighbours, other facts and other depths
+    (a fact's window and depth are drawn per window). The first pass's windows do not depend on
+    ``count``. Deterministic in ``seed``. Refuses when the essays do not fill one window or the
+    facts leave less than half of a window to the essay text."""
     if facts < 1:
         raise ValueError(f"retrieval_windows: facts must be >= 1, got {facts}")
     essays = [d for d in docs if d.source == "essays"][::-1]
     if not essays:
         raise ValueError("retrieval_windows: the documents hold no essays to insert facts into")
     prefix = special_prefix(tokenizer)
-    out = []
-    for j, window in enumerate(token_windows(tokenizer, essays, seq_len, count)):
-        body = window[0, len(prefix):].tolist()
-        out.append(_build(tokenizer, prefix, body, facts, random.Random(f"distill-retrieval/{seed}/{j}")))
+    per_pass = window_capacity(tokenizer, essays, seq_len)
+    out: list[RetrievalWindow] = []
+    order, passes = essays, 0
+    while len(out) < count:
+        # a corpus short of one window is refused here, by token_windows
+        for window in token_windows(tokenizer, order, seq_len, min(count - len(out), max(per_pass, 1))):
+            body = window[0, len(prefix):].tolist()
+            out.append(_build(tokenizer, prefix, body, facts, random.Random(f"distill-retrieval/{seed}/{len(out)}")))
+        passes += 1
+        order = list(essays)
+        random.Random(f"distill-retrieval/{seed}/order/{passes}").shuffle(order)
     return out

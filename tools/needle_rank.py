@@ -9,7 +9,8 @@ bf16, as the preset's ``index_k_dtype``), and the share of the needle's tokens e
 
     python tools/needle_rank.py --model gemma3-270m --length 8192 --projections gemma-8k.pt --samples 0 1
 
-The prompts are the eval's (``--depths``, ``--per-depth``, seed 0, as in ``tasks.<task>``);
+The prompts are the eval's (``--depths``, ``--per-depth``, ``--seed``: 0 as the benchmark's,
+1 for the dev prompts an indexer is chosen on; as in ``tasks.<task>``);
 ``--samples`` picks among them. The needle's tokens are the value's first occurrence in the
 haystack (passkey's needle states its key twice). Used for docs/results/dsa.md, section 6.3, and
 docs/results/vllm_quality.md (why the 8K indexer lost the pass keys at 16K).
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", type=float, nargs="+", default=[10, 30, 50, 70, 90])
     ap.add_argument("--per-depth", type=int, default=2, help="prompts per depth, as the eval's samples")
     ap.add_argument("--samples", type=int, nargs="+", default=[0], help="which of those prompts")
+    ap.add_argument("--seed", type=int, default=0, help="the eval's seed (vllm_quality.py's prompts: 0)")
     ap.add_argument("--rows", type=int, default=12, help="last positions measured (the answer rows)")
     ap.add_argument("--density", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     projs = load_projections(args.projections)[0]
-    samples = get_task(args.task).make_samples(lm.tokenizer, args.length, args.depths, args.per_depth, 0)
+    samples = get_task(args.task).make_samples(lm.tokenizer, args.length, args.depths, args.per_depth, args.seed)
     rows = []
     for i in args.samples:
         s = samples[i]

@@ -72,6 +72,8 @@ def test_too_many_facts_are_refused():
         retrieval_windows(ByteTokenizer(), _essays(6), 399, 1, 8, seed=0)
     with pytest.raises(ValueError, match="facts must be >= 1"):
         retrieval_windows(ByteTokenizer(), _essays(6), 800, 1, 0, seed=0)
+    with pytest.raises(ValueError, match=r"token_windows: 1 documents give \d+ tokens; 1 windows of 5000 need 5000"):
+        retrieval_windows(ByteTokenizer(), _essays(1), 5000, 3, 1, seed=0)  # no pass of the essays fills a window
     with pytest.raises(ValueError, match="no essays"):
         retrieval_windows(ByteTokenizer(), [Document("pydoc", "t", "x. " * 500)], 800, 1, 1, seed=0)
 

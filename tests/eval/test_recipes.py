@@ -109,16 +109,17 @@ def test_bad_prepare_is_refused_by_name(entry, message):
     assert raw == before
 
 
-def test_more_retrieval_windows_than_the_essays_hold_is_refused_by_name_and_caches_nothing(cache, tiny, monkeypatch):
-    """The preset's 7 retrieval windows do not fit Gemma 3's training essays at 16K; the same
-    refusal, provoked on the tiny model, names the entry, the step, the model and the shortfall,
-    and comes before any window is captured."""
+def test_windows_longer_than_the_corpus_holds_are_refused_by_name_and_caches_nothing(cache, tiny, monkeypatch):
+    """Windows the corpus cannot fill (more retrieval windows than the essays hold are cut from
+    further passes, but no pass fills a window longer than the corpus): the refusal names the
+    entry, the step, the model and the shortfall, and comes before any window is captured."""
     captured: list[object] = []
     monkeypatch.setattr(prepare, "capture_attention", lambda *a, **k: captured.append(a))
-    cfg = load_config(preset=RECIPES, overrides=TINY + ["selectors.dsa.prepare_params.retrieval_seqs=100000"])
+    cfg = load_config(preset=RECIPES, overrides=TINY + ["selectors.dsa.prepare_params.seq_len=100000000",
+                                                        "selectors.dsa.prepare_params.rows=96"])
     before = copy.deepcopy(cfg)
     with pytest.raises(ConfigError, match=r"selectors\.dsa\.prepare \(distill_indexer\) failed for tiny-random-llama: "
-                                          r"token_windows: \d+ documents give \d+ tokens; 100000 windows of 512 need"):
+                                          r"token_windows: \d+ documents give \d+ tokens; 2 windows of 100000000 need"):
         prepare.prepare_selectors(cfg, tiny, lambda line: None)
     assert cfg == before and captured == []
     assert not cache.exists() or not any(cache.iterdir())

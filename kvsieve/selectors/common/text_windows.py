@@ -10,7 +10,7 @@ import torch
 
 from ...sparse.prepare import Document
 
-__all__ = ["split_documents", "special_prefix", "token_windows", "window_capacity"]
+__all__ = ["split_documents", "special_prefix", "token_windows"]
 
 _MAX_CHARS_PER_TOKEN = 12  # enough text is read for this many characters per token
 
@@ -38,11 +38,12 @@ def special_prefix(tokenizer: Any) -> list[int]:
                      "with its special tokens; cannot tell which tokens come before a text")
 
 
-def token_windows(tokenizer: Any, docs: list[Document], seq_len: int, count: int) -> list[torch.Tensor]:
-    """``count`` non-overlapping windows ``[1, seq_len]`` of the documents joined in order, each
-    starting with the tokenizer's special prefix (:func:`special_prefix`): a model whose attention
-    sinks on ``<bos>`` (Gemma 3) attends quite differently without it. Refuses when the documents
-    hold fewer tokens than asked for."""
+def token_windows(tokenizer: Any, docs: list[Document], seq_len: int, count: int | None) -> list[torch.Tensor]:
+    """``count`` non-overlapping windows ``[1, seq_len]`` of the documents joined in order (``None``:
+    every whole window they hold), each starting with the tokenizer's special prefix
+    (:func:`special_prefix`): a model whose attention sinks on ``<bos>`` (Gemma 3) attends quite
+    differently without it. Refuses when the documents hold fewer tokens than asked for (with
+    ``None``: than one window)."""
     prefix = special_prefix(tokenizer)
     body = seq_len - len(prefix)
     if body < 1:
@@ -51,18 +52,11 @@ def token_windows(tokenizer: Any, docs: list[Document], seq_len: int, count: int
     for d in docs:  # joined with a space and encoded at once, as the eval's haystacks are
         texts.append(d.text)
         chars += len(d.text) + 1
-        if chars >= count * body * _MAX_CHARS_PER_TOKEN:
+        if count is not None and chars >= count * body * _MAX_CHARS_PER_TOKEN:
             break
     ids = tokenizer.encode(" ".join(texts), add_special_tokens=False)
-    if len(ids) < count * body:
-        raise ValueError(f"token_windows: {len(docs)} documents give {len(ids)} tokens; {count} windows of "
-                         f"{seq_len} need {count * body}")
-    return [torch.tensor(prefix + ids[j * body: (j + 1) * body]).unsqueeze(0) for j in range(count)]
-
-
-def window_capacity(tokenizer: Any, docs: list[Document], seq_len: int) -> int:
-    """How many windows :func:`token_windows` can cut from all of ``docs`` at ``seq_len``."""
-    body = seq_len - len(special_prefix(tokenizer))
-    if body < 1:
-        raise ValueError(f"window_capacity: seq_len {seq_len} leaves no room after the special prefix")
-    return len(tokenizer.encode(" ".join(d.text for d in docs), add_special_tokens=False)) // body
+    need = max(len(ids) // body, 1) if count is None else count
+    if len(ids) < need * body:
+        raise ValueError(f"token_windows: {len(docs)} documents give {len(ids)} tokens; {need} windows of "
+                         f"{seq_len} need {need * body}")
+    return [torch.tensor(prefix + ids[j * body: (j + 1) * body]).unsqueeze(0) for j in range(need)]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ...sparse.prepare import Document
-from ..common.text_windows import special_prefix, token_windows, window_capacity
+from ..common.text_windows import special_prefix, token_windows
 
 __all__ = ["RetrievalWindow", "retrieval_windows", "make_fact", "PROJECTS", "PEOPLE", "CODE_WORDS"]
 
@@ -119,12 +119,11 @@ def retrieval_windows(tokenizer: Any, docs: list[Document], seq_len: int, count:
     if not essays:
         raise ValueError("retrieval_windows: the documents hold no essays to insert facts into")
     prefix = special_prefix(tokenizer)
-    per_pass = window_capacity(tokenizer, essays, seq_len)
     out: list[RetrievalWindow] = []
     order, passes = essays, 0
     while len(out) < count:
-        # a corpus short of one window is refused here, by token_windows
-        for window in token_windows(tokenizer, order, seq_len, min(count - len(out), max(per_pass, 1))):
+        # every whole window of this order (token_windows refuses essays that fill none)
+        for window in token_windows(tokenizer, order, seq_len, None)[: count - len(out)]:
             body = window[0, len(prefix):].tolist()
             out.append(_build(tokenizer, prefix, body, facts, random.Random(f"distill-retrieval/{seed}/{len(out)}")))
         passes += 1

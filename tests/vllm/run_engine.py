@@ -84,7 +84,10 @@ def main() -> None:
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs],
               "prompt_lens": [len(o.prompt_token_ids) for o in outs], "generate_s": wall, "refused": refused,
               "preemptions": sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"),
-              "native_layers": None if state is None else state.native_layers()}
+              "native_layers": None if state is None else state.native_layers(),
+              # each attention layer's CPU kernel ISA (one process: the engine's config is this one's)
+              "isas": {name: getattr(layer, "isa", None) for name, layer in
+                       llm.llm_engine.vllm_config.compilation_config.static_forward_context.items()}}
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f)
 

@@ -102,6 +102,7 @@ def test_dense_plugin_without_capture_is_vllm_attention_bit_for_bit(model_dir, t
     own = _run_engine(model_dir, tmp_path / "own.json", *args)
     plug = _run_engine(model_dir, tmp_path / "plug.json", *args, KVSIEVE_SELECTOR="dense")
     assert plug["tokens"] == own["tokens"] and plug["native_layers"] == []
+    assert plug["isas"] == own["isas"] and len(own["isas"]) == NUM_LAYERS
 
 
 def test_quest_on_whole_vllm_blocks_runs_vllm_kernel_on_its_selection(model_dir, tmp_path):
@@ -296,3 +297,16 @@ def test_gemma3_dense_plugin_equals_vllm_and_quest_runs_on_full_layers(gemma_dir
     decode = [r for r in records if r["num_contexts"] == 0 and r["num_tokens"] > 0]
     assert decode and all(r["paths"] == {"generation": "host_paged"} for r in decode)
     assert all(r["attended"] < r["dense"] for r in decode)
+
+
+def test_gemma3_sliding_layers_keep_vllm_isa_while_full_layers_select(gemma_dir, tmp_path):
+    """Gemma 3 270M in bf16 with Quest: the full-attention layers' KV cache group is written in the
+    layout kvsieve views (``vec``), the sliding-window group, which is vLLM's own attention whole,
+    keeps vLLM's own ISA (``amx`` on a CPU with AMX; ``vec`` elsewhere, where both groups agree)."""
+    args = ("--prompt-tokens", "600", "--max-tokens", "4", "--dtype", "bfloat16")
+    own = _run_engine(gemma_dir, tmp_path / "own.json", *args)
+    quest = _run_engine(gemma_dir, tmp_path / "quest.json", *args, KVSIEVE_SELECTOR="quest:budget=256,page_size=128")
+    assert len(own["isas"]) == 18 and quest["native_layers"] == sorted(GEMMA_FULL_LAYERS)
+    for name, isa in quest["isas"].items():
+        full = int(name.split(".")[2]) in GEMMA_FULL_LAYERS  # model.layers.<i>.self_attn.attn
+        assert isa == ("vec" if full else own["isas"][name]), name

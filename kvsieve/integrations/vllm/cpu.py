@@ -16,8 +16,9 @@ of vLLM's cache, read in place (:func:`.host.native_runs_attention`).
 Refused when the layer is built, naming the feature: ALiBi, logit soft-capping, attention sinks,
 KV sharing between layers, FP8 KV cache, encoder / cross attention; at ``forward``: non-causal
 steps and fused output quantization. The builder keeps vLLM's KV write
-in a layout kvsieve can view: the ``amx`` ISA (which packs K for AMX tiles) is replaced by ``vec``,
-and the layout is checked once per process by writing known values through vLLM's own op.
+in a layout kvsieve can view in each KV cache group holding a layer kvsieve reads: the ``amx`` ISA
+(which packs K for AMX tiles) is replaced by ``vec`` there, and the layout is checked by writing known
+values through vLLM's own op; a group of layers left whole to vLLM keeps vLLM's ISA.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from dataclasses import dataclass, fields
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
-from vllm.config import get_current_vllm_config
+from vllm.config import get_current_vllm_config, get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
@@ -61,16 +63,18 @@ class KvsieveCPUAttentionMetadata(CPUAttentionMetadata):
 class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM's builder with the KV write kept in a layout kvsieve can view (``vec``/``vec16``); its
     metadata also carries the step's tables on the host, each row's per-request setting and its
-    request's prompt length (:class:`KvsieveCPUAttentionMetadata`, :mod:`.request_settings`). In a process where
-    every layer is vLLM's own attention (``dense``, no capture) neither: vLLM's own ISA (``amx`` on CPUs
-    with AMX) and metadata, so dense through the plug-in is vLLM's attention."""
+    request's prompt length (:class:`KvsieveCPUAttentionMetadata`, :mod:`.request_settings`). A KV
+    cache group none of whose layers kvsieve reads (each one vLLM's own attention whole: a sliding-window
+    layer, or a layer without a plan and nothing to capture) gets neither: vLLM's own ISA (``amx`` for
+    bf16 on CPUs with AMX) and metadata. So dense through the plug-in is vLLM's attention, and Gemma 3's
+    sliding-window group keeps vLLM's kernel choice when its full-attention layers select."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:  # noqa: ANN001 (vLLM's signature)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         state = current_plugin_state()
-        # a process whose every layer is vLLM's own attention (dense, no capture) never reads the cache:
-        # it keeps vLLM's own ISA (AMX where the CPU has it)
-        self.reads_cache = state is None or not state.host_only_everywhere()
+        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names).values()
+        self.reads_cache = state is None or any(
+            _selecting_layer(layer) and not state.host_only(extract_layer_index(layer.layer_name)) for layer in layers)
         if self.reads_cache:
             if self.isa not in VIEWABLE_ISAS:
                 self.isa = "vec" if self.block_size % 32 == 0 else "vec16"

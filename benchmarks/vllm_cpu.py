@@ -39,7 +39,11 @@ a few microseconds a layer): the row gets ``attn_ms`` (all layers) and ``full_at
 without a sliding window: those a plug-in selector runs on; Gemma 3's sliding-window layers are
 vLLM's own attention whole), medians over the decode steps, and the table a ``bound`` column for the
 first mode: its step / (its step - its ``full_attn_ms``), the decode ratio against it of a mode whose
-full-attention layers cost nothing and whose every other part costs what the first mode's does.
+full-attention layers cost nothing and whose every other part costs what the first mode's does; and
+per mode an ``attn ratio``: the first mode's step / (that step - its ``attn_ms`` + the mode's), the
+decode ratio with the rest of the step (weights, sampling, vLLM's own work) taken as the first mode's
+in the same repetition. Two engine processes of one model differ in that rest by a few percent from
+run to run, in either direction; the attention ratio is what the attention path itself changed.
 
 Prints one JSON line per (repetition, concurrency, mode) with the load average before and after,
 then per concurrency and mode the median and [min, max] over repetitions, and the median over
@@ -364,7 +368,7 @@ def _table(rows: list[dict], modes: list[str], concurrency: list[int]) -> list[d
     print(f"\nmedian [min, max] over repetitions; ratio: median of per-repetition ratios to {base!r}; prefill: "
           "the measurements whose prompts were all cold")
     timed = all("attn_ms" in r for r in rows)
-    extra = f" {'attn ms':>8} {'full-attn ms':>12} {'bound':>6}" if timed else ""
+    extra = f" {'attn ms':>8} {'full-attn ms':>12} {'attn ratio':>10} {'bound':>6}" if timed else ""
     print(f"{'conc':>4} {'mode':36} {'cold prefill s':>15} {'prefill speed':>13} {'decode tok/s':>22} "
           f"{'decode ratio':>12}{extra}")
     table = []
@@ -384,15 +388,24 @@ def _table(rows: list[dict], modes: list[str], concurrency: list[int]) -> list[d
             if timed:
                 entry["attn_ms"] = statistics.median(r["attn_ms"] for r in mine)
                 entry["full_attn_ms"] = statistics.median(r["full_attn_ms"] for r in mine)
+                att = statistics.median(same_rest_ratio(base_rows[r["rep"]], r) for r in mine)
                 bound = statistics.median(free_full_attention_bound(r) for r in mine) if mode == base else None
+                entry["attn_ratio"] = round(att, 3)
                 entry["bound"] = None if bound is None else round(bound, 3)
-                line = (f" {entry['attn_ms']:>8.2f} {entry['full_attn_ms']:>12.2f} "
+                line = (f" {entry['attn_ms']:>8.2f} {entry['full_attn_ms']:>12.2f} {att:>10.3f} "
                         f"{'-' if bound is None else f'{bound:.3f}':>6}")
             print(f"{c:>4} {mode:36} {'-' if pre_s is None else f'{pre_s:.2f}':>15} "
                   f"{'-' if pre is None else f'{pre:.2f}':>13} {spread([r['decode_tok_s'] for r in mine]):>22} "
                   f"{dec:>12.2f}{line}")
             table.append(entry)
     return table
+
+
+def same_rest_ratio(base: dict, row: dict) -> float:
+    """``row``'s decode ratio against ``base`` (the first mode's row of the same repetition) with the
+    rest of the step, everything but the attention layers' calls, taken as ``base``'s: base step /
+    (base step - base ``attn_ms`` + row ``attn_ms``)."""
+    return base["decode_step_ms"] / (base["decode_step_ms"] - base["attn_ms"] + row["attn_ms"])
 
 
 def free_full_attention_bound(row: dict) -> float:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.vllm_cpu import (AttentionTimer, _kv_space_gib, _table, check_memory, free_full_attention_bound,
-                                 layer_index)
+                                 layer_index, same_rest_ratio)
 
 
 def _args(dtype: str, concurrency: list[int]) -> SimpleNamespace:
@@ -73,12 +73,16 @@ def test_layer_index_is_the_first_dotted_integer_and_a_name_without_one_is_refus
 
 def test_table_bound_is_the_first_modes_step_without_its_full_attention_layers():
     """A first mode of 100 ms steps with 10 ms in full-attention layers: a mode whose full-attention layers
-    cost nothing would decode 100 / 90 = 1.111x as fast; the bound is reported for the first mode only."""
+    cost nothing would decode 100 / 90 = 1.111x as fast; the bound is reported for the first mode only.
+    A second mode whose steps are 95 ms with 6 ms of attention (the first's: 12) has an attention ratio
+    of 100 / 94: its rest of the step (89 ms) is 1 ms longer than the first's (88)."""
     rows = [{"rep": rep, "mode": mode, "concurrency": 1, "cold_prompts": 0, "prefill_s": 1.0,
              "decode_step_ms": step, "decode_tok_s": 1e3 / step, "attn_ms": attn, "full_attn_ms": full}
             for rep in range(2) for mode, step, attn, full in (("own", 100.0, 12.0, 10.0), ("dsa", 95.0, 6.0, 4.0))]
     table = _table(rows, ["own", "dsa"], [1])
     own, dsa = table
-    assert free_full_attention_bound(rows[0]) == 100 / 90
+    assert free_full_attention_bound(rows[0]) == 100 / 90 and same_rest_ratio(rows[0], rows[1]) == 100 / 94
     assert own["bound"] == round(100 / 90, 3) and dsa["bound"] is None
     assert dsa["decode_ratio"] == round(100 / 95, 3) and dsa["full_attn_ms"] == 4.0 and own["attn_ms"] == 12.0
+    # the attention ratio takes the rest of the step as the first mode's: 100 / (100 - 12 + 6), not 100 / 95
+    assert dsa["attn_ratio"] == round(100 / 94, 3) and own["attn_ratio"] == 1.0

@@ -87,7 +87,8 @@ def main() -> None:
               "native_layers": None if state is None else state.native_layers(),
               # each attention layer's CPU kernel ISA (one process: the engine's config is this one's)
               "isas": {name: getattr(layer, "isa", None) for name, layer in
-                       llm.llm_engine.vllm_config.compilation_config.static_forward_context.items()}}
+                       llm.llm_engine.vllm_config.compilation_config.static_forward_context.items()},
+              "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f)
 

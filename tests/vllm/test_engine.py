@@ -302,11 +302,15 @@ def test_gemma3_dense_plugin_equals_vllm_and_quest_runs_on_full_layers(gemma_dir
 def test_gemma3_sliding_layers_keep_vllm_isa_while_full_layers_select(gemma_dir, tmp_path):
     """Gemma 3 270M in bf16 with Quest: the full-attention layers' KV cache group is written in the
     layout kvsieve views (``vec``), the sliding-window group, which is vLLM's own attention whole,
-    keeps vLLM's own ISA (``amx`` on a CPU with AMX; ``vec`` elsewhere, where both groups agree)."""
-    args = ("--prompt-tokens", "600", "--max-tokens", "4", "--dtype", "bfloat16")
-    own = _run_engine(gemma_dir, tmp_path / "own.json", *args)
-    quest = _run_engine(gemma_dir, tmp_path / "quest.json", *args, KVSIEVE_SELECTOR="quest:budget=256,page_size=128")
-    assert len(own["isas"]) == 18 and quest["native_layers"] == sorted(GEMMA_FULL_LAYERS)
+    keeps the ISA vLLM's own builder picks (``amx`` on a CPU with AMX; ``vec`` elsewhere, where both
+    groups agree)."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    quest = _run_engine(gemma_dir, tmp_path / "quest.json", "--prompt-tokens", "600", "--max-tokens", "4",
+                        "--dtype", "bfloat16", KVSIEVE_SELECTOR="quest:budget=256,page_size=128")
+    vllm_choice = _get_attn_isa(torch.bfloat16, quest["block_size"], 256, "auto")
+    assert len(quest["isas"]) == 18 and quest["native_layers"] == sorted(GEMMA_FULL_LAYERS)
     for name, isa in quest["isas"].items():
         full = int(name.split(".")[2]) in GEMMA_FULL_LAYERS  # model.layers.<i>.self_attn.attn
-        assert isa == ("vec" if full else own["isas"][name]), name
+        assert isa == ("vec" if full else vllm_choice), name

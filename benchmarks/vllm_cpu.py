@@ -61,9 +61,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -80,18 +80,20 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 class AttentionTimer:
-    """Wall time of every attention layer's call, per engine step: ``layers`` maps each attention
-    module's name (``model.layers.<i>.self_attn.attn``) to the module; a forward pre-hook and a hook on
-    each time its call. ``full``: the layer indices without a sliding window (``module.impl.sliding_window``
-    is ``None`` or ``-1``); ``clock``: seconds (``time.perf_counter``)."""
+    """Wall time of every attention layer's call, per engine step: ``layers`` maps each layer index to
+    its attention module (refused when empty: there would be nothing to time); a forward pre-hook and a
+    hook on each time its call. ``full``: the layer indices without a sliding window
+    (``module.impl.sliding_window`` is ``None`` or ``-1``); ``clock``: seconds (``time.perf_counter``)."""
 
-    def __init__(self, layers: dict[str, torch.nn.Module], clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, layers: dict[int, torch.nn.Module], clock: Callable[[], float] = time.perf_counter) -> None:
+        if not layers:
+            raise ValueError("AttentionTimer: no attention layers to time (--layer-times needs the engine's "
+                             "attention modules in this process)")
         self.full: set[int] = set()
         self._clock = clock
         self._start: dict[int, float] = {}
         self._times: dict[int, float] = {}
-        for name, module in layers.items():
-            i = layer_index(name)
+        for i, module in layers.items():
             if getattr(module.impl, "sliding_window", None) in (None, -1):
                 self.full.add(i)
             module.register_forward_pre_hook(lambda _m, _a, i=i: self._start.__setitem__(i, self._clock()))
@@ -113,14 +115,6 @@ class AttentionTimer:
                                                               for t in steps), 3)}
 
 
-def layer_index(name: str) -> int:
-    """The layer index in a vLLM attention module's name (its first dotted integer)."""
-    for part in name.split("."):
-        if part.isdigit():
-            return int(part)
-    raise ValueError(f"no layer index in the attention module name {name!r}")
-
-
 def worker(args: argparse.Namespace) -> None:
     """One engine; answers each ``go C`` line on stdin with one ``RESULT {json}`` line."""
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -134,8 +128,16 @@ def worker(args: argparse.Namespace) -> None:
     prompts = [(tok.encode(f"Letter {i}.") + filler)[: args.prompt_tokens] for i in range(conc)]  # no shared block
     engine = llm.llm_engine
     chunk = engine.vllm_config.scheduler_config.max_num_batched_tokens
-    # one process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the engine's config holds this process's layers
-    timer = AttentionTimer(engine.vllm_config.compilation_config.static_forward_context) if args.layer_times else None
+    timer = None
+    if args.layer_times:  # one process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the engine's config holds its layers
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        layers = engine.vllm_config.compilation_config.static_forward_context
+        by_index = {extract_layer_index(name): module for name, module in layers.items()}
+        if len(by_index) != len(layers):
+            raise SystemExit(f"--layer-times: attention modules share a layer index ({sorted(layers)}); the "
+                             "timer keeps one per layer")
+        timer = AttentionTimer(by_index)
     prefilled: set[int] = set()
     print("READY", flush=True)
     for n, line in enumerate(sys.stdin):
@@ -157,8 +159,6 @@ def worker(args: argparse.Namespace) -> None:
         while engine.has_unfinished_requests():
             ready = len(counts) == c and min(counts.values()) > 0
             running = sum(1 for k in counts if counts[k] < args.max_tokens + extra) if ready else 0
-            if timer is not None:
-                timer.take()
             s0 = time.perf_counter()
             outs = engine.step()
             s1 = time.perf_counter()

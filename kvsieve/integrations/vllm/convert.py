@@ -4,11 +4,15 @@ vLLM 0.32 has no GGUF loader in core, so the quantized GGUF is dequantized by tr
 (needs the ``gguf`` package) and saved with its tokenizer; ``architectures`` is written into
 ``config.json`` (vLLM picks the model class from it). The folder is built once and reused: a
 finished conversion leaves ``kvsieve-converted.json`` naming the source file and its size.
+Processes converting the same folder at once (two test workers, two benchmarks) take turns on an
+exclusive lock beside it (``<folder>.lock``): the second finds the first one's folder finished and
+reuses it, so no process deletes a folder another is reading.
 
 Command line: ``python -m kvsieve.integrations.vllm.convert GGUF [CACHE_DIR]`` prints the folder.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -26,16 +30,27 @@ _MARKER = "kvsieve-converted.json"
 def convert_gguf(gguf: Path, out_dir: Path, architecture: str = "LlamaForCausalLM") -> Path:
     """Dequantize ``gguf`` into ``out_dir`` (safetensors bf16, config, tokenizer, ``architectures``).
     Returns ``out_dir``; a folder already converted from the same file is reused as it is."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     source = {"gguf": gguf.name, "size": gguf.stat().st_size, "architecture": architecture}
     marker = out_dir / _MARKER
     if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == source:
         return out_dir
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.with_name(out_dir.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == source:
+            return out_dir  # another process converted it while this one waited
+        _convert(gguf, out_dir, architecture, source)
+    return out_dir
+
+
+def _convert(gguf: Path, out_dir: Path, architecture: str, source: dict) -> None:
+    """The conversion itself, under :func:`convert_gguf`'s lock: into a fresh folder beside
+    ``out_dir``, renamed onto it when complete (a stale ``out_dir`` removed first)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     work = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
@@ -59,7 +74,6 @@ def convert_gguf(gguf: Path, out_dir: Path, architecture: str = "LlamaForCausalL
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    return out_dir
 
 
 def converted_checkpoint(gguf: Path, cache_dir: Path | None = None) -> Path:

@@ -4,9 +4,10 @@ with the layers cycled, so that each call reads its cache cold, as a decode step
 
     python benchmarks/decode_layer_call.py [--geometry smollm2|gemma3] [--dtype bfloat16|float32]
         [--rows 1,8] [--programs indexer-random,indexer-clustered,streaming,pages] [--threads 1]
-        [--kv-len N] [--layers N] [--reps 15] [--selections FILE [--selection-prompt filler]]
+        [--kv-len N] [--layers N] [--reps 15] [--budget N] [--selections FILE [--selection-prompt filler]]
 
-Programs, each at density 1/16 of ``--kv-len``:
+Programs, each at density 1/16 of ``--kv-len`` (``--budget N``: N positions instead; a small budget
+leaves what the selection itself costs, for DSA the index scores and the top-k):
 
 * ``indexer-random``: DSA's program with random index keys. The selection is scattered and touches about
   88% of K's cache lines (32 bf16 tokens of one channel a line).
@@ -60,15 +61,17 @@ GEOMETRIES = {"smollm2": Geometry(3, 3, 64, 30, 8000), "gemma3": Geometry(1, 4, 
 
 
 def _layer(g: Geometry, program: str, rows: int, table: np.ndarray, iq: torch.Tensor, dtype: torch.dtype,
-           gen: torch.Generator, recorded: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, DecodeProgram]:
+           gen: torch.Generator, recorded: torch.Tensor | None = None,
+           budget: int | None = None) -> tuple[torch.Tensor, torch.Tensor, DecodeProgram]:
     """One layer's K/V views ``[blocks, Hkv, BLOCK, D]`` (K by channel) and its program with pools;
-    ``recorded [rows', positions]``: the layer's real selections (``indexer-recorded``)."""
+    ``recorded [rows', positions]``: the layer's real selections (``indexer-recorded``); ``budget``: the
+    positions each (row, KV head) attends (default: 1/16 of the cache; the recorded program's are its own)."""
     blocks = int(table.max()) + 1
     raw = torch.randn(blocks, g.kv_heads, BLOCK, 2 * g.head_dim, generator=gen).to(dtype)
     half = raw.view(blocks, g.kv_heads, 2 * BLOCK, g.head_dim)
     k = half[:, :, :BLOCK].reshape(blocks, g.kv_heads, g.head_dim, BLOCK).transpose(2, 3)
     v = half[:, :, BLOCK:]
-    units = max(1, g.kv_len // 16) if recorded is None else recorded.shape[-1]
+    units = (budget or max(1, g.kv_len // 16)) if recorded is None else recorded.shape[-1]
     if program == "streaming":
         return k, v, DecodeProgram("streaming", units=units, num_sink=4)
     if program == "pages":
@@ -90,10 +93,11 @@ def _layer(g: Geometry, program: str, rows: int, table: np.ndarray, iq: torch.Te
 
 
 def measure(g: Geometry, program: str, rows: int, dtype: torch.dtype, reps: int, threads: int,
-            recorded: torch.Tensor | None = None) -> tuple[float, float, list[int]]:
+            recorded: torch.Tensor | None = None, budget: int | None = None) -> tuple[float, float, list[int]]:
     """``(median ms, min ms, attended positions of row 0 per KV head)`` of one layer call, over ``reps``
     passes through the layers (after 3 untimed); ``recorded [layers', rows', positions]``: real
-    selections for ``indexer-recorded``, layer ``l`` taking ``recorded[l % layers']``."""
+    selections for ``indexer-recorded``, layer ``l`` taking ``recorded[l % layers']``; ``budget``: as
+    :func:`_layer`'s."""
     gen = torch.Generator().manual_seed(0)
     per = -(-g.kv_len // BLOCK)
     table = (torch.randperm(per * rows, generator=gen).numpy().astype(np.int32) + 1).reshape(rows, per)
@@ -105,7 +109,7 @@ def measure(g: Geometry, program: str, rows: int, dtype: torch.dtype, reps: int,
     calls = []
     for layer in range(g.layers):
         k, v, prog = _layer(g, program, rows, table, iq, dtype, gen,
-                            None if program != "indexer-recorded" else recorded[layer % recorded.shape[0]])
+                            None if program != "indexer-recorded" else recorded[layer % recorded.shape[0]], budget)
         calls.append(DecodeLayerCall(k, v, prog, num_q_heads=g.kv_heads * g.group, sm_scale=g.head_dim ** -0.5,
                                      threads=threads))
     lens = np.full(rows, g.kv_len, dtype=np.int32)
@@ -136,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-len", type=int, help="tokens in the cache (default: the geometry's)")
     ap.add_argument("--layers", type=int, help="layers cycled (default: the geometry's)")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--budget", type=int, help="positions each (row, KV head) attends (default: 1/16 of the cache)")
     ap.add_argument("--selections", help="real selections for indexer-recorded (benchmarks/dsa_k_lines.py --save)")
     ap.add_argument("--selection-prompt", help="which prompt's selections of that file (default: filler)")
     args = ap.parse_args(argv)
@@ -149,6 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         ap.error(f"unknown programs {unknown}; choose from {', '.join(PROGRAMS)}")
     recorded = None
+    if args.budget is not None and not 1 <= args.budget <= g.kv_len:
+        ap.error(f"--budget {args.budget}: between 1 and --kv-len {g.kv_len}")
+    if args.budget is not None and "indexer-recorded" in programs:
+        ap.error("--budget: indexer-recorded attends its recorded selections' budget")
     if args.selections and "indexer-recorded" not in programs:
         ap.error("--selections is read by indexer-recorded only; add it to --programs")
     if args.selections:
@@ -166,11 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     print(f"CPU {cpu_isa()}; threads {args.threads}; load average {load_average():.2f}")
     print(f"{args.geometry}: {g.kv_heads} KV heads x {g.group}, head dim {g.head_dim}, {g.layers} layers cycled, "
-          f"{g.kv_len} tokens, {args.dtype}, density 1/16")
+          f"{g.kv_len} tokens, {args.dtype}, " + (f"budget {args.budget}" if args.budget else "density 1/16"))
     print(f"  {'program':<18} {'rows':>4} {'median ms':>10} {'min ms':>8}  attended by row 0's KV heads")
     for program in programs:
         for rows in (int(r) for r in args.rows.split(",")):
-            median, low, attended = measure(g, program, rows, dtype, args.reps, args.threads, recorded)
+            median, low, attended = measure(g, program, rows, dtype, args.reps, args.threads, recorded, args.budget)
             print(f"  {program:<18} {rows:>4} {median:>10.3f} {low:>8.3f}  {attended}")
     print(f"load average after {load_average():.2f}")
 

@@ -63,6 +63,18 @@ def test_small_run_attends_each_budget(capsys) -> None:
             assert counts == [600 // 16] * 3
 
 
+def test_budget_sets_the_positions_each_head_attends(capsys) -> None:
+    main(["--kv-len", "600", "--layers", "1", "--rows", "2", "--reps", "1", "--budget", "16",
+          "--programs", "indexer-random,indexer-clustered,streaming"])
+    out = capsys.readouterr().out
+    assert "600 tokens, bfloat16, budget 16" in out
+    found = re.findall(r"^  (\S+)\s+2\s+[\d.]+\s+[\d.]+  \[(.*)\]$", out, re.M)
+    assert found == [(p, "16, 16, 16") for p in ("indexer-random", "indexer-clustered", "streaming")]
+    for bad in (["--budget", "0"], ["--budget", "601"]):
+        with pytest.raises(SystemExit):
+            main(["--kv-len", "600", *bad])
+
+
 def test_small_run_of_recorded_selections(tmp_path, capsys) -> None:
     gen = torch.Generator().manual_seed(6)
     picked = torch.stack([torch.stack([torch.randperm(600, generator=gen)[:40].sort().values for _ in range(2)])
@@ -74,6 +86,8 @@ def test_small_run_of_recorded_selections(tmp_path, capsys) -> None:
     assert [(int(r), a) for r, a in found] == [(1, "40, 40, 40"), (3, "40, 40, 40")]
     with pytest.raises(SystemExit):
         main([*argv, "--programs", "indexer-recorded"])  # no "filler" selections in the file
+    with pytest.raises(SystemExit):
+        main([*argv, "--selection-prompt", "essay", "--programs", "indexer-recorded", "--budget", "8"])  # its own budget
     with pytest.raises(SystemExit):
         main(["--kv-len", "600", "--programs", "indexer-recorded"])  # no file
     with pytest.raises(SystemExit):

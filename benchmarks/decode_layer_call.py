@@ -71,7 +71,9 @@ def _layer(g: Geometry, program: str, rows: int, table: np.ndarray, iq: torch.Te
     half = raw.view(blocks, g.kv_heads, 2 * BLOCK, g.head_dim)
     k = half[:, :, :BLOCK].reshape(blocks, g.kv_heads, g.head_dim, BLOCK).transpose(2, 3)
     v = half[:, :, BLOCK:]
-    units = (budget or max(1, g.kv_len // 16)) if recorded is None else recorded.shape[-1]
+    if recorded is not None and budget is not None:
+        raise ValueError("indexer-recorded attends its recorded selections' budget; pass no budget with them")
+    units = recorded.shape[-1] if recorded is not None else budget if budget is not None else max(1, g.kv_len // 16)
     if program == "streaming":
         return k, v, DecodeProgram("streaming", units=units, num_sink=4)
     if program == "pages":
@@ -158,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--budget {args.budget}: between 1 and --kv-len {g.kv_len}")
     if args.budget is not None and "indexer-recorded" in programs:
         ap.error("--budget: indexer-recorded attends its recorded selections' budget")
+    if args.budget is not None and "pages" in programs and args.budget % BLOCK:
+        ap.error(f"--budget {args.budget}: the pages program keeps whole {BLOCK}-token pages; give a multiple of "
+                 f"{BLOCK} or leave pages out of --programs")
     if args.selections and "indexer-recorded" not in programs:
         ap.error("--selections is read by indexer-recorded only; add it to --programs")
     if args.selections:

@@ -83,7 +83,8 @@ class AttentionTimer:
     """Wall time of every attention layer's call, per engine step: ``layers`` maps each layer index to
     its attention module (refused when empty: there would be nothing to time); a forward pre-hook and a
     hook on each time its call. ``full``: the layer indices without a sliding window
-    (``module.impl.sliding_window`` is ``None`` or ``-1``); ``clock``: seconds (``time.perf_counter``)."""
+    (``module.impl.sliding_window`` is ``None`` or ``-1``; a module without that attribute is refused);
+    ``clock``: seconds (``time.perf_counter``)."""
 
     def __init__(self, layers: dict[int, torch.nn.Module], clock: Callable[[], float] = time.perf_counter) -> None:
         if not layers:
@@ -94,7 +95,7 @@ class AttentionTimer:
         self._start: dict[int, float] = {}
         self._times: dict[int, float] = {}
         for i, module in layers.items():
-            if getattr(module.impl, "sliding_window", None) in (None, -1):
+            if module.impl.sliding_window in (None, -1):
                 self.full.add(i)
             module.register_forward_pre_hook(lambda _m, _a, i=i: self._start.__setitem__(i, self._clock()))
             module.register_forward_hook(lambda _m, _a, _o, i=i: self._add(i))

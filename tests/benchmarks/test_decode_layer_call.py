@@ -45,6 +45,8 @@ def test_recorded_keys_give_the_recorded_selection() -> None:
     assert prog.units == 125
     for r in range(2):
         assert torch.equal(_top(prog, table, iq, w, r)[1].sort().values, recorded[r])
+    with pytest.raises(ValueError, match="recorded selections' budget"):
+        _layer(G2K, "indexer-recorded", 2, table, iq, torch.float32, gen, recorded, budget=16)
 
 
 def test_small_run_attends_each_budget(capsys) -> None:
@@ -70,9 +72,12 @@ def test_budget_sets_the_positions_each_head_attends(capsys) -> None:
     assert "600 tokens, bfloat16, budget 16" in out
     found = re.findall(r"^  (\S+)\s+2\s+[\d.]+\s+[\d.]+  \[(.*)\]$", out, re.M)
     assert found == [(p, "16, 16, 16") for p in ("indexer-random", "indexer-clustered", "streaming")]
-    for bad in (["--budget", "0"], ["--budget", "601"]):
+    for bad in (["--budget", "0"], ["--budget", "601"], ["--budget", "16", "--programs", "pages"]):
         with pytest.raises(SystemExit):
             main(["--kv-len", "600", *bad])
+    # whole pages: two of five full 128-token pages
+    main(["--kv-len", "640", "--layers", "1", "--rows", "1", "--reps", "1", "--budget", "256", "--programs", "pages"])
+    assert re.search(r"^  pages\s+1\s+[\d.]+\s+[\d.]+  \[256, 256, 256\]$", capsys.readouterr().out, re.M)
 
 
 def test_small_run_of_recorded_selections(tmp_path, capsys) -> None:

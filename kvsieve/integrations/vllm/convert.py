@@ -32,14 +32,17 @@ def convert_gguf(gguf: Path, out_dir: Path, architecture: str = "LlamaForCausalL
     Returns ``out_dir``; a folder already converted from the same file is reused as it is."""
     source = {"gguf": gguf.name, "size": gguf.stat().st_size, "architecture": architecture}
     marker = out_dir / _MARKER
-    if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == source:
+
+    def converted() -> bool:
+        return marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == source
+
+    if converted():
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(out_dir.with_name(out_dir.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == source:
-            return out_dir  # another process converted it while this one waited
-        _convert(gguf, out_dir, architecture, source)
+        if not converted():  # else another process converted it while this one waited
+            _convert(gguf, out_dir, architecture, source)
     return out_dir
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..selectors.dsa.distill import DENSITIES, DistillResult, collect, fit, result_meta
+from ..selectors.dsa.distill import REDUCTION_FACTORS, DistillResult, collect, fit, result_meta
 from ..selectors.dsa.distill_config import DistillConfig
 from ..selectors.dsa.projections import save_projections
 from ..terminal import plain
@@ -36,12 +36,12 @@ __all__ = ["main"]
 
 def _print_curve(label: str, result: DistillResult) -> None:
     print(f"indexer {label}: epoch | wall s | cpu s | KL train | KL held out | "
-          + " | ".join(f"recall 1/{d}" for d in DENSITIES))
+          + " | ".join(f"recall 1/{d}" for d in REDUCTION_FACTORS))
     for c in result.curve:
         print(f"{c.epoch} | {c.seconds:.0f} | {c.cpu_seconds:.0f} | {c.train_kl:.4f} | {c.heldout_kl:.4f} | "
-              + " | ".join(f"{c.recall.get(d, math.nan):.4f}" for d in DENSITIES))
+              + " | ".join(f"{c.recall.get(d, math.nan):.4f}" for d in REDUCTION_FACTORS))
     for name, ref in (("streaming (4 sinks + recent)", result.streaming), ("oracle (exact top-k of p)", result.oracle)):
-        print(f"{name} held-out recall: " + " | ".join(f"1/{d} {ref[d]:.4f}" for d in DENSITIES))
+        print(f"{name} held-out recall: " + " | ".join(f"1/{d} {ref[d]:.4f}" for d in REDUCTION_FACTORS))
 
 
 def main(argv: list[str] | None = None) -> int:

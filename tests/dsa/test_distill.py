@@ -114,7 +114,7 @@ def test_row_kl_and_recall_equal_plain_formulas_on_a_hand_case():
         want.append(sum(a * math.log(a / (math.exp(x) / z)) for a, x in zip(pr, lr) if a > 0))
     assert float(row_kl(p, logits)) == pytest.approx(sum(want) / 3, rel=1e-6)
     rows = torch.tensor([0, 2, 3])
-    # density 2: row 0 keeps 1 position (mass 1), row 2 keeps 2 (positions 1, 0: 0.75), row 3 keeps 2 (2, 3: 0.7)
+    # reduction factor 2: row 0 keeps 1 position (mass 1), row 2 keeps 2 (positions 1, 0: 0.75), row 3 keeps 2 (2, 3: 0.7)
     assert row_recall(p, logits, rows, 2) == pytest.approx((1.0 + 0.75 + 0.7) / 3)
 
 

@@ -5,8 +5,8 @@ hidden state) is trained to minimise ``KL(p || softmax(I))``, where ``p`` is the
 attention averaged over its query heads and ``I`` the indexer logits.
 
 The training is :mod:`kvsieve.selectors.dsa.distill`; here the model is loaded and handed to it
-with the eval's attention capture and corpus (:func:`.prepare.model_context`), as the
-``distill_indexer`` prepare step of a sweep is.
+with the eval's attention capture and corpus (:func:`.calibration.model_context`), as the
+``distill_indexer`` calibration step of a sweep is.
 
 The projections go to one small file that the ``dsa`` selector loads (``DSAConfig(projections=
 ...)``); :func:`kvsieve.integrations.transformers.attach_dsa_indexer` feeds it the hidden states
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from .model import load_model
-    from .prepare import model_context
+    from .calibration import model_context
 
     cfg = DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)})
     bad = [g for g in args.grid if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", g)]

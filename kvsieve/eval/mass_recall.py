@@ -40,7 +40,7 @@ from ..selectors.common.text_windows import split_documents, token_windows
 from ..selectors.dsa.distill_targets import cached_capture, trainable_layers
 from ..selectors.dsa.projections import IndexerProjections, load_projections
 from ..sparse import SparseAttentionConfig, get_selector_class, lower_budget
-from ..sparse.prepare import LayerCapture
+from ..sparse.calibration import LayerCapture
 from .attention_capture import capture_attention
 from .selection_driver import kept_positions
 from .text_corpus import corpus_documents

@@ -204,7 +204,7 @@ def test_sliding_layers_and_short_corpora_are_refused():
     from kvsieve.selectors.common.text_windows import split_documents, token_windows
     from kvsieve.selectors.dsa.distill_config import DistillConfig
     from kvsieve.selectors.dsa.distill_targets import trainable_layers
-    from kvsieve.sparse.prepare import Document
+    from kvsieve.sparse.calibration import Document
 
     cfg = SimpleNamespace(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
     assert trainable_layers(cfg, None) == [1, 3]
@@ -271,7 +271,7 @@ def test_collect_keeps_each_window_and_reuses_it_only_for_the_same_model_tokens_
     import dataclasses
 
     from kvsieve.eval.model import load_model
-    from kvsieve.eval.prepare import model_context
+    from kvsieve.eval.calibration import model_context
     from kvsieve.selectors.dsa import distill as di
     from kvsieve.selectors.dsa.distill_config import DistillConfig
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kvsieve.sparse.prepare import LayerCapture
+from kvsieve.sparse.calibration import LayerCapture
 from kvsieve.eval.mass_recall import bound_terms, group_mass, mean_interval, recall_config, window_recall
 from kvsieve.selectors.dsa.projections import IndexerProjections
 from kvsieve.sparse.knobs import KnobError

@@ -7,14 +7,14 @@ Training runs at the evaluation length: each window of ``seq_len`` tokens is run
 the frozen model, and for ``rows`` query positions sampled per window (each scored against every
 key it sees) the targets ``p`` are kept with the layer's hidden states (:mod:`.distill_targets`),
 so memory grows with ``rows x seq_len``, not ``seq_len**2``. The windows come from the harness's
-corpus (:attr:`kvsieve.sparse.PrepareContext.documents`: essays and other text) with a recorded
+corpus (:attr:`kvsieve.sparse.CalibrationContext.documents`: essays and other text) with a recorded
 train / held-out split, plus retrieval windows (:mod:`.distill_retrieval`). After every epoch the
 KL on the training and held-out windows and the held-out recall at densities 1/4, 1/16, 1/64 (the
 dense mass the indexer's top-k keeps) are recorded with the elapsed wall and CPU time.
 
-Run by the ``distill_indexer`` prepare step (:mod:`.prepare`) and by ``kvsieve distill-indexer``
+Run by the ``distill_indexer`` calibration step (:mod:`.calibration`) and by ``kvsieve distill-indexer``
 (:mod:`kvsieve.eval.distill_indexer`); the model runs through the harness's capture
-(:class:`~kvsieve.sparse.PrepareContext`), never imported here.
+(:class:`~kvsieve.sparse.CalibrationContext`), never imported here.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ...sparse.prepare import PrepareContext
+from ...sparse.calibration import CalibrationContext
 from ..common.text_windows import split_documents, token_windows
 from .distill_config import DistillConfig
 from .distill_retrieval import retrieval_windows
@@ -145,7 +145,7 @@ class Corpus:
     start: tuple[float, float]
 
 
-def collect(ctx: PrepareContext, cfg: DistillConfig, *, progress: bool = True, captures: Path | None = None
+def collect(ctx: CalibrationContext, cfg: DistillConfig, *, progress: bool = True, captures: Path | None = None
             ) -> Corpus:
     """Capture the training and held-out windows of ``cfg`` (the expensive, geometry-free part) on
     ``ctx.layers`` (default: the full-attention ones), the training windows followed by
@@ -224,7 +224,7 @@ def fit(corpus: Corpus, cfg: DistillConfig, *, progress: bool = True) -> Distill
     return DistillResult(projs, curve, streaming, oracle, corpus.split)
 
 
-def distill(ctx: PrepareContext, cfg: DistillConfig, *, progress: bool = True) -> DistillResult:
+def distill(ctx: CalibrationContext, cfg: DistillConfig, *, progress: bool = True) -> DistillResult:
     """Dense warm-up of one indexer per layer of ``ctx.layers`` (default: the full-attention ones):
     :func:`collect` then :func:`fit`."""
     return fit(collect(ctx, cfg, progress=progress), cfg, progress=progress)

@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from .config import DEFAULT, ENGINES, PRESETS, QUICK, load_config
-from .served.engine import ENV_PYTHON
+from .served.launch import ENV_PYTHON
 
 __all__ = ["main", "list_main", "LIST_KINDS"]
 

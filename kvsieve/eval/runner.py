@@ -43,7 +43,7 @@ from .store import (CONFIG, PARTIAL, RunState, atomic_write_text, clear_run, dis
                     write_csv)
 from .run_files import Progress, prediction_row, record_failure, write_run
 from .served.agreement import AGREEMENT_CSV, compare_outputs, format_agreement, write_agreement
-from .served.engine import vllm_python as find_vllm_python
+from .served.launch import vllm_python as find_vllm_python
 from .served.protocol import SERVED_FIELDS, check_served
 from .served.sweep import ServedSweep, run_served
 from .tasks import Sample, Task, get_task
@@ -97,7 +97,7 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
               agree_with: str | Path | None = None) -> SweepResult:
     """Run every run of ``cfg`` not already done; write summary.csv, plots and report.md.
     ``cfg.engine == "vllm"``: the runs go through vLLM (:mod:`.served`), whose engines run on
-    ``vllm_python`` (:func:`.served.engine.vllm_python` finds one when ``None``). ``agree_with``:
+    ``vllm_python`` (:func:`.served.launch.vllm_python` finds one when ``None``). ``agree_with``:
     another output folder whose runs are compared with this sweep's prompt by prompt
     (:func:`.served.agreement.compare_outputs`; printed, ``agreement.csv``, a section of the report).
 

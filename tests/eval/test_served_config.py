@@ -12,7 +12,7 @@ import pytest
 from kvsieve.eval.config import ConfigError, from_dict, load_config
 from kvsieve.eval.run_plan import compute_run_id, plan_runs, run_identity
 from kvsieve.eval.served.agreement import answer_text, compare_outputs, format_agreement
-from kvsieve.eval.served.engine import ENV_PYTHON, vllm_python
+from kvsieve.eval.served.launch import ENV_PYTHON, vllm_python
 from kvsieve.eval.served.protocol import PLUGIN_DENSE, cache_salt, check_served, request_setting
 
 BASE = {"model": "smollm2", "engine": "vllm", "tasks": {"passkey": {"lengths": [1024]}},

@@ -69,6 +69,8 @@ _REFUSED_SELECTOR_KEYS = {
     "prepare": "refused: the key is now calibrate: (the model-specific step run before the sweep; kvsieve list "
                "calibration shows them)",
     "prepare_params": "refused: the key is now calibrate_params: (the options of the calibrate: step)"}
+#: selector-entry keys renamed (the old name is refused wherever it is written, --set key=null included)
+_RENAMED_SELECTOR_KEYS = ("prepare", "prepare_params")
 #: EvalConfig fields that do not change a run's results; every other field (model, backend, seed and
 #: any field added later) is part of each run's identity (see ``kvsieve.eval.run_plan.run_identity``)
 RESULT_NEUTRAL = ("output_dir", "threads", "tasks", "selectors", "check")
@@ -197,7 +199,8 @@ def _builtin(name: str) -> dict[str, Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """``key.sub=value`` (value parsed as YAML) into a copy of ``raw``; ``key=null`` deletes."""
+    """``key.sub=value`` (value parsed as YAML) into a copy of ``raw``; ``key=null`` deletes. A selector
+    entry's renamed key (``prepare``, ``prepare_params``) is refused, naming its new name."""
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping of keys to values, got {type(raw).__name__} {raw!r}")
     out = copy.deepcopy(raw)
@@ -206,6 +209,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         path, value = item.split("=", 1)
         keys = path.split(".")
+        if len(keys) == 3 and keys[0] == "selectors" and keys[2] in _RENAMED_SELECTOR_KEYS:
+            raise ConfigError(f"override {item!r}: {path}: {_REFUSED_SELECTOR_KEYS[keys[2]]}")
         node = out
         for depth, k in enumerate(keys[:-1]):
             node = node.setdefault(k, {})

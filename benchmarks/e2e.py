@@ -22,8 +22,9 @@ resident high-water mark (``VmHWM``, reset when the length starts) while that le
 kvsieve's pool sized for the longest length; ``rss_mb`` the resident set at its end.
 
 Contexts longer than ``prefill_max`` (default 16K) are not prefilled: the prefilled blocks are
-repeated (K/V and the selectors' auxiliary pools) up to the length (:func:`_tile`), which times the
-same work as a real context of that length without its quadratic prefill (minutes at 32K on a CPU).
+repeated (K/V and the selectors' auxiliary pools) up to the length (``KvsieveSession.tile_context``),
+which times the same work as a real context of that length without its quadratic prefill (minutes at
+32K on a CPU).
 
 Speed only: the prompt is random token ids, and the model (SmolLM2-135M, 8K positions trained) is
 run past its trained length at 16K/32K; the tokens it produces are not looked at.
@@ -134,23 +135,6 @@ class _Plain:
 
     def reset(self) -> None:
         self.cache.crop(-1)
-
-
-@torch.inference_mode()
-def _tile(session, have: int, want: int) -> None:
-    """Grow the session's one request from ``have`` prefilled positions to ``want`` by repeating its
-    blocks (K/V and every auxiliary pool, e.g. Quest's page summaries) block for block: a context of
-    the right length for timing, without the quadratic prefill (speed only; ``have`` whole blocks)."""
-    cache = session.cache
-    src = cache.block_ids(0)
-    cache.append_tokens(0, want - have)
-    dst = cache.block_ids(0)[len(src):]
-    src_t = torch.tensor([src[j % len(src)] for j in range(len(dst))])
-    dst_t = torch.tensor(dst)
-    for pools in (cache.pools, *cache.aux_pools.values()):
-        for pool in pools:
-            pool[dst_t] = pool[src_t]
-    session._next_pos = want  # the session's next RoPE position (no public setter: it counts its own steps)
 
 
 def _one_length(session, plans: dict[str, list], tok: torch.Tensor, length: int, cfg: E2EConfig,
@@ -299,7 +283,7 @@ def run(cfg: E2EConfig, profile: bool = True) -> dict:
         tok = session.prefill(ids[:, :real]).argmax(-1)
         out["prefill"] = {"length": real, "seconds": time.perf_counter() - t0, "tiled_to": lengths[0]}
         if lengths[0] > real:
-            _tile(session, real, lengths[0])
+            session.tile_context(lengths[0])
         for length in lengths:  # budgets follow the length: each lowers its own plans
             plans = {}
             for s in [*cfg.selectors, DENSE]:

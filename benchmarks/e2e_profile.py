@@ -9,8 +9,9 @@ stage                     what (kvsieve)
 ========================  =====================================================================
 ``selector``              ``on_append`` + ``predict_kv`` + ``predict_attn`` of every layer's selector
 ``place+validate``        :func:`kvsieve.sparse.selector_step.place_rows` + ``SparseRuntimeParams.validate``
-``gather``                the backend's K/V copies (torch backend ``_rows``, the SDPA fast path's
-                          ``gather_blocks``); the index arithmetic around them counts as attention
+``gather``                the backend's K/V copies (the torch backend's ``ScratchPool.rows``, the SDPA
+                          fast path's ``gather_blocks``); the index arithmetic around them counts as
+                          attention
 ``attention``             the backend's ``forward`` minus its gather
 ``cache write``           ``KVCacheManager.write`` (plain: ``DynamicCache.update``, a concatenation)
 ``kvsieve python``        the integration's attention function minus the stages above
@@ -67,6 +68,17 @@ class StageTimers:
         setattr(owner, attr, timed)
         self._undo.append(lambda: setattr(owner, attr, old) if had else delattr(owner, attr))
 
+    def wrap_attention(self, name: str) -> None:
+        """Time kvsieve's attention function (what transformers calls for each attention layer) as
+        timer ``name``, by registering the timed function under kvsieve's attention implementation
+        (restored to the plain one by :meth:`restore`)."""
+        from transformers import AttentionInterface
+
+        from kvsieve.integrations.transformers.hooks import ATTN_IMPLEMENTATION, attention_forward, register_attention
+
+        AttentionInterface.register(ATTN_IMPLEMENTATION, self.timed(attention_forward, name))
+        self._undo.append(register_attention)
+
     def restore(self) -> None:
         while self._undo:
             self._undo.pop()()
@@ -91,17 +103,18 @@ def profile_kvsieve(session, tok: torch.Tensor, steps: int) -> dict[str, float]:
     """``steps`` greedy decode steps of ``session`` under the timers; ms per step per :data:`STAGES`."""
     import kvsieve.integrations.transformers.feature_backend as fb
     import kvsieve.sparse.selector_step as sa
+    from kvsieve.sparse.backends.torch_backend.scratch import ScratchPool
     from kvsieve.sparse.params import SparseRuntimeParams
 
     t = StageTimers()
     try:
         _model_parts(session.model, t)
-        t.wrap(session, "_attend", "kvsieve_fn")
+        t.wrap_attention("kvsieve_fn")
         t.wrap(session.engine, "begin_step", "metadata")
         t.wrap(session.engine, "end_step", "metadata")
         t.wrap(session.cache, "write", "write")
         t.wrap(session.backend, "forward", "backend")
-        t.wrap(session.backend.inner._scratch, "rows", "gather")  # the torch backend's K/V gathers
+        t.wrap(ScratchPool, "rows", "gather")  # the torch backend's K/V gathers (every pool: only this session runs)
         t.wrap(fb, "gather_blocks", "gather")
         t.wrap(sa, "place_rows", "place")
         t.wrap(SparseRuntimeParams, "validate", "place")

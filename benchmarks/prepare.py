@@ -41,14 +41,13 @@ def make_ledger(batch: int, context: int, page: int, capacity_tokens: int | None
     spec = KVCacheSpec(num_layers=1, num_blocks=2, tokens_per_block=page, num_kv_heads=1, head_dim=1,
                        max_requests=batch, max_blocks_per_seq=-(-cap // page) + 1)
     mgr = KVCacheManager(spec)
+    slots = [mgr.add_request(rid) for rid in range(batch)]  # no tokens yet: the ledger rows are written below
     rng = np.random.default_rng(seed)
     ids = (rng.permutation(batch * nblk) + 1).astype(np.int32).reshape(batch, nblk)
-    mgr.block_table[:, :nblk] = ids
-    mgr.num_blocks_of[:] = nblk
-    mgr.valid_lens[:] = context
-    mgr.addressable_lens[:] = context
-    mgr._slot_of = {rid: rid for rid in range(batch)}  # ledger set up directly (benchmark only)
-    mgr._free_slots = []
+    mgr.block_table[slots, :nblk] = ids  # block ids past the 2-block pool: only the ledger is read
+    mgr.num_blocks_of[slots] = nblk
+    mgr.valid_lens[slots] = context
+    mgr.addressable_lens[slots] = context
     return mgr
 
 

@@ -2,7 +2,8 @@
 
 For each registered selector that selects at decode (``predict_attn``): the step's selector work
 (``on_append`` — e.g. RocketKV/Quest page-summary refresh — then ``predict_attn`` — page top-k,
-block scoring, oracle top-k, ...) is timed on a decode batch; the ``torch`` backend is timed dense
+block scoring, oracle top-k, ...) is timed on a decode batch, on inputs built fresh each step as an
+engine step builds them; the ``torch`` backend is timed dense
 (``params=None``) and with the selector's selection. Reported: ``overhead / (dense - sparse)``, the
 fraction of the saved attention time the selector spends (< 1: selection pays for itself at this
 size; one layer, same process). Selectors are configured to a comparable budget (``1/budget_inv``
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import gc
 import json
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -91,9 +94,11 @@ def run(quick: bool = False) -> dict:
             "load_1m_end": load_average()}
 
 
-def _inputs(name: str, sel, q, k_new, v_new, md, geo, knobs: dict, seed: int = 1) -> SelectorInputs:
-    """The step's selector inputs with the history's state in place (the prefill's work): page
-    summaries of the whole context, or DSA's index keys (random) and this step's finished tensors."""
+def _inputs(name: str, sel, q, k_new, v_new, md, geo, knobs: dict, seed: int = 1) -> Callable[[], SelectorInputs]:
+    """A maker of the step's selector inputs (fresh ones each call, as each engine step builds
+    them: the hooks' per-step scratch starts empty), with the history's state in place (the
+    prefill's work): page summaries of the whole context, or DSA's index keys (random) and this
+    step's finished tensors."""
     hkv = geo.num_kv_heads
     model_inputs = None
     if name == "dsa":
@@ -101,15 +106,17 @@ def _inputs(name: str, sel, q, k_new, v_new, md, geo, knobs: dict, seed: int = 1
         b, h, d = q.shape[0], knobs["n_heads"], knobs["head_dim"]
         model_inputs = IndexerInputs(q_index=torch.randn(b, h, d, generator=g), k_index=torch.randn(b, d, generator=g),
                                      weights=torch.rand(b, h, generator=g) * (d ** -0.5 * h ** -0.5))
-    inputs = SelectorInputs(q=q, k=k_new, v=v_new, metadata=md, layer_idx=0, num_kv_heads=hkv, sm_scale=geo.sm_scale,
-                            rows=md.generation_rows, phases=frozenset({"generation"}), model_inputs=model_inputs)
+    make = functools.partial(SelectorInputs, q=q, k=k_new, v=v_new, metadata=md, layer_idx=0, num_kv_heads=hkv,
+                             sm_scale=geo.sm_scale, rows=md.generation_rows, phases=frozenset({"generation"}),
+                             model_inputs=model_inputs)
+    inputs = make()
     if name == "dsa":
         k_pool, _ = sel.index_pools(inputs)
         k_pool.normal_(generator=torch.Generator().manual_seed(seed + 1))
     elif hasattr(sel, "summaries") and knobs.get("scoring", "summary") == "summary":
         lens = md.kv_lens_host.copy()
         sel.summaries(inputs).refresh(0, md.slots, lens * 0, lens)
-    return inputs
+    return make
 
 
 def _run_shape(cfg: dict, budget: float) -> dict:
@@ -127,11 +134,10 @@ def _run_shape(cfg: dict, budget: float) -> dict:
         for knobs in configs[name]:
             try:
                 sel = create_selector(name, **knobs)
-                inputs = _inputs(name, sel, q, k_new, v_new, md, geo, knobs)
+                make_inputs = _inputs(name, sel, q, k_new, v_new, md, geo, knobs)
 
                 def step():
-                    inputs._keys.clear()
-                    inputs.state.clear()
+                    inputs = make_inputs()
                     sel.on_append(inputs)
                     return sel.predict_attn(inputs)
 

@@ -14,7 +14,7 @@ import importlib.util
 
 import torch
 
-from kvsieve.kernels.topk import dispatch, naive
+from kvsieve.kernels.topk import naive, plan
 
 from ._timing import fmt_ms, measure
 
@@ -41,11 +41,11 @@ def _engines(dev: torch.device, k: int, rows: int) -> dict:
     out = {}
     for name in ("radix", "gvr", "auto"):
         try:
-            d = dispatch.choose_topk_engine(name, device=dev, index_topk=k)
+            d = plan.choose_topk_engine(name, device=dev, index_topk=k)
         except ValueError:
             continue
-        ws = dispatch.TopKWorkspace(d, rows, dev)
-        out[f"{name} ({d.engine})"] = lambda s, n, ws=ws: dispatch.run_topk(ws, s, n)
+        ws = plan.TopKWorkspace(d, rows, dev)
+        out[f"{name} ({d.engine})"] = lambda s, n, ws=ws: plan.run_topk(ws, s, n)
     if importlib.util.find_spec("flashinfer") is not None:
         import flashinfer
 

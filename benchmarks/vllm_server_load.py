@@ -40,26 +40,23 @@ import http.client
 import json
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
 
 from benchmarks._timing import cpu_isa, load_averages  # noqa: E402
+from benchmarks.vllm_common import FILLER  # noqa: E402
+from kvsieve.eval.served.launch import OWN, EngineLaunch, default_threads, healthy, model_folder, openai_server  # noqa: E402,E501
 
-FILLER = ("The archive kept letters from sailors, merchants and clerks; each described the weather, the cargo, "
-          "the price of grain and the names of the harbours they passed. ")
 #: prompts of different lengths and distinct first blocks (about 20 to 400 tokens)
 PROMPTS = [f"Letter {i}. " + FILLER * n + "The price of grain was" for i, n in enumerate((0, 2, 5, 9, 14, 19))]
 #: per-request settings of the valid requests (``None``: the process default)
@@ -208,58 +205,15 @@ def tree_rss_bytes(pid: int) -> dict[str, tuple[int, int]]:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
 def served(model: str, selector: str | None, log: Path, *, max_num_seqs: int = 8
-           ) -> Iterator[tuple[int, subprocess.Popen]]:
-    """vLLM's OpenAI-compatible server on 127.0.0.1 with ``KVSIEVE_SELECTOR=selector`` (``None``:
-    without the plug-in, vLLM's own attention; fp32, eager,
-    one OpenMP thread unless the environment sets one), ready (``/health``) within
-    :data:`START_TIMEOUT_S`; yields ``(port, process)`` and stops the server's process group after."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager",
-           "--max-num-seqs", str(max_num_seqs), "--distributed-executor-backend", "uni",
-           "--served-model-name", "served", "--disable-uvicorn-access-log"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSIEVE_") or k == "KVSIEVE_CACHE"}
-    if selector is not None:
-        env["KVSIEVE_SELECTOR"] = selector
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
-               VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not healthy(port):
-            if proc.poll() is not None:
-                raise RuntimeError("server exited at start-up:\n" + log.read_text()[-5000:])
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready in {START_TIMEOUT_S} s:\n" + log.read_text()[-5000:])
-            time.sleep(2)
-        yield port, proc
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-
-def healthy(port: int) -> bool:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status == 200
-    except (OSError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
+           ) -> AbstractContextManager[tuple[int, subprocess.Popen]]:
+    """vLLM's OpenAI-compatible server on 127.0.0.1 (:func:`kvsieve.eval.served.launch.openai_server`)
+    with ``KVSIEVE_SELECTOR=selector`` (``None``: without the plug-in, vLLM's own attention), fp32,
+    :data:`MAX_MODEL_LEN`, 1 GiB of KV space, ``OMP_NUM_THREADS`` (default 1) unbound threads, ready
+    within :data:`START_TIMEOUT_S`; yields ``(port, process)`` and stops the server's process group after."""
+    launch = EngineLaunch(selector or OWN, threads=default_threads(), kv_cache_gib=1)
+    return openai_server(launch, model, log, dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=max_num_seqs,
+                         start_timeout_s=START_TIMEOUT_S)
 
 
 def references(port: int, max_tokens: int, settings: list[str | None] = SETTINGS) -> dict[tuple[int, str | None], str]:
@@ -385,15 +339,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench_out")
     args = ap.parse_args()
-    from benchmarks.vllm_cpu import model_dir
-
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     print(f"CPU: {cpu_isa()}; load average before: {load_averages()}", flush=True)
     plugin = args.selector != "own"
     settings = SETTINGS if plugin else [None]
-    with served(model_dir(args.model), args.selector if plugin else None,
+    with served(str(model_folder(args.model)), args.selector if plugin else None,
                 out_dir / f"vllm_server_load-{stamp}.log") as (port, proc):
         t0 = time.monotonic()
         refs = references(port, args.max_tokens, settings)

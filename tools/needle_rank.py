@@ -3,7 +3,7 @@
 (``: <value>,``; `` <key>.`` for passkey; teacher-forced), the model runs once
 (``capture_attention``); for the last ``--rows`` positions (the answer rows, where the model reads
 the needle) and each layer of the indexer file, it prints the dense attention mass on the needle
-value's tokens, the mass kept at density ``1/--density`` by the oracle (the exact top tokens of
+value's tokens, the mass kept at density ``1/--reduction-factor`` by the oracle (the exact top tokens of
 the dense attention averaged over the query heads) and by the indexer's top tokens (index keys in
 bf16, as the preset's ``index_k_dtype``), and the share of the needle's tokens each keeps.
 
@@ -42,7 +42,7 @@ def needle_tokens(tokenizer: Any, text: str, start: int, end: int) -> list[int]:
     return [i for i, (a, b) in enumerate(enc["offset_mapping"]) if b > a and b > start and a < end]
 
 
-def sample_rows(lm: Any, projs: dict[int, Any], text: str, span: list[int], rows: int, density: int
+def sample_rows(lm: Any, projs: dict[int, Any], text: str, span: list[int], rows: int, reduction_factor: int
                 ) -> list[dict[str, Any]]:
     """One dict per (layer, answer row): needle mass, mass kept and needle share kept by oracle and dsa."""
     ids = torch.tensor([lm.tokenizer.encode(text, add_special_tokens=True)])
@@ -54,7 +54,7 @@ def sample_rows(lm: Any, projs: dict[int, Any], text: str, span: list[int], rows
         p = cap.dense_attention(pos).mean(1)
         logits = indexer_row_logits(projs[layer], cap.hidden, pos, torch.bfloat16)
         for r, t in enumerate(pos.tolist()):
-            k = -(-(t + 1) // density)
+            k = -(-(t + 1) // reduction_factor)
             row = {"layer": layer, "needle_mass": float(p[r, span].sum())}
             for name, scores in (("oracle", p[r]), ("dsa", logits[r])):
                 top = set(scores[: t + 1].topk(k).indices.tolist())
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, nargs="+", default=[0], help="which of those prompts")
     ap.add_argument("--seed", type=int, default=0, help="the eval's seed (vllm_quality.py's prompts: 0)")
     ap.add_argument("--rows", type=int, default=12, help="last positions measured (the answer rows)")
-    ap.add_argument("--density", type=int, default=16)
+    ap.add_argument("--reduction-factor", type=int, default=16, help="tokens kept: 1/N of each row's context")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         start = text.index(s.answers[0], s.meta["needle_char"])
         span = needle_tokens(lm.tokenizer, text, start, start + len(s.answers[0]))
         print(f"sample {i}: depth {s.depth}, needle tokens {span[0]}..{span[-1]} ({len(span)})", flush=True)
-        rows += sample_rows(lm, projs, text, span, args.rows, args.density)
-    print(f"layer | needle mass | kept at 1/{args.density}: oracle / dsa | needle tokens kept: oracle / dsa "
+        rows += sample_rows(lm, projs, text, span, args.rows, args.reduction_factor)
+    print(f"layer | needle mass | kept at 1/{args.reduction_factor}: oracle / dsa | needle tokens kept: oracle / dsa "
           f"(means over {len(args.samples)} prompts x {args.rows} rows)")
     for layer in sorted(projs):
         r = [x for x in rows if x["layer"] == layer]

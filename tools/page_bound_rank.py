@@ -4,7 +4,7 @@ One essay context of ``--length`` tokens is run densely; for each layer the last
 key are captured as the model's attention receives them (after RoPE and any key norm). Per query
 head, on pages of ``--page-size`` keys, the bound is Quest's ``sum_d max(q_d min_d, q_d max_d)``
 and the truth is the page's largest ``q . k``. Printed per layer (means over query heads): the
-rank correlation of the two, the overlap of their top ``1/--density`` pages, the mean per-channel
+rank correlation of the two, the overlap of their top ``1/--reduction-factor`` pages, the mean per-channel
 range of a page relative to the channel's range over the whole context, and the coefficient of
 variation of the key norms.
 
@@ -24,14 +24,14 @@ from kvsieve.eval.text_corpus import corpus_documents
 from kvsieve.selectors.common.text_windows import token_windows
 
 
-def page_bound_rank(q: torch.Tensor, k: torch.Tensor, page_size: int, density: int) -> dict[str, float]:
+def page_bound_rank(q: torch.Tensor, k: torch.Tensor, page_size: int, reduction_factor: int) -> dict[str, float]:
     """``q [Hq, D]``, ``k [L, Hkv, D]`` fp32 -> the four numbers of the module docstring."""
     n = k.shape[0] // page_size
     hkv, d = k.shape[1], k.shape[2]
     group = q.shape[0] // hkv
     pages = k[: n * page_size].view(n, page_size, hkv, d)
     kmin, kmax = pages.amin(1), pages.amax(1)  # [n, Hkv, D]
-    top = max(n // density, 1)
+    top = max(n // reduction_factor, 1)
     rho, overlap = [], []
     for h in range(q.shape[0]):
         kh, qh = h // group, q[h]
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--layers", type=int, nargs="+", required=True)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--density", type=int, default=16, help="top pages compared: 1/density of them")
+    ap.add_argument("--reduction-factor", type=int, default=16, help="top pages compared: 1/N of them")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -60,9 +60,9 @@ def main() -> None:
     essays = [d for d in corpus_documents() if d.source == "essays"]
     samples, _ = last_query_capture(lm.model, token_windows(lm.tokenizer, essays, args.length, 1), set(args.layers))
     for layer, (q, k, _) in zip(sorted(args.layers), samples):
-        r = page_bound_rank(q[0], k, args.page_size, args.density)
+        r = page_bound_rank(q[0], k, args.page_size, args.reduction_factor)
         print(f"{lm.name} L={k.shape[0]} layer {layer}: D={k.shape[2]} Hq/Hkv={q.shape[1]}/{k.shape[1]} | rank corr "
-              f"{r['rank_corr']:.3f} | top 1/{args.density} page overlap {r['top_overlap']:.3f} | page range / "
+              f"{r['rank_corr']:.3f} | top 1/{args.reduction_factor} page overlap {r['top_overlap']:.3f} | page range / "
               f"context range {r['page_range']:.3f} | key norm cv {r['key_norm_cv']:.3f}")
 
 

@@ -1,9 +1,9 @@
 """The model run once with its attention captured, through transformers' attention interface (so
-RoPE, norms and the model's scale are the model's): what the eval hands a prepare step
-(:attr:`kvsieve.sparse.PrepareContext.capture` and ``last_queries``) and measures mass recall with.
+RoPE, norms and the model's scale are the model's): what the eval hands a calibration step
+(:attr:`kvsieve.sparse.CalibrationContext.capture` and ``last_queries``) and measures mass recall with.
 
 * :func:`capture_attention`: per chosen layer the attention-input hidden states, the queries of a
-  few rows and every key (:class:`~kvsieve.sparse.prepare.LayerCapture`); the other sliding-window
+  few rows and every key (:class:`~kvsieve.sparse.calibration.LayerCapture`); the other sliding-window
   layers run :func:`windowed_attention`;
 * :func:`last_query_capture`: per window and chosen layer the last query and every key and value,
   the rest of the model through transformers' SDPA attention.
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..sparse.prepare import LayerCapture
+from ..sparse.calibration import LayerCapture
 
 __all__ = ["capture_attention", "last_query_capture", "release_free_heap", "windowed_attention"]
 

@@ -1,5 +1,5 @@
 """``kvsieve eval`` (an accuracy-vs-sparsity sweep from a YAML config with overrides) and
-``kvsieve list`` (what can go into one: selectors, backends, models, tasks, presets, prepare steps)."""
+``kvsieve list`` (what can go into one: selectors, backends, models, tasks, presets, calibration steps)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from .config import DEFAULT, ENGINES, PRESETS, QUICK, load_config
-from .served.engine import ENV_PYTHON
+from .served.launch import ENV_PYTHON
 
 __all__ = ["main", "list_main", "LIST_KINDS"]
 
@@ -23,7 +23,7 @@ _EVAL_EPILOG = """examples:
   kvsieve eval --quick
   kvsieve eval --quick --set tasks.passkey.lengths=[4096] --set selectors.snapkv=null
   kvsieve eval --config my_sweep.yaml --output-dir out/
-  kvsieve eval --preset recipes   (every selector at its published recipe; dsa/skip_softmax prepared per model)
+  kvsieve eval --preset recipes   (every selector at its published recipe; dsa/skip_softmax calibrated per model)
   kvsieve eval --preset served    (through vLLM: score against decode speed-up, every servable selector)
   kvsieve eval --quick --engine vllm --set selectors.snapkv=null --set tasks.fidelity=null
   kvsieve list selectors          (what a selectors entry can name, with config defaults)
@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---- kvsieve list ------------------------------------------------------------------------------
-LIST_KINDS = ("selectors", "backends", "models", "tasks", "presets", "prepare")
+LIST_KINDS = ("selectors", "backends", "models", "tasks", "presets", "calibration")
+FORMER_KINDS = {"prepare": "calibration"}  # the names docs/eval.md taught before the rename
 
 
 def _summary_line(*objs: Any) -> str:
@@ -145,15 +146,15 @@ def _selectors() -> list[tuple[str, str, str]]:
     return out
 
 
-def _prepare_steps() -> list[tuple[str, str, str]]:
-    from ..sparse.prepare import available_prepare_steps, get_prepare_step
+def _calibration_steps() -> list[tuple[str, str, str]]:
+    from ..sparse.calibration import available_calibration_steps, get_calibration_step
 
     out = []
-    for name in available_prepare_steps():
-        step = get_prepare_step(name)
+    for name in available_calibration_steps():
+        step = get_calibration_step(name)
         options = ", ".join(f"{k}={v!r}" for k, v in step.options.items())
         out.append((name, _summary_line(step, sys.modules.get(step.__module__)),
-                    f"prepares selector {step.selector!r}; prepare_params: {options}"))
+                    f"calibrates selector {step.selector!r}; calibrate_params: {options}"))
     return out
 
 
@@ -215,11 +216,12 @@ def list_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="kvsieve list", description="List what a sweep can use, one line each "
                                 "with a description and defaults.")
-    p.add_argument("kind", nargs="?", choices=LIST_KINDS, help="what to list (default: all of them)")
+    p.add_argument("kind", nargs="?", choices=LIST_KINDS + tuple(FORMER_KINDS),
+                   help="what to list (default: all of them; prepare: the former name of calibration)")
     args = p.parse_args(argv)
     makers = {"selectors": _selectors, "backends": _backends, "models": _models, "tasks": _tasks, "presets": _presets,
-              "prepare": _prepare_steps}
-    for kind in [args.kind] if args.kind else LIST_KINDS:
+              "calibration": _calibration_steps}
+    for kind in [FORMER_KINDS.get(args.kind, args.kind)] if args.kind else LIST_KINDS:
         print(f"{kind}:")
         for name, line, defaults in makers[kind]():
             print(f"  {name:<16} {line}" + (f"\n  {'':<16} {defaults}" if defaults else ""))

@@ -10,8 +10,8 @@ declared budget knob and unit (``SparseSelector.budget``, e.g. Quest's ``budget`
         selector: quest           # registry name (default: the label)
         budgets: [64, 256]        # tokens per query; or sparsities: [...] or reduction_factors: [...]
         params: {page_size: 16}   # fixed config fields (the budget's unit size among them)
-        prepare: null             # a model-specific step run before the sweep (kvsieve/eval/prepare.py), one
-        prepare_params: {}        # that the selector registers (kvsieve list prepare), and its options
+        calibrate: null           # a model-specific step run before the sweep (kvsieve/eval/calibration.py),
+        calibrate_params: {}      # one the selector registers (kvsieve list calibration), and its options
         phases: [generation]      # where the selector acts (dense elsewhere); a selector that evicts
                                   # prompt tokens needs context here (refused without it)
         dense_layers: [0, 1]
@@ -25,7 +25,8 @@ with ``L`` the context length of the cell; a density is attended as the most who
 selector's knob within ``ceil(L * density)`` tokens, and a token budget must be whole units. The
 key ``compression_ratios`` is refused: kvsieve once used that name for ``L / budget``, kvpress uses
 it for the fraction removed; so are ``budget_params``, ``budget_multiple`` and ``sparsity_params``,
-the hand conversions the selectors' declarations replaced.
+the hand conversions the selectors' declarations replaced; and ``prepare`` / ``prepare_params``, the
+former names of ``calibrate`` / ``calibrate_params``.
 """
 from __future__ import annotations
 
@@ -42,10 +43,11 @@ from typing import Any
 import yaml
 
 from ..sparse import SparseAttentionConfig, get_selector_class, lower_budget
-from ..sparse.prepare import available_prepare_steps, get_prepare_step
+from ..sparse.calibration import available_calibration_steps, get_calibration_step
 
 __all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "load_config", "apply_overrides",
-           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "SERVED", "SERVED_SMOLLM2", "PRESETS", "check_prepare", "ENGINES",
+           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "SERVED", "SERVED_SMOLLM2", "PRESETS",
+           "check_calibration", "ENGINES",
            "TRANSFORMERS", "VLLM"]
 
 QUICK = "quick"
@@ -63,7 +65,12 @@ _REFUSED_SELECTOR_KEYS = {
                           "removed (kvpress's compression_ratio) or reduction_factors: [...] for L / budget"} | dict.fromkeys(
     ("budget_params", "budget_multiple", "sparsity_params"),
     "refused: each selector declares its budget knob and unit (kvsieve list selectors shows them) and the budget "
-    "is converted to it in one place; give budgets: [...] in tokens, or sparsities: / reduction_factors:")
+    "is converted to it in one place; give budgets: [...] in tokens, or sparsities: / reduction_factors:") | {
+    "prepare": "refused: the key is now calibrate: (the model-specific step run before the sweep; kvsieve list "
+               "calibration shows them)",
+    "prepare_params": "refused: the key is now calibrate_params: (the options of the calibrate: step)"}
+#: selector-entry keys renamed (the old name is refused wherever it is written, --set key=null included)
+_RENAMED_SELECTOR_KEYS = ("prepare", "prepare_params")
 #: EvalConfig fields that do not change a run's results; every other field (model, backend, seed and
 #: any field added later) is part of each run's identity (see ``kvsieve.eval.run_plan.run_identity``)
 RESULT_NEUTRAL = ("output_dir", "threads", "tasks", "selectors", "check")
@@ -94,8 +101,8 @@ class SelectorSpec:
     sparsities: list[float] = field(default_factory=list)
     reduction_factors: list[float] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
-    prepare: str | None = None
-    prepare_params: dict[str, Any] = field(default_factory=dict)
+    calibrate: str | None = None
+    calibrate_params: dict[str, Any] = field(default_factory=dict)
     phases: list[str] = field(default_factory=lambda: ["generation"])
     dense_layers: list[int] = field(default_factory=list)
     layers: list[int] | None = None
@@ -192,7 +199,8 @@ def _builtin(name: str) -> dict[str, Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """``key.sub=value`` (value parsed as YAML) into a copy of ``raw``; ``key=null`` deletes."""
+    """``key.sub=value`` (value parsed as YAML) into a copy of ``raw``; ``key=null`` deletes. A selector
+    entry's renamed key (``prepare``, ``prepare_params``) is refused, naming its new name."""
     if not isinstance(raw, dict):
         raise ConfigError(f"config: expected a mapping of keys to values, got {type(raw).__name__} {raw!r}")
     out = copy.deepcopy(raw)
@@ -201,6 +209,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         path, value = item.split("=", 1)
         keys = path.split(".")
+        if len(keys) == 3 and keys[0] == "selectors" and keys[2] in _RENAMED_SELECTOR_KEYS:
+            raise ConfigError(f"override {item!r}: {path}: {_REFUSED_SELECTOR_KEYS[keys[2]]}")
         node = out
         for depth, k in enumerate(keys[:-1]):
             node = node.setdefault(k, {})
@@ -286,25 +296,25 @@ def _mapping(key: str, raw: Any, example: str) -> dict[str, Any]:
     return raw
 
 
-def check_prepare(spec: SelectorSpec) -> None:
-    """Raise :class:`ConfigError` naming the key unless ``spec.prepare`` is a prepare step registered
-    for its selector (:mod:`kvsieve.sparse.prepare`) and ``spec.prepare_params`` holds only that
+def check_calibration(spec: SelectorSpec) -> None:
+    """Raise :class:`ConfigError` naming the key unless ``spec.calibrate`` is a calibration step registered
+    for its selector (:mod:`kvsieve.sparse.calibration`) and ``spec.calibrate_params`` holds only that
     step's options."""
     where = f"selectors.{spec.label}"
-    valid = available_prepare_steps()
-    if spec.prepare is None:
-        if spec.prepare_params:
-            raise ConfigError(f"{where}.prepare_params: given without prepare; valid prepare: {valid}")
+    valid = available_calibration_steps()
+    if spec.calibrate is None:
+        if spec.calibrate_params:
+            raise ConfigError(f"{where}.calibrate_params: given without calibrate; valid calibrate: {valid}")
         return
-    if spec.prepare not in valid:
-        raise ConfigError(f"{where}.prepare: unknown step {spec.prepare!r}; valid: {valid}")
-    step = get_prepare_step(spec.prepare)
+    if spec.calibrate not in valid:
+        raise ConfigError(f"{where}.calibrate: unknown step {spec.calibrate!r}; valid: {valid}")
+    step = get_calibration_step(spec.calibrate)
     if step.selector != spec.selector:
-        raise ConfigError(f"{where}.prepare: {spec.prepare!r} prepares selector {step.selector!r}, "
+        raise ConfigError(f"{where}.calibrate: {spec.calibrate!r} calibrates selector {step.selector!r}, "
                           f"not {spec.selector!r}")
-    unknown = set(spec.prepare_params) - set(step.options)
+    unknown = set(spec.calibrate_params) - set(step.options)
     if unknown:
-        raise ConfigError(f"{where}.prepare_params: unknown option(s) {sorted(unknown)}; valid: "
+        raise ConfigError(f"{where}.calibrate_params: unknown option(s) {sorted(unknown)}; valid: "
                           f"{sorted(step.options)}")
 
 
@@ -339,13 +349,13 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
         if s.label == "dense" or len(set(labels)) != len(labels):
             raise ConfigError(f"selectors.{s.label}: run folders must be distinct: the label 'dense' is the "
                               f"dense run's and budgets must not repeat (got budgets {labels})")
-        check_prepare(s)
+        check_calibration(s)
         cls = get_selector_class(s.selector)
         if cls.capabilities.evicts and "context" in cls.capabilities.phases and "context" not in s.phases:
             raise ConfigError(f"selectors.{s.label}.phases: {s.phases} leave out the context phase, where selector "
                               f"{s.selector!r} evicts prompt tokens (its prompt-eviction stage), so it would not run "
                               f"as {s.selector!r}; write phases: {sorted(cls.capabilities.phases)} (every stage it has)")
-        if s.prepare is not None:  # its config is complete, and checked, once the model is prepared
+        if s.calibrate is not None:  # its config is complete, and checked, once the model is calibrated
             continue
         try:
             for budget in s.resolve(shortest):

@@ -5,8 +5,8 @@ hidden state) is trained to minimise ``KL(p || softmax(I))``, where ``p`` is the
 attention averaged over its query heads and ``I`` the indexer logits.
 
 The training is :mod:`kvsieve.selectors.dsa.distill`; here the model is loaded and handed to it
-with the eval's attention capture and corpus (:func:`.prepare.model_context`), as the
-``distill_indexer`` prepare step of a sweep is.
+with the eval's attention capture and corpus (:func:`.calibration.model_context`), as the
+``distill_indexer`` calibration step of a sweep is.
 
 The projections go to one small file that the ``dsa`` selector loads (``DSAConfig(projections=
 ...)``); :func:`kvsieve.integrations.transformers.attach_dsa_indexer` feeds it the hidden states
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..selectors.dsa.distill import DENSITIES, DistillResult, collect, fit, result_meta
+from ..selectors.dsa.distill import REDUCTION_FACTORS, DistillResult, collect, fit, result_meta
 from ..selectors.dsa.distill_config import DistillConfig
 from ..selectors.dsa.projections import save_projections
 from ..terminal import plain
@@ -36,12 +36,12 @@ __all__ = ["main"]
 
 def _print_curve(label: str, result: DistillResult) -> None:
     print(f"indexer {label}: epoch | wall s | cpu s | KL train | KL held out | "
-          + " | ".join(f"recall 1/{d}" for d in DENSITIES))
+          + " | ".join(f"recall 1/{d}" for d in REDUCTION_FACTORS))
     for c in result.curve:
         print(f"{c.epoch} | {c.seconds:.0f} | {c.cpu_seconds:.0f} | {c.train_kl:.4f} | {c.heldout_kl:.4f} | "
-              + " | ".join(f"{c.recall.get(d, math.nan):.4f}" for d in DENSITIES))
+              + " | ".join(f"{c.recall.get(d, math.nan):.4f}" for d in REDUCTION_FACTORS))
     for name, ref in (("streaming (4 sinks + recent)", result.streaming), ("oracle (exact top-k of p)", result.oracle)):
-        print(f"{name} held-out recall: " + " | ".join(f"1/{d} {ref[d]:.4f}" for d in DENSITIES))
+        print(f"{name} held-out recall: " + " | ".join(f"1/{d} {ref[d]:.4f}" for d in REDUCTION_FACTORS))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from .model import load_model
-    from .prepare import model_context
+    from .calibration import model_context
 
     cfg = DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)})
     bad = [g for g in args.grid if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", g)]

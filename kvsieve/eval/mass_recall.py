@@ -3,7 +3,7 @@
 For each held-out window (:mod:`.text_corpus`: the essays the indexer never trained on) of
 ``length`` tokens, the model runs once; on each selected layer the last ``rows`` query positions
 and every key are captured as the attention receives them. Per query row and density ``1/d``
-each selector's choice is the kvsieve selector's own, run on those tensors
+(reduction factor ``d``) each selector's choice is the kvsieve selector's own, run on those tensors
 (:func:`.selection_driver.kept_positions`) at the recipes preset's settings, its budget ``1/d``
 of the window lowered onto its declared knob (:func:`kvsieve.sparse.lower_budget`:
 ``ceil(length / d)`` tokens in whole pages or blocks; a density below one page is refused):
@@ -40,7 +40,7 @@ from ..selectors.common.text_windows import split_documents, token_windows
 from ..selectors.dsa.distill_targets import cached_capture, trainable_layers
 from ..selectors.dsa.projections import IndexerProjections, load_projections
 from ..sparse import SparseAttentionConfig, get_selector_class, lower_budget
-from ..sparse.prepare import LayerCapture
+from ..sparse.calibration import LayerCapture
 from .attention_capture import capture_attention
 from .selection_driver import kept_positions
 from .text_corpus import corpus_documents
@@ -64,9 +64,9 @@ def group_mass(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.softmax(s, -1).mean(1)
 
 
-def recall_config(name: str, length: int, density: int, *, page_size: int = 16,
+def recall_config(name: str, length: int, reduction_factor: int, *, page_size: int = 16,
                   projections: IndexerProjections | None = None) -> SparseAttentionConfig:
-    """The config of ``name`` (module docstring) at budget ``1/density`` of ``length`` tokens;
+    """The config of ``name`` (module docstring) at budget ``1/reduction_factor`` of ``length`` tokens;
     ``dsa`` takes its indexer geometry from ``projections``."""
     settings = {
         "oracle_topk": ("oracle_topk", {}),
@@ -85,7 +85,7 @@ def recall_config(name: str, length: int, density: int, *, page_size: int = 16,
         extra = " ('dsa' needs projections)" if name == "dsa" else ""
         raise ValueError(f"recall_config: unknown selector {name!r}{extra}; known: {list(settings)}")
     selector, params = settings[name]
-    budget = lower_budget(get_selector_class(selector), params, length, reduction_factor=density)
+    budget = lower_budget(get_selector_class(selector), params, length, reduction_factor=reduction_factor)
     return SparseAttentionConfig(selector, params | budget.knob)
 
 
@@ -97,20 +97,20 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.corrcoef(torch.stack([_ranks(a), _ranks(b)]))[0, 1])
 
 
-def bound_terms(q: torch.Tensor, k: torch.Tensor, scale: float, page_size: int = 16, density: int = 16
+def bound_terms(q: torch.Tensor, k: torch.Tensor, scale: float, page_size: int = 16, reduction_factor: int = 16
                 ) -> dict[str, float]:
     """Why Quest's bound ranks one query's pages as it does. The bound splits exactly into
     ``center = q . (min + max) / 2`` and ``spread = sum_d |q_d| (max_d - min_d) / 2`` (fp32 summaries
     of the complete pages). Means over the query heads: the standard deviation across pages of
     each term (times ``scale``, in logits), the Spearman correlation of the bound, the center and
     the spread with the page's dense mass (its KV group's), and the overlap of the bound's top
-    ``pages / density`` pages with the mass's."""
+    ``pages / reduction_factor`` pages with the mass's."""
     n = k.shape[0] // page_size
     kp = k[: n * page_size].view(n, page_size, *k.shape[1:])
     center, half = (kp.amax(1) + kp.amin(1)) / 2, (kp.amax(1) - kp.amin(1)) / 2  # [n, Hkv, D]
     mass = torch.nn.functional.pad(group_mass(q, k, scale), (0, -k.shape[0] % page_size))
     mass = mass.view(k.shape[1], -1, page_size).sum(-1)[:, :n]  # [Hkv, n]
-    g, top = q.shape[0] // k.shape[1], max(n // density, 1)
+    g, top = q.shape[0] // k.shape[1], max(n // reduction_factor, 1)
     acc: dict[str, list[float]] = {}
     for h in range(q.shape[0]):
         c = center[:, h // g] @ q[h] * scale
@@ -124,20 +124,20 @@ def bound_terms(q: torch.Tensor, k: torch.Tensor, scale: float, page_size: int =
     return {key: sum(v) / len(v) for key, v in acc.items()}
 
 
-def window_recall(caps: dict[int, LayerCapture], rows: torch.Tensor, densities: tuple[int, ...],
+def window_recall(caps: dict[int, LayerCapture], rows: torch.Tensor, reduction_factors: tuple[int, ...],
                   projections: dict[int, IndexerProjections] | None, length: int, page_size: int = 16
                   ) -> dict[str, dict[int, dict[int, float]]]:
-    """``{selector: {density: {layer: recall}}}`` of one window, each the mean over ``rows``
+    """``{selector: {reduction factor: {layer: recall}}}`` of one window, each the mean over ``rows``
     (consecutive positions; ``dsa`` only with ``projections``)."""
     first, n = int(rows[0]), int(rows[-1]) + 1
     if not torch.equal(rows.cpu(), torch.arange(first, n)):
         raise ValueError(f"window_recall: rows must be consecutive positions, got {rows.tolist()}")
     names = [n for n in SELECTORS if n != "dsa" or projections is not None]
-    out: dict[str, dict[int, dict[int, float]]] = {n: {d: {} for d in densities} for n in names}
+    out: dict[str, dict[int, dict[int, float]]] = {n: {d: {} for d in reduction_factors} for n in names}
     for layer, cap in caps.items():
         mass = [group_mass(cap.q[r], cap.k[: t + 1], cap.scale) for r, t in enumerate(rows.tolist())]
         proj = None if projections is None else projections[layer]
-        for d in densities:
+        for d in reduction_factors:
             for name in names:
                 config = recall_config(name, length, d, page_size=page_size, projections=proj)
                 kept = kept_positions(config, cap.q, cap.k, first, cap.scale, hidden=cap.hidden, projections=proj)
@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> 
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--texts", type=int, default=10, help="held-out windows (n of the intervals)")
     ap.add_argument("--rows", type=int, default=8, help="last query positions measured per window")
-    ap.add_argument("--densities", type=int, nargs="+", default=[4, 16, 64])
+    ap.add_argument("--reduction-factors", type=int, nargs="+", default=[4, 16, 64],
+                    help="budgets of 1/N of the window (densities 1/4, 1/16, 1/64 by default)")
     ap.add_argument("--projections", default=None, help="a distilled indexer file (adds dsa; sets the layers)")
     ap.add_argument("--layers", type=int, nargs="*", default=None, help="default: the indexer's, else full-attention")
     ap.add_argument("--holdout-every", type=int, default=2)
@@ -195,23 +196,23 @@ def main(argv: list[str] | None = None, emit: Callable[[str], None] = print) -> 
     bounds: dict[int, dict[str, list[float]]] = {}
     for j, ids in enumerate(token_windows(lm.tokenizer, held, args.length, args.texts)):
         caps = _captured(lm, ids, layers, rows, args.captures and Path(args.captures) / f"{lm.name}-{args.length}-{j}.pt")
-        per_window.append(window_recall(caps, rows, tuple(args.densities), projs, args.length))
+        per_window.append(window_recall(caps, rows, tuple(args.reduction_factors), projs, args.length))
         for layer, cap in caps.items():
             for r, t in enumerate(rows.tolist()):
                 for key, v in bound_terms(cap.q[r], cap.k[: t + 1], cap.scale).items():
                     bounds.setdefault(layer, {}).setdefault(key, []).append(v)
         emit(f"window {j + 1}/{args.texts} done")
-    table = {n: {d: [sum(w[n][d].values()) / len(layers) for w in per_window] for d in args.densities}
+    table = {n: {d: [sum(w[n][d].values()) / len(layers) for w in per_window] for d in args.reduction_factors}
              for n in per_window[0]}
     emit(f"{lm.name}, {args.length} tokens, layers {layers}, n = {args.texts} held-out windows x {args.rows} rows")
-    emit("| selector | " + " | ".join(f"1/{d}" for d in args.densities) + " | of its ceiling at " +
-         " / ".join(f"1/{d}" for d in args.densities) + " |")
-    emit("|---|" + "---|" * (len(args.densities) + 1))
+    emit("| selector | " + " | ".join(f"1/{d}" for d in args.reduction_factors) + " | of its ceiling at " +
+         " / ".join(f"1/{d}" for d in args.reduction_factors) + " |")
+    emit("|---|" + "---|" * (len(args.reduction_factors) + 1))
     for n, by_d in table.items():
         ceiling = "oracle_page" if n in PAGE_SELECTORS else "oracle_topk" if n == "dsa" else None
         cells = [f"{m:.3f} ± {h:.3f}" for m, h in map(mean_interval, by_d.values())] if args.texts > 1 else \
             [f"{v[0]:.3f} (n = 1)" for v in by_d.values()]
-        ratio = " / ".join(f"{sum(by_d[d]) / sum(table[ceiling][d]):.2f}" for d in args.densities) if ceiling else ""
+        ratio = " / ".join(f"{sum(by_d[d]) / sum(table[ceiling][d]):.2f}" for d in args.reduction_factors) if ceiling else ""
         emit(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
     emit("Quest's bound = center + spread (bound_terms), per layer, means over windows, rows and query heads:")
     emit("| layer | std center | std spread | rho(bound, mass) | rho(center, mass) | rho(spread, mass) | top 1/16 overlap |")

@@ -60,6 +60,11 @@ class RunSpec:
                 "target_sparsity": b.sparsity if b else 0.0, "reduction_factor": b.reduction_factor if b else 1.0}
 
 
+#: selector-entry fields renamed since runs were first recorded: the identity keeps the first names,
+#: so earlier runs keep their ids
+_FIRST_NAMES = {"calibrate": "prepare", "calibrate_params": "prepare_params"}
+
+
 def run_identity(cfg: EvalConfig, run: RunSpec) -> dict[str, Any]:
     """The fully resolved config of ``run``: everything its results depend on. Every field of
     :class:`EvalConfig` outside ``RESULT_NEUTRAL`` is included, so a field added later counts too.
@@ -72,7 +77,7 @@ def run_identity(cfg: EvalConfig, run: RunSpec) -> dict[str, Any]:
     selector = None
     if run.selector is not None:
         axis = ("budgets", "sparsities", "reduction_factors")
-        selector = {k: v for k, v in asdict(run.selector).items() if k not in axis}
+        selector = {_FIRST_NAMES.get(k, k): v for k, v in asdict(run.selector).items() if k not in axis}
         selector["budget"] = asdict(run.budget)
     return {"kvsieve_version": __version__, **top, "model_name": run.model,
             "task": {**task, "length": run.length}, "selector": selector,

@@ -35,7 +35,7 @@ from .config import VLLM, ConfigError, EvalConfig
 from .memory import reset_peak_rss
 from ..integrations.transformers import attach_dsa_indexer
 from .model import LoadedModel, checkpoint_folder, load_model
-from .prepare import prepare_selectors
+from .calibration import calibrate_selectors
 from .plots import write_plots
 from .report import format_table, write_report
 from .run_plan import RunSpec, compute_run_id, plan_runs, run_identity
@@ -43,7 +43,7 @@ from .store import (CONFIG, PARTIAL, RunState, atomic_write_text, clear_run, dis
                     write_csv)
 from .run_files import Progress, prediction_row, record_failure, write_run
 from .served.agreement import AGREEMENT_CSV, compare_outputs, format_agreement, write_agreement
-from .served.engine import vllm_python as find_vllm_python
+from .served.launch import vllm_python as find_vllm_python
 from .served.protocol import SERVED_FIELDS, check_served
 from .served.sweep import ServedSweep, run_served
 from .tasks import Sample, Task, get_task
@@ -97,7 +97,7 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
               agree_with: str | Path | None = None) -> SweepResult:
     """Run every run of ``cfg`` not already done; write summary.csv, plots and report.md.
     ``cfg.engine == "vllm"``: the runs go through vLLM (:mod:`.served`), whose engines run on
-    ``vllm_python`` (:func:`.served.engine.vllm_python` finds one when ``None``). ``agree_with``:
+    ``vllm_python`` (:func:`.served.launch.vllm_python` finds one when ``None``). ``agree_with``:
     another output folder whose runs are compared with this sweep's prompt by prompt
     (:func:`.served.agreement.compare_outputs`; printed, ``agreement.csv``, a section of the report).
 
@@ -106,7 +106,7 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
         raise ConfigError(f"--agree-with {agree_with}: no such output folder")
     served = cfg.engine == VLLM
     if served:  # refused before the model is loaded
-        check_served(cfg, prepared=False)
+        check_served(cfg, calibrated=False)
         vllm_python = find_vllm_python(vllm_python)
         try:
             checkpoint_folder(cfg.model)
@@ -118,9 +118,9 @@ def run_sweep(cfg: EvalConfig, *, loaded: LoadedModel | None = None, progress: b
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     lm = loaded if loaded is not None else load_model(cfg.model)
-    cfg = prepare_selectors(cfg, lm, log)
+    cfg = calibrate_selectors(cfg, lm, log)
     if served:
-        check_served(cfg, prepared=True)
+        check_served(cfg, calibrated=True)
     fields = SUMMARY_FIELDS + (SERVED_FIELDS if served else ())
     cells = plan_runs(cfg, lm.name)
     runs = [r for cell in cells for r in cell]

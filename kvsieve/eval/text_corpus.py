@@ -1,4 +1,4 @@
-"""The offline text corpus the eval hands a prepare step (:attr:`kvsieve.sparse.PrepareContext.documents`)
+"""The offline text corpus the eval hands a calibration step (:attr:`kvsieve.sparse.CalibrationContext.documents`)
 and measures mass recall on.
 
 Three sources, all already installed with the environment (nothing is downloaded):
@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 
-from ..sparse.prepare import Document
+from ..sparse.calibration import Document
 
 __all__ = ["corpus_documents", "SOURCES"]
 

@@ -228,15 +228,15 @@ def _topk_rows(n: int, rows: int, device: torch.device) -> tuple[torch.Tensor, t
 
 
 def topk(env: Env, small: bool) -> tuple[str, float, str]:
-    from ..kernels.topk import dispatch, naive
+    from ..kernels.topk import naive, plan
     widths, k = ((700,), 128) if small else ((1, 2049, 9295), 512)
     bad = []
     for width in widths:
         scores, lens = _topk_rows(width, 3, env.device)
         want = naive.radix_topk(scores.cpu(), lens.cpu(), k)
         for engine in ("radix", "gvr"):
-            d = dispatch.choose_topk_engine(engine, device=env.device, index_topk=k)
-            got = dispatch.run_topk(dispatch.TopKWorkspace(d, 3, env.device), scores, lens).cpu()
+            d = plan.choose_topk_engine(engine, device=env.device, index_topk=k)
+            got = plan.run_topk(plan.TopKWorkspace(d, 3, env.device), scores, lens).cpu()
             if env.perturb or not torch.equal(got, want):  # positions are exact integers
                 bad.append(f"{engine} width {width}")
     return f"widths={list(widths)} k={k} radix+gvr", (math.inf if bad else 0.0), "; ".join(bad)

@@ -3,8 +3,8 @@
 An op folder holds its implementations beside one plain-PyTorch reference, ``naive.py`` (same
 signatures): ``triton.py`` (Triton, any CUDA GPU; CPU under ``TRITON_INTERPRET=1``), ``cute.py``
 or ``cute/`` (CuTe-DSL, SM90/SM100), ``native.py`` + ``<op>.c`` (C for the host CPU, built on
-first use), ``plan.py`` (validation and launch planning shared by an implementation and its
-reference), ``dispatch.py`` (where the op picks an implementation at run time). A package's
+first use), ``plan.py`` (the launch plan: argument checks, which implementation or engine runs
+and with what launch parameters, shared by an implementation and its reference). A package's
 ``__init__`` only describes it: every implementation is imported by its module path, so nothing
 loads Triton or CuTe until it is named.
 

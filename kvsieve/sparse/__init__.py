@@ -1,5 +1,5 @@
 """The plug-in contract: params, selector base class, registry, config lowering, the layer, backends,
-prepare steps."""
+calibration steps."""
 from __future__ import annotations
 
 from .selector_base import Capabilities, SelectorInputs, SparseSelector, attach_refusal
@@ -10,8 +10,8 @@ from .budget import BUDGET_UNITS, BudgetKnob, LoweredBudget, lower_budget
 from .engine import Engine
 from .config import LayerPlan, SparseAttentionConfig, lower_config
 from .params import SparseRuntimeParams, is_dense
-from .prepare import (Document, LayerCapture, PrepareContext, PrepareStep, available_prepare_steps, get_prepare_step,
-                      register_prepare_step)
+from .calibration import (CalibrationContext, CalibrationStep, Document, LayerCapture, available_calibration_steps,
+                          get_calibration_step, register_calibration_step)
 from .registry import ENTRY_POINT_GROUP, PluginError, available_selectors, create_selector, get_selector_class, register_selector
 from .selection import attended_counts, selection_mask
 
@@ -22,5 +22,6 @@ __all__ = [
     "SparseAttentionConfig", "lower_config", "SparseRuntimeParams", "ENTRY_POINT_GROUP",
     "available_selectors", "create_selector", "get_selector_class", "register_selector", "attended_counts",
     "selection_mask", "BUDGET_UNITS", "BudgetKnob", "LoweredBudget", "lower_budget", "Document", "LayerCapture",
-    "PrepareContext", "PrepareStep", "available_prepare_steps", "get_prepare_step", "register_prepare_step",
+    "CalibrationContext", "CalibrationStep", "available_calibration_steps", "get_calibration_step",
+    "register_calibration_step",
 ]

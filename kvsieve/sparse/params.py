@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..kernels.segment_check.dispatch import check_segments
+from ..kernels.segment_check.plan import check_segments
 from ..metadata import PHASES
 
 __all__ = ["SparseRuntimeParams", "is_dense"]

@@ -206,6 +206,7 @@ def test_e2e_section(quick_run):
         for stages in r["profile"].values():
             assert set(stages) == {*STAGES, "step"} and stages["step"] > 0
         assert r["profile"]["quest"]["selector"] > 0 and r["profile"]["plain"]["selector"] == 0
+        assert r["profile"]["quest"]["kvsieve python"] > 0  # the attention function is timed around its parts
         assert r["peak_rss_mb"] >= r["rss_mb"] > 0
     targets = [t for t in res["targets"] if "plain transformers" in t["target"] or "floor" in t["target"]
                or "never slower" in t["target"]]
@@ -303,14 +304,13 @@ def test_update_docs_with_some_sections_keeps_the_others(tmp_path, monkeypatch):
 
 def test_e2e_tiles_a_context_longer_than_its_prefill():
     """Past ``prefill_max`` the context repeats the prefilled blocks, aux pools (Quest's summaries) too."""
-    from benchmarks.e2e import _tile
     from kvsieve import SparseAttentionConfig
     from kvsieve.eval.model import tiny_random_llama
     from kvsieve.integrations.transformers import KvsieveSession, gather_request_kv
     with KvsieveSession(tiny_random_llama(), SparseAttentionConfig("quest", {"budget": 16}), backend="torch",
                         max_tokens=96) as session:
         session.prefill(torch.randint(0, 256, (1, 32)))
-        _tile(session, 32, 80)
+        session.tile_context(80)  # what benchmarks.e2e runs past prefill_max
         assert session.num_cached_positions == session.cache.valid_len(0) == 80
         for layer in range(session.num_layers):
             k, v = gather_request_kv(session.cache, layer, 0)
@@ -320,3 +320,19 @@ def test_e2e_tiles_a_context_longer_than_its_prefill():
         assert torch.equal(summaries[0][ids[2:4]], summaries[0][ids[:2]])
         session.decode(torch.tensor([1]))  # the tiled context decodes
         assert session.cache.valid_len(0) == 81
+
+
+def test_profile_timers_wrap_a_class_method_for_every_instance_and_restore_it():
+    """The profile times the torch backend's K/V gathers by wrapping ``ScratchPool.rows`` on the class
+    (no backend's private scratch is reached into): every pool's calls count, and the method is the
+    class's own again afterwards."""
+    from benchmarks.e2e_profile import StageTimers
+    from kvsieve.sparse.backends.torch_backend.scratch import ScratchPool
+
+    original = ScratchPool.rows
+    t = StageTimers()
+    t.wrap(ScratchPool, "rows", "gather")
+    out = ScratchPool().rows("k", torch.arange(12.0).view(6, 2), torch.tensor([4, 1]))
+    assert torch.equal(out, torch.tensor([[8.0, 9.0], [2.0, 3.0]])) and t.seconds["gather"] > 0
+    t.restore()
+    assert ScratchPool.rows is original

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvsieve.kernels.common.cute import SMEM_LIMIT, cute_available
-from kvsieve.kernels.topk import dispatch, naive
+from kvsieve.kernels.topk import naive, plan
 from kvsieve.kernels.topk.cute import host as cute_topk
 from kvsieve.kernels.topk.cute.mirror import gvr_topk_mirror
 from kvsieve.kernels.topk.cute.params import capacity_for, smem_bytes
@@ -92,8 +92,8 @@ def test_import_without_cutlass_and_auto_on_cpu():
         "import sys; sys.modules['cutlass'] = None\n"  # any import of cutlass now fails
         "import kvsieve.kernels.topk.cute as m\n"
         "from kvsieve.kernels.topk.cute import host, mirror\n"
-        "from kvsieve.kernels.topk import dispatch\n"
-        "d = dispatch.choose_topk_engine('auto', device='cpu', index_topk=2048)\n"
+        "from kvsieve.kernels.topk import plan\n"
+        "d = plan.choose_topk_engine('auto', device='cpu', index_topk=2048)\n"
         "assert d.engine == 'torch', d\n"
         "print('ok')\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
@@ -102,9 +102,9 @@ def test_import_without_cutlass_and_auto_on_cpu():
 
 def test_dispatch_sees_the_module():
     ok, _ = cute_available()
-    assert dispatch.cute_dsl_available() == ok  # the kernel module ships now
-    assert dispatch.choose_topk_engine("auto", device="cpu", index_topk=2048).engine == "torch"
-    d = dispatch.choose_topk_engine("auto", device="cuda", index_topk=1024, sm=100,
+    assert plan.cute_dsl_available() == ok  # the kernel module ships now
+    assert plan.choose_topk_engine("auto", device="cpu", index_topk=2048).engine == "torch"
+    d = plan.choose_topk_engine("auto", device="cuda", index_topk=1024, sm=100,
                                     cute_available=True)
     assert d.engine == "cute_gvr"
 
@@ -215,8 +215,8 @@ def test_gpu_strided_rows_out_view_and_dispatch():
     got = cute_topk.gvr_topk(s.cuda(), lens.cuda(), 1024, out[:5])
     assert got.data_ptr() == out.data_ptr() and torch.equal(got.cpu(), ref)
     assert bool((out[5:] == 7).all())
-    d = dispatch.choose_topk_engine("auto", device="cuda", index_topk=1024)
+    d = plan.choose_topk_engine("auto", device="cuda", index_topk=1024)
     assert d.engine == "cute_gvr", d.reason
-    ws = dispatch.TopKWorkspace(d, max_rows=8, device="cuda")
-    assert torch.equal(dispatch.run_topk(ws, s.cuda(), lens.cuda()).cpu(), ref)
+    ws = plan.TopKWorkspace(d, max_rows=8, device="cuda")
+    assert torch.equal(plan.run_topk(ws, s.cuda(), lens.cuda()).cpu(), ref)
 

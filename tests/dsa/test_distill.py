@@ -114,7 +114,7 @@ def test_row_kl_and_recall_equal_plain_formulas_on_a_hand_case():
         want.append(sum(a * math.log(a / (math.exp(x) / z)) for a, x in zip(pr, lr) if a > 0))
     assert float(row_kl(p, logits)) == pytest.approx(sum(want) / 3, rel=1e-6)
     rows = torch.tensor([0, 2, 3])
-    # density 2: row 0 keeps 1 position (mass 1), row 2 keeps 2 (positions 1, 0: 0.75), row 3 keeps 2 (2, 3: 0.7)
+    # reduction factor 2: row 0 keeps 1 position (mass 1), row 2 keeps 2 (positions 1, 0: 0.75), row 3 keeps 2 (2, 3: 0.7)
     assert row_recall(p, logits, rows, 2) == pytest.approx((1.0 + 0.75 + 0.7) / 3)
 
 
@@ -204,7 +204,7 @@ def test_sliding_layers_and_short_corpora_are_refused():
     from kvsieve.selectors.common.text_windows import split_documents, token_windows
     from kvsieve.selectors.dsa.distill_config import DistillConfig
     from kvsieve.selectors.dsa.distill_targets import trainable_layers
-    from kvsieve.sparse.prepare import Document
+    from kvsieve.sparse.calibration import Document
 
     cfg = SimpleNamespace(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
     assert trainable_layers(cfg, None) == [1, 3]
@@ -271,7 +271,7 @@ def test_collect_keeps_each_window_and_reuses_it_only_for_the_same_model_tokens_
     import dataclasses
 
     from kvsieve.eval.model import load_model
-    from kvsieve.eval.prepare import model_context
+    from kvsieve.eval.calibration import model_context
     from kvsieve.selectors.dsa import distill as di
     from kvsieve.selectors.dsa.distill_config import DistillConfig
 

@@ -13,7 +13,7 @@ from kvsieve.eval.model import ByteTokenizer
 from kvsieve.eval.tasks.base import WORDS
 from kvsieve.selectors.common.text_windows import split_documents
 from kvsieve.selectors.dsa.distill_retrieval import CODE_WORDS, PEOPLE, PROJECTS, make_fact, retrieval_windows
-from kvsieve.sparse.prepare import Document
+from kvsieve.sparse.calibration import Document
 
 
 def _essays(n: int, held_word: str = "", sentences: int = 60) -> list[Document]:
@@ -102,7 +102,7 @@ def test_collect_samples_the_tail_rows_and_never_trains_on_held_out_essays():
     import dataclasses
 
     from kvsieve.eval.model import load_model
-    from kvsieve.eval.prepare import model_context
+    from kvsieve.eval.calibration import model_context
     from kvsieve.selectors.dsa.distill import collect
     from kvsieve.selectors.dsa.distill_config import DistillConfig
 

@@ -9,14 +9,14 @@ import math
 import pytest
 import torch
 
-from kvsieve.sparse.prepare import LayerCapture
+from kvsieve.sparse.calibration import LayerCapture
 from kvsieve.eval.mass_recall import bound_terms, group_mass, mean_interval, recall_config, window_recall
 from kvsieve.selectors.dsa.projections import IndexerProjections
 from kvsieve.sparse.knobs import KnobError
 from recall_table import make_input
 
 LENGTH, ROWS, PAGE = 512, torch.arange(508, 512), 16
-DENSITIES = (4, 16)
+REDUCTION_FACTORS = (4, 16)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +74,8 @@ def hand_kept(name: str, cap: LayerCapture, r: int, t: int, budget: int) -> list
 
 def test_figures_equal_each_rule_by_hand(fixed):
     cap, proj = fixed
-    got = window_recall({0: cap}, ROWS, DENSITIES, {0: proj}, LENGTH)
-    for d in DENSITIES:
+    got = window_recall({0: cap}, ROWS, REDUCTION_FACTORS, {0: proj}, LENGTH)
+    for d in REDUCTION_FACTORS:
         budget = math.ceil(LENGTH / d)  # whole pages of 16 at both densities
         for name in got:
             if name == "dsa":
@@ -137,7 +137,7 @@ def test_bound_terms_split_the_bound_exactly_and_rank_a_planted_page():
     kp = k.view(4, 16, 1, 8)
     c, h = (kp.amax(1) + kp.amin(1)) / 2, (kp.amax(1) - kp.amin(1)) / 2
     torch.testing.assert_close(bound, (c[:, 0] @ q.T + h[:, 0] @ q.abs().T).T)
-    terms = bound_terms(q, k, 1.0, 16, density=4)
+    terms = bound_terms(q, k, 1.0, 16, reduction_factor=4)
     assert terms["top_overlap"] == 1.0 and terms["rho_bound"] > 0
 
 
@@ -146,7 +146,7 @@ def test_command_on_tiny_random_measures_and_reuses_its_captures(tmp_path):
 
     from kvsieve.eval.mass_recall import main
 
-    args = ["--model", "tiny-random", "--length", "256", "--texts", "2", "--rows", "2", "--densities", "4", "16",
+    args = ["--model", "tiny-random", "--length", "256", "--texts", "2", "--rows", "2", "--reduction-factors", "4", "16",
             "--captures", str(tmp_path / "caps")]
     lines: list[str] = []
     assert main(args + ["--json", str(tmp_path / "a.json")], lines.append) == 0

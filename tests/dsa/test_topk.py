@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from kvsieve.kernels.topk import dispatch
+from kvsieve.kernels.topk import plan
 from kvsieve.kernels.topk import naive
 
 LENGTHS = (1, 2, 127, 128, 129, 511, 512, 1000, 1023, 1024, 2047, 2048, 2049, 4096, 9295, 32768, 131072)
@@ -106,7 +106,7 @@ def test_gvr_guess_fallback_is_exact():
 
 
 def test_dispatch_table():
-    choose = dispatch.choose_topk_engine
+    choose = plan.choose_topk_engine
     assert choose("auto", device="cpu", index_topk=2048).engine == "torch"
     for sm in (90, 100, 103):
         assert choose("auto", device="cuda", index_topk=2048, cute_available=True, sm=sm).engine == "cute_gvr"
@@ -121,27 +121,27 @@ def test_dispatch_table():
 
 def test_dispatch_refuses_what_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="CuTe-DSL GVR kernel is unavailable"):
-        dispatch.choose_topk_engine("cute_gvr", device="cuda", index_topk=2048, cute_available=False, sm=100)
+        plan.choose_topk_engine("cute_gvr", device="cuda", index_topk=2048, cute_available=False, sm=100)
     with pytest.raises(ValueError, match="index_topk must be in"):
-        dispatch.choose_topk_engine("cute_gvr", device="cuda", index_topk=300, cute_available=True, sm=100)
+        plan.choose_topk_engine("cute_gvr", device="cuda", index_topk=300, cute_available=True, sm=100)
     with pytest.raises(ValueError, match="SM in"):
-        dispatch.choose_topk_engine("cute_gvr", device="cpu", index_topk=2048, cute_available=True)
+        plan.choose_topk_engine("cute_gvr", device="cpu", index_topk=2048, cute_available=True)
     with pytest.raises(ValueError, match="topk_engine"):
-        dispatch.choose_topk_engine("bitonic", device="cpu", index_topk=2048)
+        plan.choose_topk_engine("bitonic", device="cpu", index_topk=2048)
     # the kernel module ships; whether it can be launched depends on the CuTe-DSL package alone
-    assert dispatch.cute_dsl_available() == (importlib.util.find_spec("cutlass") is not None)
+    assert plan.cute_dsl_available() == (importlib.util.find_spec("cutlass") is not None)
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="Triton kernel"):
-        dispatch.choose_topk_engine("gvr", device="cpu", index_topk=2048)
+        plan.choose_topk_engine("gvr", device="cpu", index_topk=2048)
 
 
 @pytest.mark.parametrize("engine", ["torch", "radix", "gvr"])
 def test_run_topk_through_workspace(engine):
     scores, lens = _rows(3000, 3)
-    d = dispatch.choose_topk_engine(engine, device="cpu", index_topk=512)
-    ws = dispatch.TopKWorkspace(d, max_rows=8, device="cpu")
+    d = plan.choose_topk_engine(engine, device="cpu", index_topk=512)
+    ws = plan.TopKWorkspace(d, max_rows=8, device="cpu")
     assert (ws.scratch is not None) == (engine == "gvr")
-    got = dispatch.run_topk(ws, scores, lens)
+    got = plan.run_topk(ws, scores, lens)
     _check_against_torch(scores, lens, got, 512)
     with pytest.raises(ValueError, match="max_rows"):
-        dispatch.run_topk(ws, torch.zeros(9, 10), torch.zeros(9, dtype=torch.int32))
+        plan.run_topk(ws, torch.zeros(9, 10), torch.zeros(9, dtype=torch.int32))

@@ -22,12 +22,12 @@ def test_needle_tokens_are_the_value():
     assert span == list(range(start, start + 7))
 
 
-def _run(tmp_path: Path, capsys, density: int, task: str = "niah_single") -> list[tuple[float, ...]]:
+def _run(tmp_path: Path, capsys, reduction_factor: int, task: str = "niah_single") -> list[tuple[float, ...]]:
     torch.manual_seed(0)
     path = tmp_path / "idx.pt"
     save_projections(str(path), {i: IndexerProjections(64, 2, 8, 4) for i in (0, 1)})
     assert main(["--model", "tiny-random", "--length", "700", "--projections", str(path), "--depths", "50",
-                 "--per-depth", "1", "--samples", "0", "--rows", "4", "--density", str(density), "--task", task]) == 0
+                 "--per-depth", "1", "--samples", "0", "--rows", "4", "--reduction-factor", str(reduction_factor), "--task", task]) == 0
     out = capsys.readouterr().out
     digits = 7 if task == "niah_single" else 5  # the byte tokenizer: one token per digit
     assert re.search(rf"needle tokens \d+\.\.\d+ \({digits}\)", out), out

@@ -20,7 +20,7 @@ def test_bound_ranks_exactly_when_one_channel_sorts_the_pages():
     k = torch.zeros(64, 1, 4)
     k[:, 0, 0] = torch.arange(64).float()  # page j holds 16j..16j+15 on channel 0
     q = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
-    r = tool.page_bound_rank(q, k, page_size=16, density=4)
+    r = tool.page_bound_rank(q, k, page_size=16, reduction_factor=4)
     assert r["rank_corr"] > 0.999 and r["top_overlap"] == 1.0
     assert abs(r["page_range"] - (15 / 63 + 3 * 0) / 4) < 1e-6  # channels 1..3 are constant (range clamped)
 

@@ -12,7 +12,7 @@ import pytest
 from kvsieve.eval.config import ConfigError, from_dict, load_config
 from kvsieve.eval.run_plan import compute_run_id, plan_runs, run_identity
 from kvsieve.eval.served.agreement import answer_text, compare_outputs, format_agreement
-from kvsieve.eval.served.engine import ENV_PYTHON, vllm_python
+from kvsieve.eval.served.launch import ENV_PYTHON, vllm_python
 from kvsieve.eval.served.protocol import PLUGIN_DENSE, cache_salt, check_served, request_setting
 
 BASE = {"model": "smollm2", "engine": "vllm", "tasks": {"passkey": {"lengths": [1024]}},
@@ -37,7 +37,7 @@ def _cfg(**changes: object) -> object:
 ])
 def test_what_the_vllm_path_cannot_run_exactly_is_refused_by_name(changes, message):
     with pytest.raises(ConfigError, match=message):
-        check_served(_cfg(**changes), prepared=True)
+        check_served(_cfg(**changes), calibrated=True)
 
 
 def test_a_model_without_a_checkpoint_folder_is_refused_before_anything_loads(tmp_path):
@@ -82,7 +82,7 @@ def test_the_served_presets_name_every_selector_the_plugin_serves_at_three_densi
     assert cfg.engine == "vllm"
     assert sorted(s.selector for s in cfg.selectors) == ["block_select", "dsa", "oracle_topk", "quest", "streaming"]
     assert all(len(s.sparsities) == 3 for s in cfg.selectors)
-    check_served(cfg, prepared=False)  # every entry but dsa (prepared per model) is checked here
+    check_served(cfg, calibrated=False)  # every entry but dsa (calibrated per model) is checked here
 
 
 def test_no_vllm_python_is_a_clear_error(monkeypatch, tmp_path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvsieve.kernels.common.native import NativeUnavailable
-from kvsieve.kernels.head_tables.dispatch import head_tables
+from kvsieve.kernels.head_tables.plan import head_tables
 from kvsieve.kernels.head_tables.naive import head_tables_naive
 from kvsieve.kernels.head_tables.native import head_tables_native
 

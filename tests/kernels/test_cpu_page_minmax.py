@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvsieve.kernels.common.native import NativeUnavailable
-from kvsieve.kernels.page_minmax.dispatch import page_minmax, supports_native
+from kvsieve.kernels.page_minmax.plan import page_minmax, supports_native
 from kvsieve.kernels.page_minmax.naive import page_minmax_naive
 from kvsieve.kernels.page_minmax.native import page_minmax_native
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvsieve.kernels.common import native as build
-from kvsieve.kernels.page_topk.dispatch import page_topk
+from kvsieve.kernels.page_topk.plan import page_topk
 from kvsieve.kernels.page_topk.naive import page_topk_naive
 from kvsieve.kernels.page_topk.native import SOURCE
 
@@ -146,7 +146,7 @@ def test_rows_in_one_call_equal_page_topk_per_row(monkeypatch, mode, dtype):
     different lengths and budgets side by side, the pages ``page_topk`` picks for each alone."""
     import numpy as np
 
-    from kvsieve.kernels.page_topk.dispatch import page_topk_rows
+    from kvsieve.kernels.page_topk.plan import page_topk_rows
 
     hkv, g, d, sub = 3, 3, 64, 2
     pool, _, _ = _case(hkv, g, d, sub, 40, dtype, seed=7)

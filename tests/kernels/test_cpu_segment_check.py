@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvsieve.kernels.common.native import NativeUnavailable
-from kvsieve.kernels.segment_check.dispatch import check_segments
+from kvsieve.kernels.segment_check.plan import check_segments
 from kvsieve.kernels.segment_check.naive import check_offsets_naive, check_segments_naive
 from kvsieve.kernels.segment_check.native import segment_check_native
 

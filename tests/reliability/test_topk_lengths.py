@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsieve.kernels.topk import dispatch, naive
+from kvsieve.kernels.topk import naive, plan
 
 
 def _engines():
@@ -54,9 +54,9 @@ def test_short_rows_give_positions_in_order_then_padding(engine):
 
 
 def test_run_topk_torch_engine_follows_the_short_row_contract():
-    decision = dispatch.choose_topk_engine("torch", device="cpu", index_topk=8)
-    ws = dispatch.TopKWorkspace(decision, 2, "cpu")
+    decision = plan.choose_topk_engine("torch", device="cpu", index_topk=8)
+    ws = plan.TopKWorkspace(decision, 2, "cpu")
     scores = torch.stack([torch.tensor([0.1, 0.9, 0.5, -1.0] + [0.0] * 6), torch.arange(10, 0, -1).float()])
-    got = dispatch.run_topk(ws, scores, torch.tensor([4, 20], dtype=torch.int32))
+    got = plan.run_topk(ws, scores, torch.tensor([4, 20], dtype=torch.int32))
     assert got[0].tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
     assert sorted(got[1].tolist()) == list(range(8))  # length 20 read as the width 10

@@ -103,9 +103,9 @@ def _check_entry(spec: SelectorSpec, lengths: list[int]) -> None:
                                   f"{budget.tokens} tokens becomes {knob} in the plug-in, not {budget.knob}")
 
 
-def check_served(cfg: EvalConfig, *, prepared: bool) -> None:
+def check_served(cfg: EvalConfig, *, calibrated: bool) -> None:
     """Raise :class:`ConfigError` naming what the vLLM path cannot run exactly (module docstring).
-    Entries with a prepare step are checked once ``prepared`` (their projections exist then)."""
+    Entries with a calibration step are checked once ``calibrated`` (their projections exist then)."""
     if cfg.check:
         raise ConfigError("check: the golden check compares kvsieve's session with its vanilla backend; the vLLM "
                           "path has none (tests/vllm checks the plug-in against the golden); set check=0")
@@ -115,5 +115,5 @@ def check_served(cfg: EvalConfig, *, prepared: bool) -> None:
                               "session; --engine vllm runs generation tasks only")
     lengths = sorted({n for t in cfg.tasks for n in t.lengths})
     for spec in cfg.selectors:
-        if spec.prepare is None or prepared:
+        if spec.calibrate is None or calibrated:
             _check_entry(spec, lengths)

@@ -27,13 +27,14 @@ from typing import Any
 import yaml
 
 from ..config import EvalConfig, SelectorSpec
-from ..model import LoadedModel, checkpoint_folder
+from ..model import LoadedModel
 from ..run_files import Progress, prediction_row, record_failure, write_run
 from ..run_plan import RunSpec, run_identity
 from ..store import CONFIG, atomic_write_text, clear_run
 from ..tasks import Sample, get_task
 from .agreement import answer_text
-from .engine import EngineError, EngineProcess, engine_env, plugin_config_file
+from .engine import plugin_config_file, start_engine
+from .launch import OWN, EngineError, EngineLaunch, EngineProcess, model_folder
 from .protocol import (DECODE_TOKENS, DTYPE, MAX_NUM_SEQS, TIMING_REPS, cache_salt, kv_cache_gib, process_config,
                        request_setting)
 
@@ -142,9 +143,10 @@ def _engine(sw: ServedSweep, name: str, spec: SelectorSpec | None, runs: list[Ru
     sw.log(f"kvsieve eval: starting vLLM engine {name!r} ({'plug-in: ' + str(config) if config else 'own attention'}"
            f"; log {folder / (name + '.log')})")
     max_len = _max_model_len(sw, runs)
-    env = engine_env(config, sw.cfg.threads or 1, kv_cache_gib(sw.lm.model.config, max_len))
-    return EngineProcess(name, sw.python, str(checkpoint_folder(sw.cfg.model)), dtype=DTYPE, max_model_len=max_len,
-                         max_num_seqs=MAX_NUM_SEQS, env=env, log=folder / f"{name}.log")
+    launch = EngineLaunch(str(config) if config else OWN, threads=sw.cfg.threads or 1,
+                          kv_cache_gib=kv_cache_gib(sw.lm.model.config, max_len))
+    return start_engine(name, sw.python, model_folder(sw.cfg.model), launch, dtype=DTYPE, max_model_len=max_len,
+                        max_num_seqs=MAX_NUM_SEQS, log=folder / f"{name}.log")
 
 
 def _start(sw: ServedSweep, name: str, spec: SelectorSpec | None, runs: list[RunSpec],

@@ -1,7 +1,7 @@
 """One vLLM engine process of ``kvsieve eval --engine vllm`` (runs in vLLM's environment).
 
 ``python -m kvsieve.eval.served.worker --model DIR --dtype float32 --max-model-len N``; the kvsieve
-plug-in is on or off as the environment says (``KVSIEVE_CONFIG``, set by :mod:`.engine`). The
+plug-in is on or off as the environment says (``KVSIEVE_CONFIG``, set by the launcher, :mod:`.launch`). The
 process prints ``READY`` once the engine is built, then answers each JSON line on stdin with one
 ``REPLY {json}`` line on stdout (anything else vLLM prints goes to stderr or is skipped by the
 reader); end of input ends it. Requests:

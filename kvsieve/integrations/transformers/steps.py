@@ -40,6 +40,47 @@ class SessionSteps:
             self.engine.truncate(rid, length)
         self._next_pos = length
 
+    @torch.inference_mode()
+    def tile_context(self, length: int) -> None:
+        """Grow every live request from its cached positions to ``length`` by repeating its blocks
+        block for block (K/V and every auxiliary pool, e.g. Quest's page summaries), without running
+        the model: a context of that length for timing, without its prefill. The positions past the
+        prefill hold copies, not what the model would compute there (speed only). Refused, naming
+        the reason, and nothing changes: a step open, no live requests, a length below the cached
+        positions, cached positions that are not whole blocks, several cache groups (sliding-window
+        layers), a request compacted by eviction or tracked for prefix caching."""
+        if self._step_open:
+            raise RuntimeError("tile_context: a step is open")
+        if not self._request_ids:
+            raise RuntimeError("tile_context: no live requests (prefill first)")
+        have, caches = self._next_pos, self.engine.caches
+        if len(caches) != 1:
+            raise ValueError(f"tile_context: the session has {len(caches)} cache groups (sliding-window layers); "
+                             "tiling one group's blocks would leave the others short")
+        cache = caches[0]
+        if not have <= length <= self.max_tokens:
+            raise ValueError(f"tile_context: length must be in [{have} (the cached positions), "
+                             f"{self.max_tokens} (max_tokens)], got {length}")
+        if have == 0 or have % cache.tokens_per_block:
+            raise ValueError(f"tile_context: the {have} cached positions are not whole blocks of "
+                             f"{cache.tokens_per_block}")
+        if self._tracked:
+            raise ValueError("tile_context: the requests are tracked for prefix caching (their positions must hold "
+                             "their tokens)")
+        for rid in self._request_ids:
+            if cache.valid_len(rid) != have:
+                raise ValueError(f"tile_context: request {rid} was compacted by eviction")
+        cache.check_appends([(rid, length - have) for rid in self._request_ids])
+        for rid in self._request_ids:
+            src = cache.block_ids(rid)
+            cache.append_tokens(rid, length - have)
+            dst = torch.tensor(cache.block_ids(rid)[len(src):], dtype=torch.long)
+            src_t = torch.tensor([src[j % len(src)] for j in range(len(dst))], dtype=torch.long)
+            for pools in (cache.pools, *cache.aux_pools.values()):
+                for pool in pools:
+                    pool[dst] = pool[src_t]
+        self._next_pos = length
+
     def _run(self, ids: torch.Tensor, *, new_requests: bool) -> torch.Tensor:
         b, s = ids.shape
         reused = self._open_step(b, s, new_requests, ids)

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from ...kernels.common.native import NativeUnavailable
-from ...kernels.head_tables.dispatch import head_tables
+from ...kernels.head_tables.plan import head_tables
 from ...kernels.sparse_gqa_decode.native import sparse_decode_runs_native, supports_runs_native
 from ...kernels.sparse_gqa_decode.runs import TokenRuns, selection_runs
 from ...metadata import AttentionMetadata
@@ -60,7 +60,7 @@ class PerHeadTables:
 def per_head_block_tables(params: SparseRuntimeParams, md: AttentionMetadata, view: ForeignPagedKV
                           ) -> PerHeadTables | None:
     """The generation rows' block selection of ``params`` as per-(row, KV head) tables of pseudo-block
-    ids (module docstring; built by :func:`kvsieve.kernels.head_tables.dispatch.head_tables`), or ``None``
+    ids (module docstring; built by :func:`kvsieve.kernels.head_tables.plan.head_tables`), or ``None``
     when the selection is not whole cache blocks (``sparse_attn_indices_block_size`` other than the
     cache's block size) or some (row, KV head) selects nothing (the caller then takes kvsieve's
     backend). ``params`` validated; ``md`` is the step's metadata over ``view``; each generation row

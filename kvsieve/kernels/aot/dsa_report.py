@@ -8,7 +8,7 @@ driver of :mod:`.triton_compile` (the table format of ``triton_report``). Shapes
 from __future__ import annotations
 
 from ..dsa_indexer.plan import INDEXER_LAUNCH
-from ..topk.dispatch import TOPK_LAUNCH
+from ..topk.plan import TOPK_LAUNCH
 from ..topk.naive import GVR_BINS, GVR_SAMPLE
 from . import triton_compile
 from .triton_compile import ARCH_KEY, KernelSpec

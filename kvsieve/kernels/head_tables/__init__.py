@@ -18,7 +18,7 @@ but the last, which ends at the request's length (only a request's newest block 
 native builder writes them in one pass (about a microsecond for a decode step); the naive twin
 (a dozen numpy ops) runs where its library is unavailable.
 
-``dispatch`` (:func:`~.dispatch.head_tables`: the native kernel where it takes the inputs and
+``plan`` (:func:`~.plan.head_tables`: the native kernel where it takes the inputs and
 its library builds, else the twin), ``native`` + ``head_tables.c`` (the C kernel behind ctypes),
 ``naive`` (the plain twin).
 """

@@ -1,4 +1,4 @@
-"""Plain numpy twin of :func:`~kvsieve.kernels.head_tables.dispatch.head_tables` (the contract is there)."""
+"""Plain numpy twin of :func:`~kvsieve.kernels.head_tables.plan.head_tables` (the contract is there)."""
 from __future__ import annotations
 
 import numpy as np

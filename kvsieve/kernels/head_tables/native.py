@@ -1,4 +1,4 @@
-"""The C builder of :func:`~kvsieve.kernels.head_tables.dispatch.head_tables` (``head_tables.c``) behind ctypes."""
+"""The C builder of :func:`~kvsieve.kernels.head_tables.plan.head_tables` (``head_tables.c``) behind ctypes."""
 from __future__ import annotations
 
 import ctypes

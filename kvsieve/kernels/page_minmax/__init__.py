@@ -16,7 +16,7 @@ sum, no order; only a zero's sign may differ where +0 and -0 tie). :func:`page_m
 for CPU tensors of those dtypes and ``D <= 1024`` when its library builds (:mod:`kvsieve.kernels.common.native`); it
 refuses a page outside its block with a ``ValueError`` before writing anything.
 
-``dispatch`` (:func:`~.dispatch.page_minmax`: the native kernel where it takes the inputs and
+``plan`` (:func:`~.plan.page_minmax`: the native kernel where it takes the inputs and
 its library builds, else the twin), ``native`` + ``page_minmax.c`` (the C kernel behind ctypes),
 ``naive`` (the plain twin).
 """

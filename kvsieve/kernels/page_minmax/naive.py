@@ -1,4 +1,4 @@
-"""The plain-PyTorch twin of :func:`~kvsieve.kernels.page_minmax.dispatch.page_minmax` (any device)."""
+"""The plain-PyTorch twin of :func:`~kvsieve.kernels.page_minmax.plan.page_minmax` (any device)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +12,7 @@ OUT_OF_RANGE = ("page_minmax: a page lies outside its block or the cache, does n
 
 def page_minmax_naive(keys: torch.Tensor, blocks: np.ndarray, starts: np.ndarray, counts: np.ndarray,
                       pool: torch.Tensor) -> None:
-    """As :func:`~kvsieve.kernels.page_minmax.dispatch.page_minmax`: one gather of every page's
+    """As :func:`~kvsieve.kernels.page_minmax.plan.page_minmax`: one gather of every page's
     ``page_size`` key slots ``[n, page_size, Hkv, D]``, the slots past a page's count masked, then
     min/max in fp32, written to the pool in its dtype."""
     if not blocks.size:

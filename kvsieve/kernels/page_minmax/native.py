@@ -1,4 +1,4 @@
-"""The C kernel of :func:`~kvsieve.kernels.page_minmax.dispatch.page_minmax` (``page_minmax.c``) behind ctypes."""
+"""The C kernel of :func:`~kvsieve.kernels.page_minmax.plan.page_minmax` (``page_minmax.c``) behind ctypes."""
 from __future__ import annotations
 
 import ctypes

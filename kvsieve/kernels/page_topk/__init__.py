@@ -27,7 +27,7 @@ when its library builds (:mod:`kvsieve.kernels.common.native`); otherwise the na
 (their block tables as rows of one table) and returns their indices side by side; without the
 library it runs :func:`page_topk` per row.
 
-``dispatch`` (:func:`~.dispatch.page_topk`: the native kernel where it takes the inputs and
+``plan`` (:func:`~.plan.page_topk`: the native kernel where it takes the inputs and
 its library builds, else the twin), ``native`` + ``page_topk.c`` (the C kernel behind ctypes),
 ``naive`` (the plain twin).
 """

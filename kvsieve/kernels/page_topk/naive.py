@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference of :func:`~kvsieve.kernels.page_topk.dispatch.page_topk` (the contract is
+"""Plain-PyTorch reference of :func:`~kvsieve.kernels.page_topk.plan.page_topk` (the contract is
 there): gather the pages' rows, one batched GEMV, softmax, mean, a stable sort."""
 from __future__ import annotations
 

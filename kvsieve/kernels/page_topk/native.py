@@ -1,4 +1,4 @@
-"""The C kernel of :func:`~kvsieve.kernels.page_topk.dispatch.page_topk` (``page_topk.c``) behind ctypes."""
+"""The C kernel of :func:`~kvsieve.kernels.page_topk.plan.page_topk` (``page_topk.c``) behind ctypes."""
 from __future__ import annotations
 
 import ctypes

@@ -15,7 +15,7 @@ The native checker decides in one pass over the entries (a decode step's few hun
 microsecond, where the plain path costs a dozen array ops); when it finds a broken rule, or its
 library is unavailable, or the tensors are not CPU int32, the plain path runs and names the entry.
 
-``dispatch`` (:func:`~.dispatch.check_segments`: the native kernel where it takes the inputs and
+``plan`` (:func:`~.plan.check_segments`: the native kernel where it takes the inputs and
 its library builds, else the twin), ``native`` + ``segment_check.c`` (the C kernel behind ctypes),
 ``naive`` (the plain twin).
 """

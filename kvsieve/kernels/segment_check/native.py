@@ -1,4 +1,4 @@
-"""The C checker of :func:`~kvsieve.kernels.segment_check.dispatch.check_segments` (``segment_check.c``)
+"""The C checker of :func:`~kvsieve.kernels.segment_check.plan.check_segments` (``segment_check.c``)
 behind ctypes."""
 from __future__ import annotations
 

@@ -195,7 +195,7 @@ def _out(scores: torch.Tensor, k: int, out: torch.Tensor | None) -> torch.Tensor
 def radix_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, *, block: int,
                num_programs: int, num_warps: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``radix`` engine; arguments and result as ``naive.radix_topk`` (``block``,
-    ``num_programs``, ``num_warps`` come from ``dispatch.topk_launch``)."""
+    ``num_programs``, ``num_warps`` come from ``plan.topk_launch``)."""
     check_topk_args(scores, lengths, k)
     res = _out(scores, k, out)
     rows = scores.shape[0]
@@ -210,7 +210,7 @@ def gvr_topk(scores: torch.Tensor, lengths: torch.Tensor, k: int, capacity: int,
              workspace: torch.Tensor, block: int, num_warps: int, stats: torch.Tensor | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton ``gvr`` engine; as ``naive.gvr_topk``. ``workspace [2, P, capacity]`` int32 is the
-    candidate scratch of ``P`` persistent programs (``dispatch.TopKWorkspace``)."""
+    candidate scratch of ``P`` persistent programs (``plan.TopKWorkspace``)."""
     check_topk_args(scores, lengths, k)
     if capacity < k:
         raise ValueError(f"capacity: expected >= k={k}, got {capacity}")

@@ -8,8 +8,8 @@ is a contiguous row of ``2 * D``, so a request's pages are read head-major ``[Hk
 (one block gather, or a slice of the pool when its blocks are contiguous and ascending) and
 scored by one batched GEMV per (query token, KV head); a step whose generation rows are one token
 per request (decode) hands the pool and each request's block ids to
-:func:`kvsieve.kernels.page_topk.dispatch.page_topk`, which reads the rows in place. A page is recomputed from the
-cache (:func:`kvsieve.kernels.page_minmax.dispatch.page_minmax`, in place) whenever a token is written into it, and
+:func:`kvsieve.kernels.page_topk.plan.page_topk`, which reads the rows in place. A page is recomputed from the
+cache (:func:`kvsieve.kernels.page_minmax.plan.page_minmax`, in place) whenever a token is written into it, and
 every page of a request after compaction.
 A query token reads its own page's summary over the positions up to itself only (recomputed from
 the cache), so with several query tokens of one request in a step an earlier token's choice never
@@ -37,8 +37,8 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from ...kernels.page_minmax.dispatch import page_minmax
-from ...kernels.page_topk.dispatch import page_topk_rows
+from ...kernels.page_minmax.plan import page_minmax
+from ...kernels.page_topk.plan import page_topk_rows
 from ...metadata import KVCacheManager
 from ...sparse import SelectorInputs, SparseRuntimeParams
 from .paged import drop_empty_columns, pack_generation_rows, top_p_count, top_p_cut, top_units, top_units_topk
@@ -67,7 +67,7 @@ class PageSummaries:
         """Recompute, from the cache, the pages holding positions ``[starts[b], lens[b])`` of the
         requests in ``slots`` (int arrays ``[B]``); ``lens`` are the valid lengths to summarize.
         Every page lies inside one cache block, so the pages are a list of (block, first token,
-        keys) for :func:`~kvsieve.kernels.page_minmax.dispatch.page_minmax`, which reads them in place."""
+        keys) for :func:`~kvsieve.kernels.page_minmax.plan.page_minmax`, which reads them in place."""
         ps, tpb = self.page_size, self.cache.tokens_per_block
         keys, pool = self.cache.k_cache(layer_idx), self.pools[layer_idx]
         if len(slots) == 1:  # one request (a decode step: one page), in Python integers
@@ -224,7 +224,7 @@ def _select_pages_per_row(inputs: SelectorInputs, summaries: PageSummaries, *, m
     """:func:`select_pages` of a step whose generation rows are one token per request (decode
     steps; no sliding window, fixed budget): each row's candidates are every page of its request,
     so no masks, and a selection cannot run short of pages, so no padding. The rows' pages are
-    picked by :func:`~kvsieve.kernels.page_topk.dispatch.page_topk_rows` (one native call for every row on
+    picked by :func:`~kvsieve.kernels.page_topk.plan.page_topk_rows` (one native call for every row on
     the CPU), reading the pool in place; row ``i`` keeps ``min(topk, its pages)``."""
     md = inputs.metadata
     c, ps = md.num_contexts, summaries.page_size

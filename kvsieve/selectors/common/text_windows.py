@@ -1,4 +1,4 @@
-"""Token windows of a prepare step's text corpus (:class:`kvsieve.sparse.prepare.Document`): the
+"""Token windows of a calibration step's text corpus (:class:`kvsieve.sparse.calibration.Document`): the
 train / held-out split of the essays, and windows of ``seq_len`` tokens cut from documents joined
 in order with a space, each starting with the tokenizer's special prefix as an eval prompt does.
 """
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ...sparse.prepare import Document
+from ...sparse.calibration import Document
 
 __all__ = ["split_documents", "special_prefix", "token_windows"]
 

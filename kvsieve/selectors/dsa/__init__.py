@@ -1,13 +1,13 @@
 """DeepSeek Sparse Attention: a learned lightning indexer scores every key; its top-k are attended.
 
 Indexer projections: :mod:`.projections`; training them for a GQA model (the dense warm-up):
-:mod:`.distill`, run by the ``distill_indexer`` prepare step (:mod:`.prepare`) and by
+:mod:`.distill`, run by the ``distill_indexer`` calibration step (:mod:`.calibration`) and by
 ``kvsieve distill-indexer``. Kernels: :mod:`kvsieve.kernels.dsa_indexer`,
 :mod:`kvsieve.kernels.topk` (Triton and CuTe-DSL engines), :mod:`kvsieve.kernels.sparse_mla_decode`.
 """
 from __future__ import annotations
 
-from . import prepare as _prepare  # noqa: F401  (registers the distill_indexer prepare step)
+from . import calibration as _calibration  # noqa: F401  (registers the distill_indexer calibration step)
 from .projections import IndexerInputs
 from .selector import DSAConfig, DSASelector
 

@@ -7,14 +7,14 @@ Training runs at the evaluation length: each window of ``seq_len`` tokens is run
 the frozen model, and for ``rows`` query positions sampled per window (each scored against every
 key it sees) the targets ``p`` are kept with the layer's hidden states (:mod:`.distill_targets`),
 so memory grows with ``rows x seq_len``, not ``seq_len**2``. The windows come from the harness's
-corpus (:attr:`kvsieve.sparse.PrepareContext.documents`: essays and other text) with a recorded
+corpus (:attr:`kvsieve.sparse.CalibrationContext.documents`: essays and other text) with a recorded
 train / held-out split, plus retrieval windows (:mod:`.distill_retrieval`). After every epoch the
 KL on the training and held-out windows and the held-out recall at densities 1/4, 1/16, 1/64 (the
 dense mass the indexer's top-k keeps) are recorded with the elapsed wall and CPU time.
 
-Run by the ``distill_indexer`` prepare step (:mod:`.prepare`) and by ``kvsieve distill-indexer``
+Run by the ``distill_indexer`` calibration step (:mod:`.calibration`) and by ``kvsieve distill-indexer``
 (:mod:`kvsieve.eval.distill_indexer`); the model runs through the harness's capture
-(:class:`~kvsieve.sparse.PrepareContext`), never imported here.
+(:class:`~kvsieve.sparse.CalibrationContext`), never imported here.
 """
 from __future__ import annotations
 
@@ -27,38 +27,39 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ...sparse.prepare import PrepareContext
+from ...sparse.calibration import CalibrationContext
 from ..common.text_windows import split_documents, token_windows
 from .distill_config import DistillConfig
 from .distill_retrieval import retrieval_windows
 from .distill_targets import WindowTargets, cached_capture, sample_rows, trainable_layers, window_targets
 from .projections import IndexerProjections
 
-__all__ = ["Checkpoint", "DistillResult", "Corpus", "DENSITIES", "collect", "fit", "distill", "result_meta",
+__all__ = ["Checkpoint", "DistillResult", "Corpus", "REDUCTION_FACTORS", "collect", "fit", "distill", "result_meta",
            "rope_theta", "indexer_row_logits", "row_kl", "row_recall"]
 
-#: the densities of the held-out recall (budget = ceil(context / density) per query row)
-DENSITIES = (4, 16, 64)
+#: the reduction factors of the held-out recall: densities 1/4, 1/16, 1/64 (budget = ceil(context / factor) per
+#: query row)
+REDUCTION_FACTORS = (4, 16, 64)
 
 
 @dataclass(frozen=True)
 class Checkpoint:
     """After ``epoch`` epochs (0 = untrained), ``seconds`` wall and ``cpu_seconds`` process CPU
     since :func:`distill` began (captures included): mean KL on the training and held-out
-    windows and the held-out recall per density (:data:`DENSITIES`)."""
+    windows and the held-out recall per reduction factor (:data:`REDUCTION_FACTORS`)."""
 
     epoch: int
     seconds: float
     cpu_seconds: float
     train_kl: float
     heldout_kl: float
-    recall: dict[int, float]
+    recall: dict[int, float]  # by reduction factor
 
 
 @dataclass(frozen=True)
 class DistillResult:
     """The trained ``projections`` per layer, the training ``curve``, the held-out recall per
-    density of ``streaming`` (4 sinks + recent window, for comparison) and of the ``oracle`` (the
+    reduction factor of ``streaming`` (4 sinks + recent window, for comparison) and of the ``oracle`` (the
     exact top positions of ``p``: the ceiling of any one set of positions shared by the query heads,
     as the indexer's is), and the document ``split``."""
 
@@ -97,20 +98,20 @@ def row_kl(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return torch.where(p > 0, p * (torch.log(p.clamp(min=1e-30)) - logq), torch.zeros_like(p)).sum(-1).mean()
 
 
-def row_recall(p: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, density: int) -> float:
-    """Mean over rows of the mass ``p [R, S]`` kept by the top ``ceil((row + 1) / density)``
+def row_recall(p: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor, reduction_factor: int) -> float:
+    """Mean over rows of the mass ``p [R, S]`` kept by the top ``ceil((row + 1) / reduction_factor)``
     positions of ``scores [R, S]`` (``-inf`` past each row)."""
     kept = []
     for r, t in enumerate(rows.tolist()):
-        k = -(-(t + 1) // density)
+        k = -(-(t + 1) // reduction_factor)
         kept.append(float(p[r].float()[scores[r, : t + 1].topk(k).indices].sum()))
     return sum(kept) / len(kept)
 
 
-def _streaming_recall(p: torch.Tensor, rows: torch.Tensor, density: int, num_sink: int = 4) -> float:
+def _streaming_recall(p: torch.Tensor, rows: torch.Tensor, reduction_factor: int, num_sink: int = 4) -> float:
     kept = []
     for r, t in enumerate(rows.tolist()):
-        k = -(-(t + 1) // density)
+        k = -(-(t + 1) // reduction_factor)
         recent = p[r, max(num_sink, t + 1 - (k - num_sink)): t + 1].float().sum()
         kept.append(float(p[r, :num_sink].float().sum() + recent))
     return sum(kept) / len(kept)
@@ -118,13 +119,13 @@ def _streaming_recall(p: torch.Tensor, rows: torch.Tensor, density: int, num_sin
 
 def _evaluate(projs: dict[int, IndexerProjections], windows: list[WindowTargets], recall: bool
               ) -> tuple[float, dict[int, float]]:
-    kls, kept = [], {d: [] for d in DENSITIES}
+    kls, kept = [], {d: [] for d in REDUCTION_FACTORS}
     with torch.no_grad():
         for w in windows:
             for i, proj in projs.items():
                 logits = indexer_row_logits(proj, w.hidden[i], w.rows)
                 kls.append(float(row_kl(w.p[i], logits)))
-                for d in DENSITIES if recall else ():
+                for d in REDUCTION_FACTORS if recall else ():
                     kept[d].append(row_recall(w.p[i], logits, w.rows, d))
     return sum(kls) / len(kls), {d: sum(v) / len(v) for d, v in kept.items() if v}
 
@@ -144,7 +145,7 @@ class Corpus:
     start: tuple[float, float]
 
 
-def collect(ctx: PrepareContext, cfg: DistillConfig, *, progress: bool = True, captures: Path | None = None
+def collect(ctx: CalibrationContext, cfg: DistillConfig, *, progress: bool = True, captures: Path | None = None
             ) -> Corpus:
     """Capture the training and held-out windows of ``cfg`` (the expensive, geometry-free part) on
     ``ctx.layers`` (default: the full-attention ones), the training windows followed by
@@ -218,12 +219,12 @@ def fit(corpus: Corpus, cfg: DistillConfig, *, progress: bool = True) -> Distill
     for proj in projs.values():
         proj.eval()
     held = [(w.p[i], w.rows) for w in corpus.held for i in corpus.layers]
-    streaming = {d: sum(_streaming_recall(p, rows, d) for p, rows in held) / len(held) for d in DENSITIES}
-    oracle = {d: sum(row_recall(p, p.float(), rows, d) for p, rows in held) / len(held) for d in DENSITIES}
+    streaming = {d: sum(_streaming_recall(p, rows, d) for p, rows in held) / len(held) for d in REDUCTION_FACTORS}
+    oracle = {d: sum(row_recall(p, p.float(), rows, d) for p, rows in held) / len(held) for d in REDUCTION_FACTORS}
     return DistillResult(projs, curve, streaming, oracle, corpus.split)
 
 
-def distill(ctx: PrepareContext, cfg: DistillConfig, *, progress: bool = True) -> DistillResult:
+def distill(ctx: CalibrationContext, cfg: DistillConfig, *, progress: bool = True) -> DistillResult:
     """Dense warm-up of one indexer per layer of ``ctx.layers`` (default: the full-attention ones):
     :func:`collect` then :func:`fit`."""
     return fit(collect(ctx, cfg, progress=progress), cfg, progress=progress)

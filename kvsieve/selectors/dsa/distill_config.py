@@ -1,5 +1,5 @@
 """The options of the indexer's distillation (:class:`DistillConfig`: ``kvsieve distill-indexer``
-and the ``distill_indexer`` prepare step), apart from the training code so that the step's
+and the ``distill_indexer`` calibration step), apart from the training code so that the step's
 defaults are known without importing it."""
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ...sparse.prepare import Document
+from ...sparse.calibration import Document
 from ..common.text_windows import special_prefix, token_windows
 
 __all__ = ["RetrievalWindow", "retrieval_windows", "make_fact", "PROJECTS", "PEOPLE", "CODE_WORDS"]

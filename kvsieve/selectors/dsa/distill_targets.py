@@ -2,7 +2,7 @@
 attention-input hidden states and, for a few sampled query rows, the layer's dense causal
 attention averaged over its query heads, each row scored against every key it sees. The window
 is run once through the frozen model by the harness's capture
-(:attr:`kvsieve.sparse.PrepareContext.capture`); a capture can be kept on disk and reused
+(:attr:`kvsieve.sparse.CalibrationContext.capture`); a capture can be kept on disk and reused
 (:func:`cached_capture`) when the weights, tokens, layers and rows are the same.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...sparse.prepare import LayerCapture
+from ...sparse.calibration import LayerCapture
 from ...sparse.sparse_layers import sparse_layers
 
 __all__ = ["WindowTargets", "cached_capture", "sample_rows", "trainable_layers", "window_targets"]

@@ -10,7 +10,7 @@ without them. ``on_append`` computes the index keys and writes them to the auxil
 main cache; FP8 E4M3 keys add ``dsa_index_k_scale [num_blocks, tokens_per_block]`` fp32, one
 power-of-two scale per token). ``predict_attn`` computes the logits (Triton: ragged prefill for
 fresh prompts, paged decode otherwise; or the PyTorch references) and the top-k with the engine
-fixed at configuration time by ``kernels.topk.dispatch.choose_topk_engine``
+fixed at configuration time by ``kernels.topk.plan.choose_topk_engine``
 (:attr:`DSASelector.topk_engine`). A step whose every query sees at most ``index_topk`` tokens
 skips both and selects everything (short-sequence fast path, counted in :attr:`stats`). On a
 sliding-window layer the logits before each query's window are ``-inf`` and such positions are
@@ -123,7 +123,7 @@ class DSASelector(SparseSelector):
 
     def __init__(self, config: DSAConfig | None = None, **overrides) -> None:
         super().__init__(config, **overrides)
-        from ...kernels.topk.dispatch import choose_topk_engine  # kernels decorate lazily
+        from ...kernels.topk.plan import choose_topk_engine  # kernels decorate lazily
 
         c = self.config
         dev = torch.device(c.device)
@@ -325,7 +325,7 @@ class DSASelector(SparseSelector):
 
     # ---- logits + top-k ------------------------------------------------------------------
     def _select(self, inputs: SelectorInputs, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        from ...kernels.topk.dispatch import TopKWorkspace, run_topk
+        from ...kernels.topk.plan import TopKWorkspace, run_topk
 
         md = inputs.metadata
         if self._workspace is None or self._workspace.max_rows < md.max_num_tokens:

@@ -1,5 +1,5 @@
 """Host side of the CuTe-DSL GVR top-k: ``gvr_topk(scores, lengths, k, out)``, the entry point
-``kvsieve.kernels.topk.dispatch`` calls for the ``cute_gvr`` engine.
+``kvsieve.kernels.topk.plan`` calls for the ``cute_gvr`` engine.
 
 Importing this module needs neither a GPU nor ``cutlass``: the DSL is imported, and the kernel
 compiled (once per (arch, k)), on the first call. Contract, tie rule and result: as

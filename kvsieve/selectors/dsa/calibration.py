@@ -1,4 +1,4 @@
-"""The ``distill_indexer`` prepare step of the ``dsa`` selector: the indexer distilled for the model
+"""The ``distill_indexer`` calibration step of the ``dsa`` selector: the indexer distilled for the model
 (:func:`.distill.distill`, options :class:`~.distill_config.DistillConfig`) on the layers the entry
 runs on; ``seq_len: 0`` trains at the sweep's longest context length. Gives ``projections`` (the
 file) and the indexer geometry ``n_heads``/``head_dim``/``rope_dim``/``rope_theta``. The file is
@@ -10,25 +10,25 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ...sparse.prepare import PrepareContext, PrepareStep, register_prepare_step
+from ...sparse.calibration import CalibrationContext, CalibrationStep, register_calibration_step
 from .distill_config import DistillConfig
 from .projections import load_projections, save_projections
 
 __all__ = ["DistillIndexer"]
 
 
-@register_prepare_step
-class DistillIndexer(PrepareStep):
+@register_calibration_step
+class DistillIndexer(CalibrationStep):
     """The ``dsa`` indexer distilled from the model's dense attention, on the layers the entry runs on."""
 
     name = "distill_indexer"
     selector = "dsa"
     options = dataclasses.asdict(DistillConfig()) | {"seq_len": 0}
 
-    def resolve(self, options: dict[str, Any], ctx: PrepareContext) -> dict[str, Any]:
+    def resolve(self, options: dict[str, Any], ctx: CalibrationContext) -> dict[str, Any]:
         return options | {"layers": ctx.layers, "seq_len": options["seq_len"] or max(ctx.lengths)}
 
-    def run(self, options: dict[str, Any], ctx: PrepareContext, stem: Path) -> dict[str, Any]:
+    def run(self, options: dict[str, Any], ctx: CalibrationContext, stem: Path) -> dict[str, Any]:
         from .distill import distill, result_meta, rope_theta
 
         path = stem.with_suffix(".pt")

@@ -1,4 +1,4 @@
-"""The ``calibrate_skip_softmax`` prepare step of the ``skip_softmax`` selector: the decode-phase
+"""The ``calibrate_skip_softmax`` calibration step of the ``skip_softmax`` selector: the decode-phase
 skipped-tile fraction measured against the factor by :func:`.selector.calibrate_threshold` on the
 model's own attention (the last query of each layer the entry runs on, over the whole context, on
 ``num_texts`` windows of ``length`` tokens of essay text), bisected around each target sparsity
@@ -13,25 +13,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ...sparse.prepare import PrepareContext, PrepareStep, register_prepare_step
+from ...sparse.calibration import CalibrationContext, CalibrationStep, register_calibration_step
 from ..common.text_windows import token_windows
 from .selector import calibrate_threshold, interpolate_factor
 
 __all__ = ["CalibrateSkipSoftmax"]
 
 
-@register_prepare_step
-class CalibrateSkipSoftmax(PrepareStep):
+@register_calibration_step
+class CalibrateSkipSoftmax(CalibrationStep):
     """The decode-phase factor of ``skip_softmax`` calibrated per target sparsity on the model's attention."""
 
     name = "calibrate_skip_softmax"
     selector = "skip_softmax"
     options = {"length": 2048, "num_texts": 2, "factors": [10.0 ** e for e in range(-1, 7)], "steps": 8}
 
-    def resolve(self, options: dict[str, Any], ctx: PrepareContext) -> dict[str, Any]:
+    def resolve(self, options: dict[str, Any], ctx: CalibrationContext) -> dict[str, Any]:
         return options | {"layers": ctx.layers, "targets": list(ctx.sparsities)}
 
-    def run(self, options: dict[str, Any], ctx: PrepareContext, stem: Path) -> dict[str, Any]:
+    def run(self, options: dict[str, Any], ctx: CalibrationContext, stem: Path) -> dict[str, Any]:
         path = stem.with_suffix(".json")
         if path.is_file():
             points = tuple(tuple(p) for p in json.loads(path.read_text(encoding="utf-8"))["points"])

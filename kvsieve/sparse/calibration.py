@@ -1,16 +1,17 @@
-"""Prepare steps: a selector family's model-specific preparation, registered like a selector.
+"""Calibration steps: a selector family's offline, model-specific calibration, registered like a
+selector.
 
 Some selectors need something measured on the model before they run: DSA's indexer distilled
-from the model's attention (:mod:`kvsieve.selectors.dsa.prepare`), skip-softmax's factors
-calibrated on its scores (:mod:`kvsieve.selectors.skip_softmax.prepare`). The family registers
-the step next to its selector; a harness (``kvsieve eval``, :mod:`kvsieve.eval.prepare`) looks it
+from the model's attention (:mod:`kvsieve.selectors.dsa.calibration`), skip-softmax's factors
+calibrated on its scores (:mod:`kvsieve.selectors.skip_softmax.calibration`). The family registers
+the step next to its selector; a harness (``kvsieve eval``, :mod:`kvsieve.eval.calibration`) looks it
 up by name and calls it, knowing nothing about it::
 
-    @register_prepare_step
-    class MyCalibration(PrepareStep):
-        name = "calibrate_mine"          # what a sweep entry names in ``prepare:``
+    @register_calibration_step
+    class MyCalibration(CalibrationStep):
+        name = "calibrate_mine"          # what a sweep entry names in ``calibrate:``
         selector = "mine"                # the selector whose config it completes
-        options = {"texts": 2}           # option -> default (``prepare_params`` may set these only)
+        options = {"texts": 2}           # option -> default (``calibrate_params`` may set these only)
 
         def resolve(self, options, ctx):  # optional: add what the harness knows (keys the cache)
             return options | {"layers": ctx.layers}
@@ -19,7 +20,7 @@ up by name and calls it, knowing nothing about it::
             ...
             return {"thresholds": ...}
 
-The harness hands a :class:`PrepareContext`: the frozen model and its tokenizer, a text corpus
+The harness hands a :class:`CalibrationContext`: the frozen model and its tokenizer, a text corpus
 (:class:`Document`), two ways of running the model that capture its attention (the model's own
 RoPE, norms and scale), what the sweep entry will run (its layers, the context lengths, the
 target sparsities) and a log. Selector code stays below the harness: whatever needs the model
@@ -28,8 +29,8 @@ model's weights and the resolved options; a step keeps its result there and reus
 
 Third-party steps register in-process with the decorator, or by entry point::
 
-    [project.entry-points."kvsieve.prepare_steps"]
-    calibrate_mine = "my_pkg.prepare:MyCalibration"
+    [project.entry-points."kvsieve.calibration_steps"]
+    calibrate_mine = "my_pkg.calibration:MyCalibration"
 """
 from __future__ import annotations
 
@@ -42,14 +43,14 @@ import torch
 
 from .registry import Registry
 
-__all__ = ["Document", "LayerCapture", "RowCapture", "LastQueryCapture", "PrepareContext", "PrepareStep",
-           "PREPARE_STEPS", "PREPARE_ENTRY_POINT_GROUP", "register_prepare_step", "get_prepare_step",
-           "available_prepare_steps"]
+__all__ = ["Document", "LayerCapture", "RowCapture", "LastQueryCapture", "CalibrationContext", "CalibrationStep",
+           "CALIBRATION_STEPS", "CALIBRATION_ENTRY_POINT_GROUP", "register_calibration_step", "get_calibration_step",
+           "available_calibration_steps"]
 
 
 @dataclass(frozen=True)
 class Document:
-    """One text of the corpus a harness hands a prepare step: its ``source`` (``"essays"``: essays
+    """One text of the corpus a harness hands a calibration step: its ``source`` (``"essays"``: essays
     of the kind the eval's haystacks are made of; other names for other text), a ``name`` unique
     within the source, and the whitespace-normalised ``text``."""
 
@@ -85,8 +86,8 @@ LastQueryCapture = Callable[[list[torch.Tensor], set[int]],
 
 
 @dataclass(frozen=True)
-class PrepareContext:
-    """What a harness hands a prepare step (module docstring).
+class CalibrationContext:
+    """What a harness hands a calibration step (module docstring).
 
     ``model``/``tokenizer``: the frozen model (a transformers causal LM) and its tokenizer;
     ``model_name``: a short name for logs and saved files; ``weights_hash()``: a digest of the
@@ -111,20 +112,20 @@ class PrepareContext:
     log: Callable[[str], None] = print
 
 
-class PrepareStep:
-    """A selector family's preparation (module docstring). Subclasses set ``name``, ``selector``
+class CalibrationStep:
+    """A selector family's calibration (module docstring). Subclasses set ``name``, ``selector``
     and ``options`` and override :meth:`run`; the harness instantiates the class without arguments."""
 
     name: ClassVar[str] = ""
     selector: ClassVar[str] = ""
     options: ClassVar[dict[str, Any]] = {}
 
-    def resolve(self, options: dict[str, Any], ctx: PrepareContext) -> dict[str, Any]:
-        """``options`` (the defaults, then the entry's ``prepare_params``) completed with what
+    def resolve(self, options: dict[str, Any], ctx: CalibrationContext) -> dict[str, Any]:
+        """``options`` (the defaults, then the entry's ``calibrate_params``) completed with what
         ``ctx`` tells (e.g. the layers); the result keys the cache and is what :meth:`run` gets."""
         return options
 
-    def run(self, options: dict[str, Any], ctx: PrepareContext, stem: Path) -> dict[str, Any]:
+    def run(self, options: dict[str, Any], ctx: CalibrationContext, stem: Path) -> dict[str, Any]:
         """The config fields to add to the entry's selector params (e.g. ``{"projections": path}``);
         a result kept at ``stem`` (plus a suffix) is reused. ``ValueError``: the step cannot run."""
         raise NotImplementedError
@@ -132,30 +133,30 @@ class PrepareStep:
 
 def _check_step(cls: type) -> None:
     if not isinstance(cls.selector, str) or not cls.selector:
-        raise ValueError(f"prepare step {cls.name!r} ({cls.__qualname__}) names no `selector` (a non-empty str)")
+        raise ValueError(f"calibration step {cls.name!r} ({cls.__qualname__}) names no `selector` (a non-empty str)")
     if not isinstance(cls.options, dict):
-        raise TypeError(f"prepare step {cls.name!r} ({cls.__qualname__}): `options` must be a dict of defaults")
-    if cls.run is PrepareStep.run:
-        raise TypeError(f"prepare step {cls.name!r} ({cls.__qualname__}) does not override run")
+        raise TypeError(f"calibration step {cls.name!r} ({cls.__qualname__}): `options` must be a dict of defaults")
+    if cls.run is CalibrationStep.run:
+        raise TypeError(f"calibration step {cls.name!r} ({cls.__qualname__}) does not override run")
 
 
-PREPARE_ENTRY_POINT_GROUP = "kvsieve.prepare_steps"
-PREPARE_STEPS: Registry[type[PrepareStep]] = Registry("prepare_step", PrepareStep, PREPARE_ENTRY_POINT_GROUP,
-                                                      check=_check_step)
+CALIBRATION_ENTRY_POINT_GROUP = "kvsieve.calibration_steps"
+CALIBRATION_STEPS: Registry[type[CalibrationStep]] = Registry("calibration_step", CalibrationStep,
+                                                              CALIBRATION_ENTRY_POINT_GROUP, check=_check_step)
 
 
-P = TypeVar("P", bound=type[PrepareStep])
+P = TypeVar("P", bound=type[CalibrationStep])
 
 
-def register_prepare_step(cls: P) -> P:
-    """Class decorator: register a prepare step under ``cls.name``."""
-    return PREPARE_STEPS.register(cls)
+def register_calibration_step(cls: P) -> P:
+    """Class decorator: register a calibration step under ``cls.name``."""
+    return CALIBRATION_STEPS.register(cls)
 
 
-def get_prepare_step(name: str) -> type[PrepareStep]:
-    return PREPARE_STEPS.get(name)
+def get_calibration_step(name: str) -> type[CalibrationStep]:
+    return CALIBRATION_STEPS.get(name)
 
 
-def available_prepare_steps() -> list[str]:
-    """Names of the registered and entry-point prepare steps."""
-    return PREPARE_STEPS.available()
+def available_calibration_steps() -> list[str]:
+    """Names of the registered and entry-point calibration steps."""
+    return CALIBRATION_STEPS.available()

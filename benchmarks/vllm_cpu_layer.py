@@ -63,7 +63,7 @@ def main() -> None:
     from kvsieve.integrations.vllm.host import native_runs_attention, per_head_block_tables, token_runs
     from kvsieve.integrations.vllm.layouts import kv_views
     from kvsieve.integrations.vllm.state import plugin_state
-    from kvsieve.integrations.vllm.step import VllmStep
+    from kvsieve.integrations.vllm.step import PreparedStep, VllmStep
     from kvsieve.selectors.dsa import IndexerInputs
     from kvsieve.sparse.selector_step import selector_inputs
 
@@ -89,7 +89,7 @@ def main() -> None:
         impl = KvsieveCPUAttentionImpl(hkv * g, d, d ** -0.5, hkv, None, None, "auto")
     tr = state.translator("vllm-cpu", cache, kv_views("vllm-cpu", cache)[0])
     view, backend = tr.view, state.backend
-    runner = state.runner(0, hkv * g, hkv, d, d ** -0.5)
+    runner = state.runner(0, impl.geometry)
     plan, geometry = runner.plan, runner.geometry
     q, k, v = (torch.randn(b, h, d, generator=gen).to(dtype) for h in (hkv * g, hkv, hkv))
     starts = torch.arange(b + 1, dtype=torch.int32)
@@ -112,15 +112,16 @@ def main() -> None:
                              _v_scale_float=1.0), q, k, v, cache, None)
     host.dense = own  # this script times decode steps only: the host's dense path is vLLM's kernel itself
 
-    def prep() -> None:
-        view.bind_layer(0, cache, *kv_views("vllm-cpu", cache))
-        tr.prepare(VllmStep(starts.numpy(), seq.numpy(), table))
+    step = VllmStep(starts.numpy(), seq.numpy(), table, prompt_lens=seq.numpy() - 1)  # decode rows
 
-    prep()
-    md = tr.metadata
+    def prep() -> PreparedStep:
+        view.bind_layer(0, cache, *kv_views("vllm-cpu", cache))
+        return tr.prepare(VllmStep(step.query_start_loc, step.seq_lens, step.block_table, step.prompt_lens))
+
+    prepared = prep()
+    md = prepared.metadata
     # the native decode path (one foreign call per layer), built first: it creates the selector's pools
-    native = state.decode_path(0, "vllm-cpu", cache, num_heads=hkv * g, num_kv_heads=hkv, head_size=d,
-                               scale=d ** -0.5)
+    native = state.decode_path(0, "vllm-cpu", cache, impl.geometry)
     if plan.selector.model_inputs_type is not None:  # the prompt's index keys, as its prefill writes them
         for pool in view.aux_pools.values():         # (random, like the cache)
             pool[0].copy_(torch.randn(pool[0].shape, generator=gen).to(pool[0].dtype))
@@ -144,7 +145,6 @@ def main() -> None:
     # the native path through the plug-in's forward as vLLM calls it, and its foreign call alone
     # (selection + attention; its pointers already set by a call)
     native_rows = []
-    step = VllmStep(starts.numpy(), seq.numpy(), table)
     if native is not None and native.reads_model_inputs:  # dsa: the call vLLM's forward makes after taking the hidden state
         out_native = torch.empty(b, hkv * g, d, dtype=dtype)
         native_rows = [("plug-in decode call, native", lambda: native.run(step.block_table, step.seq_lens,
@@ -171,8 +171,8 @@ def main() -> None:
             ("selector on_append", lambda: sel.on_append(inputs)), ("selector predict_attn", lambda: sel.predict_attn(inputs)),
             ("validate", lambda: params.validate(num_kv_heads=hkv, num_query_tokens=md.num_tokens,
                                                  num_contexts=md.num_contexts, kv_lens=md.token_kv_lens)),
-            *selected, ("plug-in layer call, Python", lambda: runner.forward(q, k, v, tr, host, model_inputs=fed)),
-            ("same, kvsieve backend path", lambda: runner.forward(q, k, v, tr, None, model_inputs=fed)), *native_rows]
+            *selected, ("plug-in layer call, Python", lambda: runner.forward(q, k, v, prepared, host, model_inputs=fed)),
+            ("same, kvsieve backend path", lambda: runner.forward(q, k, v, prepared, None, model_inputs=fed)), *native_rows]
     print(f"kv_len {length}, {b} request(s), {args.selector}, {args.dtype}; CPU {cpu_isa()}; load average {load}")
     print(f"  {'stage':30} {'median':>8}    {'min':>8}")
     times = {}
@@ -185,9 +185,9 @@ def main() -> None:
         print(f"  host work of the native path per layer{what}: {host_us[0]:.1f} us (medians), {host_us[1]:.1f} us (minima)")
     else:
         print("  no native decode path for this selector here (see kvsieve/integrations/vllm/native_decode.py)")
-    paths = runner.forward(q, k, v, tr, host, model_inputs=fed)
+    paths = runner.forward(q, k, v, prepared, host, model_inputs=fed)
     print(f"  paths taken: {paths.paths} (kvsieve backend: "
-          f"{runner.forward(q, k, v, tr, None, model_inputs=fed).paths}); positions read {int(paths.attended.sum())}"
+          f"{runner.forward(q, k, v, prepared, None, model_inputs=fed).paths}); positions read {int(paths.attended.sum())}"
           f" of {b * length * hkv}; load average after {Path('/proc/loadavg').read_text().split()[0]}")
 
 

@@ -59,15 +59,15 @@ def main() -> None:
         session.set_config(SparseAttentionConfig(name, params | budget.knob, phases=("generation",)))
         stats: dict[int, list[torch.Tensor]] = {}
 
-        def observe(layer_idx, q, out, md, layer) -> None:
-            if layer.last.params is None:
+        def observe(layer_idx, q, result, md, layer) -> None:
+            if result.params is None:
                 return
             k, _ = gather_request_kv(md.kv_cache_manager, layer_idx, md.request_ids[0])
             g = layer.geometry
             grp = q.shape[1] // g.num_kv_heads
             p = torch.softmax(torch.einsum("thd,lhd->thl", q.float(), k.float().repeat_interleave(grp, 1))
                               * g.sm_scale, -1)  # [T, Hq, L] dense attention
-            kept = selection_mask(layer.last.params, slice(0, q.shape[0]), md.token_kv_lens, k.shape[0],
+            kept = selection_mask(result.params, slice(0, q.shape[0]), md.token_kv_lens, k.shape[0],
                                   g.num_kv_heads).permute(1, 0, 2).repeat_interleave(grp, 1).float()
             parts = (slice(0, 4), slice(4, k.shape[0] - args.recent), slice(k.shape[0] - args.recent, None))
             row = [(p * kept).sum(-1).mean()]

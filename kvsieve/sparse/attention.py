@@ -21,8 +21,8 @@ Order within ``forward`` for one step:
    to commit once every layer is done (:func:`commit_evictions`): the ledger length is shared.
 
 ``forward`` returns a :class:`LayerOutput` (output, LSE, the placed params, :class:`LayerStats`,
-the backend's paths). :attr:`SparseAttention.last` is a read-only view of the last one, for
-observers of a model integration that cannot pass results through the model's code.
+the backend's paths); a model integration that cannot pass it through the model's code hands it
+to its observers (:data:`kvsieve.integrations.transformers.LayerObserver`).
 """
 from __future__ import annotations
 
@@ -120,7 +120,6 @@ class SparseAttention:
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.plan = plan  # checked by the setter, with the backend
         self.debug = debug
-        self._last: LayerOutput | None = None
 
     @property
     def plan(self) -> LayerPlan | None:
@@ -161,11 +160,6 @@ class SparseAttention:
         self._attached = set(record.attached)
         self._seen_blocks = None if record.seen_blocks is None else record.seen_blocks.copy()
 
-    @property
-    def last(self) -> LayerOutput | None:
-        """Read-only view of the last :meth:`forward`'s result (``None`` before the first)."""
-        return self._last
-
     def selector_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                         metadata: AttentionMetadata, model_inputs: object = None) -> SelectorInputs:
         """The hooks' inputs for this step (:func:`~kvsieve.sparse.selector_step.selector_inputs` with
@@ -204,8 +198,7 @@ class SparseAttention:
         dense = metadata.token_kv_lens.to(torch.int64).sum() * g.num_kv_heads
         n_kept = self._compact(metadata, inputs, *kept) if kept is not None else None
         stats = LayerStats(int(res.attended.sum()), int(dense), n_kept, res.skipped_tiles, res.walked_tiles)
-        self._last = LayerOutput(res.out, res.lse, params, stats, dict(res.paths))
-        return self._last
+        return LayerOutput(res.out, res.lse, params, stats, dict(res.paths))
 
     def _attach(self, inputs: SelectorInputs) -> None:
         """``on_attach`` for the step's requests that hold earlier positions the plan's selector has

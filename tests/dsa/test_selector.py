@@ -38,13 +38,13 @@ class Rig:
             torch.rand(t, H, generator=self.g)
         md = self.engine.begin_step(rids, lens, num_contexts)
         qkv = [torch.randn(t, *s, generator=self.g) for s in ((4, 16), (2, 16), (2, 16))]
-        self.layer.forward(*qkv, md, model_inputs=IndexerInputs(q_index=q, k_index=k, weights=w))
+        res = self.layer.forward(*qkv, md, model_inputs=IndexerInputs(q_index=q, k_index=k, weights=w))
         self.engine.end_step()
         t0 = 0
         for rid, n in zip(rids, lens):
             self.hist.setdefault(rid, []).append((q[t0:t0 + n], k[t0:t0 + n], w[t0:t0 + n]))
             t0 += n
-        return self.layer.last.params
+        return res.params
 
     def expected(self, rid, n_last):
         """Radix top-k of fp32 logits computed from the remembered tensors, last ``n_last`` rows."""

@@ -148,7 +148,7 @@ def test_selection_and_attention_match_transformers(topk_engine, logits_kernel):
                 hidden=r["hidden"], q_input=r["q_resid"], cos=r["cos"], sin=r["sin"]))
             out_lat, _ = res.out, res.lse
             out = attn.o_proj(torch.einsum("thr,hvr->thv", out_lat, w_uv).reshape(SEQ, -1))
-            params = layer.last.params
+            params = res.params
             idx, off = params.sparse_attn_indices[0], params.sparse_attn_offsets
             scores = _hf_index_scores(attn.indexer, r)
             same = torch.tensor([_assert_same_topk({int(x) for x in idx[off[t]:off[t + 1]] if x >= 0},

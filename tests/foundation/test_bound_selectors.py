@@ -41,9 +41,9 @@ def test_streaming_sparsifies_and_matches_masked_golden(kind):
     (res,) = eng.step([0], [L], 1, [(q, k, v)])
     out, lse = res.out, res.lse
     lens = torch.arange(1, L + 1)
-    assert layer.last.stats.attended == hkv * int(torch.clamp(lens, max=12).sum())
-    assert layer.last.stats.attended_fraction == pytest.approx(414 / 820)  # sum(min(l, 12)) / sum(l)
-    mask = selection_mask(layer.last.params, slice(0, L), lens.to(torch.int32), L, hkv)
+    assert res.stats.attended == hkv * int(torch.clamp(lens, max=12).sum())
+    assert res.stats.attended_fraction == pytest.approx(414 / 820)  # sum(min(l, 12)) / sum(l)
+    mask = selection_mask(res.params, slice(0, L), lens.to(torch.int32), L, hkv)
     kk = k if kind == "gqa" else k.unsqueeze(1)
     vv = v if kind == "gqa" else k[:, :12].unsqueeze(1)
     ref, ref_lse = masked_attention(q, kk, vv, mask, layer.geometry.sm_scale)
@@ -60,8 +60,8 @@ def test_oracle_topk_is_exact_and_finds_the_needle(block_size):
     k[needle] = 3 * torch.randn(2, d)
     eng.step([0], [L], 1, [(torch.randn(L, 4, d), k, v)])
     q = 0.6 * k[needle].repeat_interleave(2, 0).unsqueeze(0) + 0.1 * torch.randn(1, 4, d)
-    eng.step([0], [1], 0, [(q, torch.randn(1, 2, d), torch.randn(1, 2, d))])
-    sel = layer.last.params.sparse_attn_indices
+    (res,) = eng.step([0], [1], 0, [(q, torch.randn(1, 2, d), torch.randn(1, 2, d))])
+    sel = res.params.sparse_attn_indices
     assert all(needle // block_size in sel[h].tolist() for h in range(2))
     # exactness: the selection is the top-k of the true per-group attention mass
     keys = eng.cache.gather(0, 0)[0]
@@ -70,7 +70,7 @@ def test_oracle_topk_is_exact_and_finds_the_needle(block_size):
         mass = torch.nn.functional.pad(mass, (0, 3)).view(2, -1, block_size).sum(-1)
     expect = mass.topk(8 // block_size, dim=-1).indices.sort(-1).values
     assert sel.tolist() == expect.tolist()
-    assert layer.last.stats.attended <= 2 * 8
+    assert res.stats.attended <= 2 * 8
     # oracle recall of the attention mass is at least the recall of any other selection of equal size
     recall = mass.gather(1, sel.long()).sum() / mass.sum()
     other = mass[:, -8 // block_size:].sum() / mass.sum()

@@ -36,7 +36,7 @@ def test_beam_search_steps_carry_the_beam_width() -> None:
     model, _ = build("llama")
     seen = []
     with kvsieve.apply(model, None) as session:
-        session.observers.append(lambda i, q, out, md, layer: seen.append((md.num_contexts, md.beam_width)) if i == 0 else None)
+        session.observers.append(lambda i, q, result, md, layer: seen.append((md.num_contexts, md.beam_width)) if i == 0 else None)
         model.generate(_prompts(2, 10), max_new_tokens=4, num_beams=3, do_sample=False)
         assert session.beam_width == 1
     assert seen[0] == (6, 3) and seen[1:] and all(s == (0, 3) for s in seen[1:])

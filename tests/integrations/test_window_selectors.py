@@ -76,8 +76,8 @@ def _run(family: str, name: str, *, told: bool = True) -> tuple[KvsieveSession, 
             layer.window = None
     seen = []
 
-    def record(layer_idx, q, out, md, layer):
-        p = layer.last.params
+    def record(layer_idx, q, result, md, layer):
+        p = result.params
         rows = [t for ph in md.phases() if p is not None and p.selects_positions(ph) for t in range(
             md.phase_rows(ph).start, md.phase_rows(ph).stop)]
         seen.append((session.features[layer_idx].window, md.token_kv_lens.clone(), p, rows))
@@ -190,8 +190,8 @@ def test_dsa_window_within_its_budget_is_dense_in_the_window() -> None:
         sel.set_projections({i: IndexerProjections(64, 2, 16, 8) for i in range(4)})
         attach_dsa_indexer(session)
         placed = []
-        session.observers.append(lambda i, q, out, md, layer: placed.append(
-            (session.features[i].window, layer.plan is not None, layer.last.params)))
+        session.observers.append(lambda i, q, result, md, layer: placed.append(
+            (session.features[i].window, layer.plan is not None, result.params)))
         ids = torch.randint(3, 96, (1, PROMPT), generator=torch.Generator().manual_seed(0))
         logits = [session.prefill(ids)]
         for _ in range(DECODE):

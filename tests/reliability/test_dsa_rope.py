@@ -41,9 +41,10 @@ def test_index_keys_use_the_configured_theta(theta):
         q = torch.cat([apply_rope(q[..., :4], cos, sin, False), q[..., 4:]], -1)
         k = torch.cat([apply_rope(k[..., :4], cos, sin, False), k[..., 4:]], -1)
     inputs = hidden_rig.inputs(24, seed=4)
-    got = hidden_rig.engine.step([1], [24], 1, inputs, [IndexerInputs(hidden=hidden)])[0].out
-    want = finished_rig.engine.step([1], [24], 1, inputs, [IndexerInputs(q_index=q, k_index=k, weights=w)])[0].out
-    p_got, p_want = (r.engine.layers[0].last.params for r in (hidden_rig, finished_rig))
+    (got_res,) = hidden_rig.engine.step([1], [24], 1, inputs, [IndexerInputs(hidden=hidden)])
+    (want_res,) = finished_rig.engine.step([1], [24], 1, inputs, [IndexerInputs(q_index=q, k_index=k, weights=w)])
+    got, want = got_res.out, want_res.out
+    p_got, p_want = got_res.params, want_res.params
     assert torch.equal(p_got.sparse_attn_indices, p_want.sparse_attn_indices)
     torch.testing.assert_close(got, want)
 

@@ -36,10 +36,9 @@ def test_triton_mla_block_granular_selection_matches_vanilla(block_size):
         got = engines["triton"].step(rids, lens, nctx, inputs)[0]
         torch.testing.assert_close(got.out, want.out, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(got.lse, want.lse, rtol=1e-4, atol=1e-4)
-        layer = engines["triton"].layers[0]
         md = engines["triton"].metadata
-        pages = attended_counts(layer.last.params, md.token_kv_lens, 1, md.kv_cache_manager.tokens_per_block)
-        assert layer.last.stats.attended == int(pages.sum())
+        pages = attended_counts(got.params, md.token_kv_lens, 1, md.kv_cache_manager.tokens_per_block)
+        assert got.stats.attended == int(pages.sum())
 
 
 def _selected(params, t: int, hkv: int) -> list[set[int]]:
@@ -67,9 +66,9 @@ def test_k_decode_tokens_in_one_step_select_what_k_single_steps_select(selector,
     scale = torch.linspace(1, 4, k)[:, None, None]  # later keys larger: they would dominate a shared summary
     kk = kk * scale
     multi = rigs[0].engine.step([1], [k], 0, [(q, kk, v)])[0]
-    multi_params = rigs[0].engine.layers[0].last.params
+    multi_params = multi.params
     for j in range(k):
         single = rigs[1].engine.step([1], [1], 0, [(q[j: j + 1], kk[j: j + 1], v[j: j + 1])])[0]
-        single_params = rigs[1].engine.layers[0].last.params
+        single_params = single.params
         assert _selected(multi_params, j, 2) == _selected(single_params, 0, 2), f"token {j}"
         torch.testing.assert_close(multi.out[j: j + 1], single.out, rtol=1e-5, atol=1e-5)

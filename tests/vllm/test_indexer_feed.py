@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from kvsieve.integrations.vllm.config import PluginConfig, lower_plans, parse_selector_spec
+from kvsieve.integrations.vllm.config import PluginConfig, parse_selector_spec
 from kvsieve.integrations.vllm.indexer_feed import IndexerFeed
+from kvsieve.integrations.vllm.startup import lower_plans
 from kvsieve.integrations.vllm.state import PluginState
 from kvsieve.selectors.dsa.projections import IndexerProjections, save_projections
 

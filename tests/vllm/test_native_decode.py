@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvsieve.integrations.vllm.config import PluginConfig, lower_plans
+from kvsieve.integrations.vllm.config import PluginConfig
 from kvsieve.integrations.vllm.host import token_runs
+from kvsieve.integrations.vllm.layer import LayerRunner
 from kvsieve.integrations.vllm.layouts import kv_views
 from kvsieve.integrations.vllm.native_decode import decode_layer_path
 from kvsieve.integrations.vllm.request_settings import RequestSetting
 from kvsieve.integrations.vllm.setting_groups import one_setting, plan_with_setting
+from kvsieve.integrations.vllm.startup import lower_plans
 from kvsieve.integrations.vllm.state_check import StateCheck
-from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
+from kvsieve.integrations.vllm.step import StepTranslator, VllmStep
 from kvsieve.kernels.common.native import native_status
 from kvsieve.kernels.decode_layer.native import SOURCE
 from kvsieve.metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
@@ -141,6 +143,7 @@ def _compare_paths(tmp_path, name: str, params: dict, dtype: torch.dtype,  # noq
         q_lens = np.array(PROMPTS if step_no == 0 else [1] * len(PROMPTS), dtype=np.int32)
         lens += q_lens
         step = VllmStep(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32), lens.copy(), table.copy(),
+                        prompt_lens=np.array(PROMPTS, dtype=np.int32),
                         settings=None if settings is None or settings[step_no] is None
                         else (settings[step_no],) * len(PROMPTS))
         setting = None if settings is None else settings[step_no]
@@ -155,7 +158,8 @@ def _compare_paths(tmp_path, name: str, params: dict, dtype: torch.dtype,  # noq
                 side.write(layer, blocks, offsets, k, v)
             outs = []
             for side in (a, b):
-                md = side.translator.prepare(step)
+                prepared = side.translator.prepare(step)
+                md = prepared.metadata
                 if side is b and step.decode_only:
                     if (layer, setting) not in natives:
                         k_view, v_view = kv_views("vllm-cpu", b.raw[layer])
@@ -168,10 +172,10 @@ def _compare_paths(tmp_path, name: str, params: dict, dtype: torch.dtype,  # noq
                     continue
                 if side is a and step.decode_only:  # the Python path's selection per (row, KV head); its
                     # on_append writes what forward's writes again (the newest page, this token's index key)
-                    params = side.runners[layer].select(q, k, v, md, fed, settings=side.translator.row_settings,
-                                                        requests_metadata=side.translator.requests_metadata)
+                    params = side.runners[layer].select(q, k, v, md, fed, settings=prepared.row_settings,
+                                                        requests_metadata=prepared.requests_metadata)
                     want = token_runs(params, md, side.view).attended
-                outs.append(side.runners[layer].forward(q, k, v, side.translator, model_inputs=fed).out)
+                outs.append(side.runners[layer].forward(q, k, v, prepared, model_inputs=fed).out)
             if step.decode_only:
                 np.testing.assert_array_equal(attended, want)
                 calls.append(attended)
@@ -222,15 +226,16 @@ def test_a_recomputed_request_selects_its_generated_tokens_as_its_decode_steps_d
             q, k, v = (x[key].view(len(pos), -1, D) for key in ("q", "k", "v"))
             side.write(layer, table[req, pos // P], pos % P, k, v)
             fed = IndexerInputs(hidden=x["hidden"]) if name == "dsa" else None
-            md = side.translator.prepare(step)
-            res = side.runners[layer].forward(side.translator.to_kvsieve(q), side.translator.to_kvsieve(k),
-                                              side.translator.to_kvsieve(v), side.translator,
+            prepared = side.translator.prepare(step)
+            md = prepared.metadata
+            res = side.runners[layer].forward(prepared.to_kvsieve(q), prepared.to_kvsieve(k),
+                                              prepared.to_kvsieve(v), prepared,
                                               model_inputs=None if fed is None else IndexerInputs(
-                                                  hidden=side.translator.to_kvsieve(fed.hidden)))
+                                                  hidden=prepared.to_kvsieve(fed.hidden)))
             out = torch.empty_like(q)
-            side.translator.to_vllm(res.out, out)
+            prepared.to_vllm(res.out, out)
             attended = np.empty((len(pos), HKV), dtype=np.int64)
-            attended[side.translator.token_order.numpy() if side.translator.token_order is not None
+            attended[prepared.token_order.numpy() if prepared.token_order is not None
                      else np.arange(len(pos))] = res.attended.numpy()
             assert md.num_tokens == len(pos)
             got.append((out, attended))

@@ -14,8 +14,8 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E4
 
 from kvsieve.integrations.vllm import plugin  # noqa: E402
 from kvsieve.integrations.vllm.config import ENV_CONFIG, ENV_SELECTOR  # noqa: E402
-from kvsieve.integrations.vllm.cpu import RefuseMLABackend, probe_cpu_layout  # noqa: E402
-from kvsieve.integrations.vllm.layer_checks import refuse_features  # noqa: E402
+from kvsieve.integrations.vllm.cpu import RefuseMLABackend  # noqa: E402
+from kvsieve.integrations.vllm.startup import probe_cpu_layout, refuse_layer_features  # noqa: E402
 
 OVERRIDDEN = [AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.CPU_MLA, AttentionBackendEnum.AMX_MLA]
 
@@ -90,15 +90,41 @@ def test_config_file_and_conflicts(clean_registry, monkeypatch, tmp_path):
 def test_layer_features_refused_by_name(feature, kwargs):
     args = dict(alibi_slopes=None, sliding_window=None, logits_soft_cap=None, attn_type=AttentionType.DECODER,
                 kv_sharing_target_layer_name=None, sinks=None, kv_cache_dtype="auto")
-    refuse_features(**args)  # a plain decoder layer passes
+    refuse_layer_features(**args)  # a plain decoder layer passes
     with pytest.raises(NotImplementedError, match=feature):
-        refuse_features(**{**args, **kwargs})
+        refuse_layer_features(**{**args, **kwargs})
 
 
 @pytest.mark.parametrize("isa,block_size", [("vec", 32), ("vec", 128), ("vec16", 16)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_vllm_kv_write_is_the_layout_kvsieve_views(isa, block_size, dtype):
-    probe_cpu_layout(isa, dtype, block_size, head_dim=64, num_kv_heads=3)  # raises on a mismatch
+    from vllm import _custom_ops as ops
+
+    probe_cpu_layout(ops.cpu_attn_reshape_and_cache, isa, dtype, block_size, head_dim=64,
+                     num_kv_heads=3)  # raises on a mismatch
+
+
+def test_cpu_adapter_serves_vllm_dummy_steps_without_reading_the_batch(monkeypatch):
+    """vLLM's profile and warm-up runs call each layer with ``attn_metadata=None``: the CPU adapter
+    returns vLLM's output untouched without asking a prompt length (a process without the batch
+    table would refuse any real step); fused output quantization is refused even there."""
+    from types import SimpleNamespace
+
+    from kvsieve.integrations.vllm import request_settings
+    from kvsieve.integrations.vllm.cpu import KvsieveCPUAttentionImpl
+
+    monkeypatch.setattr(request_settings, "_CURRENT", [None])
+    with pytest.raises(RuntimeError, match="no batch table"):
+        request_settings.row_prompt_lens(1)
+    impl = object.__new__(KvsieveCPUAttentionImpl)  # what forward reads before it routes
+    impl._layer_idx, impl.sliding_window = None, -1
+    impl.state = SimpleNamespace(host_only=lambda layer_idx: False)
+    layer = SimpleNamespace(layer_name="model.layers.3.self_attn.attn")
+    q, out = torch.randn(4, 2, 8), torch.full((4, 16), 3.0)
+    assert impl.forward(layer, q, q[:, :1], q[:, :1], torch.zeros(1), None, out) is out
+    assert bool((out == 3.0).all()) and impl._layer_idx == 3
+    with pytest.raises(NotImplementedError, match="fused output quantization"):
+        impl.forward(layer, q, q[:, :1], q[:, :1], torch.zeros(1), None, out, output_scale=torch.ones(1))
 
 
 def test_refuse_mla_backend_class():
@@ -151,7 +177,7 @@ def test_cuda_plugin_dense_matches_vllm_triton_on_gpu(tmp_path):
 def _decode_step_on_vllm_cache(dtype: torch.dtype, kv_lens: list[int], block_size: int, hkv: int, d: int,
                                translations: tuple[str, ...] = ("block_lists",)):
     """A decode step of ``len(kv_lens)`` requests whose K/V vLLM's own op wrote into a CPU cache
-    (blocks scattered): the cache, the translator (prepared, with ``translations``) and the view."""
+    (blocks scattered): the cache, the prepared step (with ``translations``) and the view."""
     import numpy as np
     from vllm import _custom_ops as ops
 
@@ -177,8 +203,8 @@ def _decode_step_on_vllm_cache(dtype: torch.dtype, kv_lens: list[int], block_siz
     tr = StepTranslator(view, max_num_tokens=16, translations=translations)
     view.bind_layer(0, cache, *kv_views("vllm-cpu", cache))
     qsl = np.arange(len(kv_lens) + 1, dtype=np.int32)
-    tr.prepare(VllmStep(qsl, np.asarray(kv_lens, dtype=np.int32), table))
-    return cache, tr, view
+    lens = np.asarray(kv_lens, dtype=np.int32)
+    return cache, tr.prepare(VllmStep(qsl, lens, table, prompt_lens=lens - 1)), view
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -196,12 +222,12 @@ def test_block_selection_runs_vllm_kernel_on_per_head_block_tables(dtype):
 
     bs, hkv, g, d = 32, 2, 3, 64
     kv_lens = [100, 64, 33]
-    cache, tr, view = _decode_step_on_vllm_cache(dtype, kv_lens, bs, hkv, d)
+    cache, prepared, view = _decode_step_on_vllm_cache(dtype, kv_lens, bs, hkv, d)
     # [T, Hkv, k] block ids, -1 = none: 4 blocks / 2 / 2 per request
     topk = torch.tensor([[[0, 3, -1], [1, 2, 3]], [[1, -1, -1], [0, 1, -1]], [[0, -1, -1], [1, 0, -1]]])
     params = SparseRuntimeParams.from_topk(topk, block_size=bs)
     q = torch.randn(3, hkv * g, d, generator=torch.Generator().manual_seed(2)).to(dtype)
-    md = tr.metadata
+    md = prepared.metadata
     tables = per_head_block_tables(params, md, view)
     assert tables.seq_lens.tolist() == [bs + 4, 2 * bs + 4, bs, 2 * bs, bs, bs + 1]  # newest block: 4 of 32
     host = VllmHostAttention(SimpleNamespace(scale=d ** -0.5), SimpleNamespace(isa="vec", _k_scale_float=1.0,
@@ -245,17 +271,18 @@ def test_token_selection_runs_native_kernel_on_vllm_cache(dtype, spec):
     selection, reading exactly the selected positions."""
     from types import SimpleNamespace
 
-    from kvsieve.integrations.vllm.config import PluginConfig, lower_plans, parse_selector_spec
+    from kvsieve.integrations.vllm.config import PluginConfig, parse_selector_spec
     from kvsieve.integrations.vllm.cpu import VllmHostAttention
-    from kvsieve.integrations.vllm.step import LayerRunner
+    from kvsieve.integrations.vllm.layer import LayerRunner
+    from kvsieve.integrations.vllm.startup import lower_plans
     from kvsieve.sparse import AttentionGeometry, get_backend
     from kvsieve.sparse.backends import VanillaBackend
 
     bs, hkv, g, d = 32, 2, 3, 64
     kv_lens = [150, 64, 97]
-    cache, tr, view = _decode_step_on_vllm_cache(dtype, kv_lens, bs, hkv, d,
+    cache, prepared, view = _decode_step_on_vllm_cache(dtype, kv_lens, bs, hkv, d,
                                                  translations=("block_lists", "ragged_page_table"))
-    md = tr.metadata
+    md = prepared.metadata
     geometry = AttentionGeometry(kind="gqa", num_q_heads=hkv * g, num_kv_heads=hkv, head_dim=d, sm_scale=d ** -0.5)
     plan = lower_plans(PluginConfig(sparse=parse_selector_spec(spec)), num_layers=1, backend_name="torch")[0]
     runner = LayerRunner(layer_idx=0, geometry=geometry, plan=plan, backend=get_backend("torch"))
@@ -264,7 +291,7 @@ def test_token_selection_runs_native_kernel_on_vllm_cache(dtype, spec):
     q, k, v = (torch.randn(3, h, d, generator=gen).to(dtype) for h in (hkv * g, hkv, hkv))
     host = VllmHostAttention(SimpleNamespace(scale=d ** -0.5), SimpleNamespace(isa="vec", _k_scale_float=1.0,
                              _v_scale_float=1.0), q, k, v, cache, None)
-    res = runner.forward(q, k, v, tr, host)
+    res = runner.forward(q, k, v, prepared, host)
     assert res.paths == {"generation": "native_runs"}
     params = runner.select(q, k, v, md)  # the same selection (the selector is deterministic)
     ref = VanillaBackend().forward(q, md, 0, geometry, params)

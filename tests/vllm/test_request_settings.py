@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvsieve.integrations.vllm.config import PluginConfig, lower_plans, parse_selector_spec
+from kvsieve.integrations.vllm.config import PluginConfig, parse_selector_spec
+from kvsieve.integrations.vllm.layer import LayerRunner
 from kvsieve.integrations.vllm.layouts import kv_views
 from kvsieve.integrations.vllm.request_settings import BatchRows, RequestSetting, parse_request_setting
-from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
+from kvsieve.integrations.vllm.startup import lower_plans
+from kvsieve.integrations.vllm.step import StepTranslator, VllmStep
 from kvsieve.metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
 from kvsieve.sparse import AttentionGeometry, get_backend
 
@@ -115,7 +117,9 @@ def test_worker_state_refuses_speculative_decoding_and_prompt_embeddings():
 
 def test_batch_rows_follow_removals_additions_and_moves():
     table, a, b = BatchRows(), BUDGET_32, RequestSetting(dense=True)
-    assert table.settings(3) is None and table.prompt_lens(1) is None  # an empty batch: vLLM's dummy steps
+    assert table.settings(3) is None
+    with pytest.raises(RuntimeError, match=r"rows \[0\] of a 1-row step have no prompt length"):
+        table.prompt_lens(1)  # an empty table: a step that asks holds requests (vLLM's dummy steps never ask)
     table.update([], [(0, a, 10), (1, None, 11), (2, b, 12)], [])
     assert table.settings(3) == (a, None, b) and table.prompt_lens(3).tolist() == [10, 11, 12]
     table.update([0], [], [(2, 0, False)])  # condense: the last row moves into the hole
@@ -131,8 +135,9 @@ def test_batch_rows_follow_removals_additions_and_moves():
     with pytest.raises(RuntimeError, match=r"rows \[1\] of a 3-row step"):
         table.prompt_lens(3)
     assert table.prompt_lens(1).tolist() == [30]
-    table.update([0, 1, 2], [], [])  # every request gone: the next dummy step reads no lengths
-    assert table.prompt_lens(2) is None
+    table.update([0, 1, 2], [], [])  # every request gone: a step asking now missed the batch's updates
+    with pytest.raises(RuntimeError, match=r"rows \[0, 1\] of a 2-row step.*KvsieveRequestSettings"):
+        table.prompt_lens(2)
 
 
 def test_a_process_without_the_batch_table_refuses_to_read_prompt_lengths(monkeypatch):
@@ -141,8 +146,46 @@ def test_a_process_without_the_batch_table_refuses_to_read_prompt_lengths(monkey
     monkeypatch.setattr(request_settings, "_CURRENT", [None])
     with pytest.raises(RuntimeError, match="did not build kvsieve's logits processor"):
         request_settings.row_prompt_lens(1)
-    request_settings.batch_rows()
-    assert request_settings.row_prompt_lens(1) is None
+    request_settings.batch_rows().update([], [(0, None, 7)], [])
+    assert request_settings.row_prompt_lens(1).tolist() == [7]
+
+
+def test_a_step_of_unknown_prompt_lengths_is_refused_and_vllm_dummy_steps_are_served(monkeypatch):
+    """vLLM 0.32's dummy steps (its profile and warm-up runs, ``_dummy_run``) build no attention
+    metadata: the router recognises them as such and serves them without asking any prompt length,
+    even in a process without the batch table. A real step whose rows the table does not know (never
+    added, or every update missed) is refused by name with the remedy, before it is translated: the
+    table and the translator's prepared step are left as they were."""
+    from kvsieve.integrations.vllm import request_settings
+    from kvsieve.integrations.vllm.router import DUMMY_STEP, route_call
+
+    def never(*args):  # noqa: ANN002
+        raise AssertionError("a dummy step asked for its rows")
+
+    monkeypatch.setattr(request_settings, "_CURRENT", [None])
+    assert route_call(has_metadata=False, host_whole=False, decode_step=never, one_call=never).path == DUMMY_STEP
+    table = request_settings.batch_rows()
+    assert route_call(has_metadata=False, host_whole=False, decode_step=never, one_call=never).path == DUMMY_STEP
+    with pytest.raises(RuntimeError, match=r"rows \[0, 1\] of a 2-row step have no prompt length.*"
+                                           r"VLLM_USE_V2_MODEL_RUNNER=0.*unset KVSIEVE_SELECTOR"):
+        request_settings.row_prompt_lens(2)
+    table.update([], [(0, None, 40)], [])
+    raw = torch.zeros(BLOCKS, HKV, P, 2 * D)
+    spec = ForeignKVSpec(num_layers=1, num_blocks=BLOCKS, tokens_per_block=P, num_kv_heads=HKV, head_dim=D,
+                         dtype=torch.float32, device=torch.device("cpu"), layout="vllm-cpu", max_requests=8,
+                         max_blocks_per_seq=16)
+    view = ForeignPagedKV(spec)
+    view.bind_layer(0, raw, *kv_views("vllm-cpu", raw))
+    translator = StepTranslator(view, max_num_tokens=64, translations=get_backend("torch").required_translations)
+    blocks = np.array([[3, 5, 7]], dtype=np.int32)
+    step = VllmStep(np.array([0, 40], dtype=np.int32), np.array([40], dtype=np.int32), blocks,
+                    prompt_lens=request_settings.row_prompt_lens(1))
+    prepared = translator.prepare(step)
+    with pytest.raises(RuntimeError, match=r"rows \[1\] of a 2-row step have no prompt length"):
+        request_settings.row_prompt_lens(2)  # row 1 was never added
+    assert request_settings.row_prompt_lens(1).tolist() == [40] and table.settings(2) is None
+    assert translator.prepare(step) is prepared and prepared.metadata.num_contexts == 1
+    assert view.valid_lens[prepared.metadata.slots[0]] == 40
 
 
 HKV, G, D, P, BLOCKS, HIDDEN = 2, 2, 32, 16, 96, 48
@@ -186,8 +229,8 @@ class _Side:
         attended per token row summed over the KV heads), vLLM's order."""
         from kvsieve.selectors.dsa import IndexerInputs
 
-        tr = self.translator
-        tr.prepare(step if self.per_request else VllmStep(step.query_start_loc, step.seq_lens, step.block_table))
+        tr = self.translator.prepare(step if self.per_request else VllmStep(
+            step.query_start_loc, step.seq_lens, step.block_table, step.prompt_lens))
         fed = IndexerInputs(hidden=tr.to_kvsieve(hidden)) if self.reads_hidden else None
         res = self.runner.forward(tr.to_kvsieve(q), tr.to_kvsieve(k), tr.to_kvsieve(v), tr, model_inputs=fed)
         out, attended = torch.empty_like(res.out), torch.empty(q.shape[0], dtype=torch.int64)
@@ -244,9 +287,11 @@ def test_rows_of_several_settings_equal_each_setting_run_as_the_process_default(
             table = np.zeros((len(rids), 16), dtype=np.int32)
             for j, r in enumerate(rids):
                 table[j] = blocks[r]
-            step = VllmStep(np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32),
-                            np.array([lens[r] for r in rids], dtype=np.int32), table,
-                            tuple(settings[r] for r in rids))
+            kv_lens = np.array([lens[r] for r in rids], dtype=np.int32)
+            step = VllmStep(np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32), kv_lens, table,
+                            # a row of several tokens is a prompt, a row of one decodes
+                            prompt_lens=np.where(np.array(qlens) > 1, kv_lens, kv_lens - 1).astype(np.int32),
+                            settings=tuple(settings[r] for r in rids))
             got, attended = mixed.forward(step, q, k, v, hidden)
             for s, side in alone.items():
                 want, want_attended = side.forward(step, q, k, v, hidden)

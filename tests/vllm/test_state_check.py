@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvsieve.integrations.vllm.config import PluginConfig, check_plugin_config, lower_plans, read_plugin_config
+from kvsieve.integrations.vllm.config import PluginConfig, read_plugin_config
+from kvsieve.integrations.vllm.layer import LayerRunner
 from kvsieve.integrations.vllm.layouts import kv_views
+from kvsieve.integrations.vllm.startup import check_plugin_config, lower_plans
 from kvsieve.integrations.vllm.state_check import StateCheck, StateMismatch
-from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
+from kvsieve.integrations.vllm.step import StepTranslator, VllmStep
 from kvsieve.selectors.dsa import IndexerInputs
 from kvsieve.sparse import AttentionGeometry, SparseAttentionConfig, get_backend
 from test_view import BLOCKS, D, G, HIDDEN, HKV, LAYERS, P, _dsa_projections, _foreign, _owner_cache
@@ -59,7 +61,10 @@ class _Plugin:
         table = np.zeros((len(rows), 4), dtype=np.int32)
         for i, b in enumerate(blocks):
             table[i, : len(b)] = b
-        step = VllmStep(np.concatenate([[0], np.cumsum(new)]).astype(np.int32), (before + new).astype(np.int32), table)
+        # every row with more than one new token is a prompt, every other one decodes
+        prompts = np.where(new > 1, before + new, before).astype(np.int32)
+        step = VllmStep(np.concatenate([[0], np.cumsum(new)]).astype(np.int32), (before + new).astype(np.int32), table,
+                        prompt_lens=prompts)
         t = int(new.sum())
         outs = []
         for layer in range(LAYERS):
@@ -73,8 +78,7 @@ class _Plugin:
                 self.view.v_cache(layer)[blk, :, off] = v[tok: tok + new[i]]
                 tok += new[i]
             hidden = torch.randn(t, HIDDEN, generator=gen) if self.reads_hidden else None
-            tr = self.translator
-            tr.prepare(step)
+            tr = self.translator.prepare(step)
             fed = None if hidden is None else IndexerInputs(hidden=tr.to_kvsieve(hidden))
             res = self.runners[layer].forward(tr.to_kvsieve(q), tr.to_kvsieve(k), tr.to_kvsieve(v), tr,
                                               model_inputs=fed)

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from kvsieve import Engine, KVCacheManager, KVCacheSpec, SparseAttention, lower_config
-from kvsieve.integrations.vllm.config import PluginConfig, lower_plans, parse_selector_spec
+from kvsieve.integrations.vllm.config import PluginConfig, parse_selector_spec
+from kvsieve.integrations.vllm.layer import LayerRunner
 from kvsieve.integrations.vllm.layouts import kv_views
-from kvsieve.integrations.vllm.step import LayerRunner, StepTranslator, VllmStep
+from kvsieve.integrations.vllm.startup import lower_plans
+from kvsieve.integrations.vllm.step import PreparedStep, StepTranslator, VllmStep
 from kvsieve.metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
 from kvsieve.sparse import AttentionGeometry, SparseAttentionConfig, get_backend
 from kvsieve.sparse.backends import VanillaBackend
@@ -32,6 +34,12 @@ def _foreign(layout: str = "vllm-cpu") -> ForeignPagedKV:
                          dtype=torch.float32, device=torch.device("cpu"), layout=layout, max_requests=8,
                          max_blocks_per_seq=32)
     return ForeignPagedKV(spec)
+
+
+def _one_token_rule(lens, order, kv_lens: np.ndarray) -> np.ndarray:  # noqa: ANN001
+    """int32 prompt lengths of the rows ``order`` of a step of query lengths ``lens``: a one-token row
+    decodes (its prompt ended before it), any other row is a prompt (its prompt is its whole length)."""
+    return np.array([kv - 1 if lens[j] == 1 else kv for j, kv in zip(order, kv_lens)], dtype=np.int32)
 
 
 def _owner_cache(layout: str) -> torch.Tensor:
@@ -63,15 +71,15 @@ class _TorchHost:
     over the same vllm-cpu cache: ``dense`` is the Vanilla golden with no selection in vLLM's
     order; ``paged_per_head`` reads the pseudo-blocks ``b * Hkv + h`` of the cache tensor one by one."""
 
-    def __init__(self, translator: StepTranslator, raw: torch.Tensor, layer_idx: int, q_vllm: torch.Tensor,
+    def __init__(self, step: PreparedStep, raw: torch.Tensor, layer_idx: int, q_vllm: torch.Tensor,
                  geometry: AttentionGeometry) -> None:
-        self.tr, self.raw, self.layer_idx, self.q, self.geometry = translator, raw, layer_idx, q_vllm, geometry
+        self.step, self.raw, self.layer_idx, self.q, self.geometry = step, raw, layer_idx, q_vllm, geometry
 
     def dense(self) -> torch.Tensor:
-        out = VanillaBackend().forward(self.tr.to_kvsieve(self.q), self.tr.metadata, self.layer_idx, self.geometry,
-                                       None).out
+        out = VanillaBackend().forward(self.step.to_kvsieve(self.q), self.step.metadata, self.layer_idx,
+                                       self.geometry, None).out
         got = torch.empty_like(out)
-        self.tr.to_vllm(out, got)
+        self.step.to_vllm(out, got)
         return got
 
     def paged_per_head(self, q: torch.Tensor, tables) -> torch.Tensor:  # noqa: ANN001
@@ -170,7 +178,7 @@ def _check_view_matches_engine(layout, backend, selector, host=False):
         qkv = [(torch.randn(t, HKV * G, D, generator=gen), torch.randn(t, HKV, D, generator=gen),
                 torch.randn(t, HKV, D, generator=gen)) for _ in range(LAYERS)]
         hidden = [torch.randn(t, HIDDEN, generator=gen) if reads_hidden else None for _ in range(LAYERS)]
-        ref = [layer.forward(q, k, v, md, model_inputs=None if h is None else IndexerInputs(hidden=h)).out
+        ref = [layer.forward(q, k, v, md, model_inputs=None if h is None else IndexerInputs(hidden=h))
                for layer, (q, k, v), h in zip(layers, qkv, hidden)]
         engine.end_step()
         # the owner's cache: the same K/V at the same physical blocks, written through the views
@@ -184,20 +192,22 @@ def _check_view_matches_engine(layout, backend, selector, host=False):
         qs = np.concatenate([[0], np.cumsum(lens)])
         tok = np.concatenate([np.arange(qs[j], qs[j + 1]) for j in order])
         slots = cache.slots([rids[j] for j in order])
+        kv_lens = cache.valid_lens[slots].copy()
         step = VllmStep(np.concatenate([[0], np.cumsum([lens[j] for j in order])]).astype(np.int32),
-                        cache.valid_lens[slots].copy(), cache.block_table[slots].copy())
-        kmd = translator.prepare(step)
-        assert translator.prepare(step) is kmd  # once per step, shared by the layers
+                        kv_lens, cache.block_table[slots].copy(), prompt_lens=_one_token_rule(lens, order, kv_lens))
+        prepared = translator.prepare(step)
+        assert translator.prepare(step) is prepared  # once per step, shared by the layers
+        kmd = prepared.metadata
         for i, (q, k, v) in enumerate(qkv):
-            on_host = _TorchHost(translator, raw[i], i, q[tok], geometry) if host else None
-            fed = None if hidden[i] is None else IndexerInputs(hidden=translator.to_kvsieve(hidden[i][tok]))
-            res = runners[i].forward(translator.to_kvsieve(q[tok]), translator.to_kvsieve(k[tok]),
-                                     translator.to_kvsieve(v[tok]), translator, on_host, model_inputs=fed)
+            on_host = _TorchHost(prepared, raw[i], i, q[tok], geometry) if host else None
+            fed = None if hidden[i] is None else IndexerInputs(hidden=prepared.to_kvsieve(hidden[i][tok]))
+            res = runners[i].forward(prepared.to_kvsieve(q[tok]), prepared.to_kvsieve(k[tok]),
+                                     prepared.to_kvsieve(v[tok]), prepared, on_host, model_inputs=fed)
             out = res.out
             got = torch.empty_like(out)
-            translator.to_vllm(out, got)
-            torch.testing.assert_close(got, ref[i][tok], rtol=1e-5, atol=1e-5)
-            last = layers[i].last
+            prepared.to_vllm(out, got)
+            last = ref[i]
+            torch.testing.assert_close(got, last.out[tok], rtol=1e-5, atol=1e-5)
             for phase in kmd.phases():
                 selects = last.params is not None and last.params.selects_positions(phase)
                 paths_seen.add((phase, res.paths[phase]))
@@ -301,7 +311,8 @@ def test_worker_state_refuses_at_start_up_by_name(monkeypatch):
     config = PluginConfig(sparse=parse_selector_spec("streaming:budget=48"))
     ranks = WorkerRanks(tp_rank=1, tp_size=2, pp_rank=0, pp_size=1)
     state = PluginState(config, _vllm_config(), torch.device("cpu"), ranks)
-    assert state.runner(1, num_heads=2, num_kv_heads=1, head_size=32, scale=1.0).ranks == ranks
+    geometry = AttentionGeometry(kind="gqa", num_q_heads=2, num_kv_heads=1, head_dim=32, sm_scale=1.0)
+    assert state.runner(1, geometry).ranks == ranks
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         with pytest.raises(NotImplementedError, match=f"{name}=2 is not supported"):
             PluginState(config, _vllm_config(**{name: 2}), torch.device("cpu"))
@@ -354,14 +365,14 @@ def test_undeclared_eviction_is_refused(where):
     view = _foreign()
     view.bind_layer(0, raw, *kv_views("vllm-cpu", raw))
     translator = StepTranslator(view, max_num_tokens=512, translations=get_backend("torch").required_translations)
-    translator.prepare(VllmStep(np.array([0, 40], dtype=np.int32), np.array([40], dtype=np.int32),
-                                 np.array([[1, 2]], dtype=np.int32)))
+    prepared = translator.prepare(VllmStep(np.array([0, 40], dtype=np.int32), np.array([40], dtype=np.int32),
+                                           np.array([[1, 2]], dtype=np.int32), prompt_lens=np.array([40], np.int32)))
     geometry = AttentionGeometry(kind="gqa", num_q_heads=HKV * G, num_kv_heads=HKV, head_dim=D, sm_scale=D ** -0.5)
     plan = LayerPlan(KeepsFirstHalf(budget=16, num_sink=4), frozenset({"context", "generation"}))
     runner = LayerRunner(layer_idx=0, geometry=geometry, plan=plan, backend=get_backend("torch"))
     q, k = torch.randn(40, HKV * G, D), torch.randn(40, HKV, D)
     with pytest.raises(ValueError, match=f"{where}.*eviction is refused"):
-        runner.forward(q, k, k, translator)
+        runner.forward(q, k, k, prepared)
     assert torch.equal(raw, before) and view.valid_lens[0] == 40  # the owner's cache and lengths as they were
 
 
@@ -378,7 +389,8 @@ def test_rows_are_split_at_their_prompt_length():
     """With each request's prompt length known, a query token before it is a context token and every
     later one a generation token, whatever the row's length: a recomputed request (prompt and
     generated tokens in one row) is two requests over the same blocks, and a one-token row that is
-    a prompt's last token is a context row. Without prompt lengths, one-token rows are generation."""
+    a prompt's last token is a context row. A step is not built without every row's prompt length
+    (no fallback to vLLM's one-token rule)."""
     view = _foreign()
     translator = StepTranslator(view, max_num_tokens=512, translations=get_backend("torch").required_translations)
     table = np.array([[1, 2], [3, 4], [5, 6]], dtype=np.int32)
@@ -387,17 +399,19 @@ def test_rows_are_split_at_their_prompt_length():
     qsl, lens, prompts = (np.array(x, dtype=np.int32) for x in ([0, 1, 26, 27], [41, 25, 10], [30, 20, 10]))
     step = VllmStep(qsl, lens, table, prompt_lens=prompts)
     assert step.context_tokens.tolist() == [0, 20, 1] and not step.decode_only
-    md = translator.prepare(step)
+    prepared = translator.prepare(step)
+    md = prepared.metadata
     # requests: row 1's prompt part, row 2's token (context); row 0's token, row 1's generated part
     assert md.num_contexts == 2 and md.seq_lens.tolist() == [20, 1, 1, 5]
     assert md.kv_lens_host.tolist() == [20, 10, 41, 25]
-    assert translator.token_order.tolist() == [*range(1, 21), 26, 0, *range(21, 26)]
+    assert prepared.token_order.tolist() == [*range(1, 21), 26, 0, *range(21, 26)]
     assert md.positions_host.tolist() == [*range(20), 9, 40, *range(20, 25)]
     assert view.block_table[md.slots[:4], :2].tolist() == [[3, 4], [5, 6], [1, 2], [3, 4]]
-    unknown = VllmStep(qsl, lens, table)
-    assert unknown.context_tokens.tolist() == [0, 25, 0]
-    md = translator.prepare(unknown)
-    assert md.num_contexts == 1 and md.seq_lens.tolist() == [25, 1, 1]
+    with pytest.raises(TypeError, match="prompt_lens"):
+        VllmStep(qsl, lens, table)
+    with pytest.raises(ValueError, match="2 prompt lengths for 3 rows"):
+        VllmStep(qsl, lens, table, prompt_lens=prompts[:2])
+    assert translator.prepare(step) is prepared  # nothing refused changed the prepared step
     decoding = VllmStep(np.array([0, 1, 2], dtype=np.int32), np.array([31, 21], dtype=np.int32), table[:2],
                         prompt_lens=np.array([30, 20], dtype=np.int32))
-    assert decoding.decode_only and translator.prepare(decoding).num_contexts == 0
+    assert decoding.decode_only and translator.prepare(decoding).metadata.num_contexts == 0

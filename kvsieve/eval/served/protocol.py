@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...integrations.vllm.config import PluginConfig, check_plugin_config, selects_in_prompt
+from ...integrations.vllm.config import PluginConfig, selects_in_prompt
+from ...integrations.vllm.startup import check_plugin_config
 from ...integrations.vllm.request_settings import parse_request_setting
 from ...sparse import SparseAttentionConfig
 from ..config import Budget, ConfigError, EvalConfig, SelectorSpec

@@ -20,7 +20,7 @@ import torch
 
 from ...integrations.transformers import KvsieveSession, gather_request_kv
 from ...metadata import AttentionMetadata
-from ...sparse import SparseAttention
+from ...sparse import LayerOutput, SparseAttention
 from ...sparse.selection import selection_mask
 from ..haystack import essay_haystack
 from ..metrics import fidelity_metrics, kl_divergence
@@ -52,9 +52,9 @@ class FidelityTask(Task):
         """Teacher-forced decode of ``ids[:, prefix:]``; ``reference``: the dense run's logits (or ``None``)."""
         per_layer: list[tuple[int, dict[str, float] | None]] = []  # (layer, metrics; None = dense layer)
 
-        def observe(layer_idx: int, q: torch.Tensor, out: torch.Tensor, md: AttentionMetadata,
+        def observe(layer_idx: int, q: torch.Tensor, result: LayerOutput, md: AttentionMetadata,
                     layer: SparseAttention) -> None:
-            params = layer.last.params
+            params, out = result.params, result.out
             if params is None:
                 per_layer.append((layer_idx, None))
                 return

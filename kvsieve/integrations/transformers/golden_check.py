@@ -14,7 +14,7 @@ import random
 import torch
 
 from ...metadata import AttentionMetadata
-from ...sparse import SparseAttention
+from ...sparse import LayerOutput, SparseAttention
 from ...sparse.backends import VanillaBackend
 from .attention_features import LayerFeatures
 from .feature_backend import FeatureBackend
@@ -42,7 +42,7 @@ class GoldenCheck:
         self.max_diff = 0.0
         self._checking = False
 
-    def __call__(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor, metadata: AttentionMetadata,
+    def __call__(self, layer_idx: int, q: torch.Tensor, result: LayerOutput, metadata: AttentionMetadata,
                  layer: SparseAttention) -> None:
         if layer_idx == 0:  # a new step: check it?
             self._checking = (metadata.num_contexts == 0 and self.steps_checked < self.num_steps
@@ -50,7 +50,8 @@ class GoldenCheck:
             self.steps_checked += self._checking
         if not self._checking:
             return
-        want = self.golden.forward(q, metadata, layer_idx, layer.geometry, layer.last.params).out
+        out = result.out
+        want = self.golden.forward(q, metadata, layer_idx, layer.geometry, result.params).out
         diff = (out.float() - want[..., : out.shape[-1]].float()).abs().max().item()
         self.max_diff = max(self.max_diff, diff)
         if diff > self.tolerance:

@@ -53,12 +53,13 @@ fixes it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from ...metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
-from ...sparse import Engine, SparseAttention, SparseAttentionConfig, get_backend, lower_config
+from ...sparse import Engine, LayerOutput, SparseAttention, SparseAttentionConfig, get_backend, lower_config
 from ...sparse.backends import default_backend
 from .attention_features import LayerFeatures, read_layer_features
 from .feature_backend import FeatureBackend
@@ -69,8 +70,10 @@ from .steps import SessionSteps
 
 __all__ = ["KvsieveSession", "LayerObserver"]
 
-#: ``observer(layer_idx, q [T, Hq, D], out [T, Hq, D], metadata, layer)`` after each layer forward.
-LayerObserver = Callable[[int, torch.Tensor, torch.Tensor, AttentionMetadata, SparseAttention], None]
+#: ``observer(layer_idx, q [T, Hq, D], result, metadata, layer)`` after each layer forward: ``result`` is
+#: what the layer's forward returned (:class:`~kvsieve.sparse.LayerOutput`: ``out [T, Hq, Dv]`` cut to the
+#: model's value dim, the placed ``params``, ``stats``, ``paths``).
+LayerObserver = Callable[[int, torch.Tensor, LayerOutput, AttentionMetadata, SparseAttention], None]
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -366,8 +369,10 @@ class KvsieveSession(SessionSteps):
         dense = b * g.num_kv_heads * (s * first + s * (s - 1) // 2)
         # positions computed: skip-softmax's skipped tiles are attended in name only
         self._stats[self._phase][layer_idx] += (res.stats.computed_fraction * res.stats.dense, dense)
-        for observer in self.observers:
-            observer(layer_idx, q, out, md, layer)
+        if self.observers:
+            result = replace(res, out=out)
+            for observer in self.observers:
+                observer(layer_idx, q, result, md, layer)
         if not self._driven and layer_idx == self.num_layers - 1:
             self._close_step()
         return out.reshape(b, s, hq, -1)

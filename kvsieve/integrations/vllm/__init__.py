@@ -2,14 +2,31 @@
 with one that runs a kvsieve selector per layer over vLLM's own paged cache (see docs/vllm.md).
 
 Enable it with ``KVSIEVE_SELECTOR="quest:budget=256"`` (or ``"dense"``) or ``KVSIEVE_CONFIG=file``
-(:mod:`.config`); with neither set the plug-in leaves vLLM untouched. Modules: :mod:`.config`
-(settings and refusals), :mod:`.layouts` (vLLM cache tensors as K/V views), :mod:`.step` (vLLM
-step -> kvsieve metadata, one layer's selector + backend), :mod:`.plugin` (the entry point),
-:mod:`.cpu` / :mod:`.cuda` (vLLM backend classes), :mod:`.convert` (SmolLM2 GGUF -> safetensors),
-:mod:`.request_settings` / :mod:`.setting_groups` (per-request settings: what a request may ask,
-rows of several settings in one step) and :mod:`.settings_processor` (the logits processor that
-carries them through vLLM's batch). Only :mod:`.plugin`, :mod:`.cpu`, :mod:`.cuda` and
-:mod:`.settings_processor` import vLLM.
+(:mod:`.config`); with neither set the plug-in leaves vLLM untouched. Every module, by when it runs:
+
+* **Start-up** (once per process, before any step): :mod:`.plugin` (the entry point vLLM calls),
+  :mod:`.config` (settings read from the environment), :mod:`.startup` (every refusal, in the order a
+  user meets them), :mod:`.state` (the process's plans, backend and the caches below, built when vLLM
+  builds the first attention layer), :mod:`.layouts` (vLLM's cache tensors as K/V views).
+* **Per request**: :mod:`.request_settings` (what a request may ask, checked at admission; the batch
+  table of each row's setting and prompt length) and :mod:`.settings_processor` (the logits processor
+  that carries both through vLLM's persistent batch).
+* **Per step**: :mod:`.step` (vLLM's step tables -> a :class:`~.step.PreparedStep`: kvsieve's
+  metadata, token order and row settings, once per step for every layer).
+* **Per layer call**: :mod:`.router` (the one router: which named path a layer call takes),
+  :mod:`.layer` (the selector path: the layer's selector, then each phase's rows on its path),
+  :mod:`.setting_groups` (the selector per group of rows of one setting), :mod:`.host` (the host
+  engine's own kernels, and kvsieve's native runs kernel, on the host's cache), :mod:`.native_decode`
+  (the one-call decode path), :mod:`.indexer_feed` (each selecting layer's hidden state for DSA).
+* **Adapters** (vLLM's backend classes, thin: vLLM's objects in, the router's path run):
+  :mod:`.cpu` (``CPU_ATTN``) and :mod:`.cuda` (``TRITON_ATTN``, never run on a GPU).
+* **Debug aids** (off by default): :mod:`.state_check` (``KVSIEVE_CHECK_STATE``: the selector's
+  per-block state against a recomputation) and :mod:`.golden_capture` (``KVSIEVE_CAPTURE``: every
+  selector-path call against kvsieve's Vanilla golden).
+* **Offline**: :mod:`.convert` (SmolLM2 GGUF -> safetensors for vLLM).
+
+Only :mod:`.plugin`, :mod:`.cpu`, :mod:`.cuda` and :mod:`.settings_processor` import vLLM
+(:func:`.startup.worker_ranks` asks vLLM's parallel state when called, inside a vLLM process).
 """
 from __future__ import annotations
 

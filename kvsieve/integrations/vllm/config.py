@@ -23,9 +23,8 @@
   which the plug-in cannot see. Without it such a request is refused at admission.
 
 The plug-in is active only when ``KVSIEVE_SELECTOR`` or ``KVSIEVE_CONFIG`` is set; setting both
-is an error. Selectors that evict prompt tokens (``snapkv``, ``rocketkv`` stage 1) are refused.
-``dsa`` is served on CPU: its indexer's hidden state is taken from the model's attention modules
-(:mod:`.indexer_feed`); any other per-step model input is refused.
+is an error. What a config may not ask (selectors that evict prompt tokens, per-step model inputs
+other than DSA's indexer, ...) is refused at start-up by :mod:`.startup`.
 """
 from __future__ import annotations
 
@@ -38,11 +37,9 @@ from typing import Any
 
 import yaml
 
-from ...selectors.dsa import IndexerInputs
-from ...sparse import LayerPlan, SparseAttentionConfig, get_selector_class, lower_config
-from .state_check import check_supported
+from ...sparse import SparseAttentionConfig, get_selector_class
 
-__all__ = ["PluginConfig", "WorkerRanks", "read_plugin_config", "lower_plans", "parse_selector_spec", "parse_fields",
+__all__ = ["PluginConfig", "WorkerRanks", "read_plugin_config", "parse_selector_spec", "parse_fields",
            "DENSE", "ENV_SELECTOR", "ENV_CONFIG", "ENV_BACKEND", "ENV_CAPTURE", "ENV_CHECK_STATE",
            "ENV_PROMPT_SETTINGS", "selects_in_prompt"]
 
@@ -196,69 +193,3 @@ def selects_in_prompt(sparse: SparseAttentionConfig | None) -> bool:
     if sparse is None:
         return False
     return "context" in (sparse.phases or get_selector_class(sparse.selector).capabilities.phases)
-
-
-def lower_plans(config: PluginConfig, *, num_layers: int, backend_name: str, device: str = "cpu",
-                tensor_parallel_size: int = 1) -> list[LayerPlan | None]:
-    """One plan per layer (``None`` = dense), refusing what vLLM's attention layer cannot serve:
-    selectors that evict prompt tokens (vLLM's block manager owns the blocks and lengths),
-    selectors that need per-step model inputs (``model_inputs_type``; vLLM hands the attention
-    backend only q, k, v and the cache), kernel hints the chosen kvsieve backend does not implement,
-    and, with ``tensor_parallel_size > 1`` (each worker holds a shard of every layer's heads),
-    selectors that do not declare ``Capabilities(per_kv_head=True)``. Of per-step model inputs
-    (``model_inputs_type``) the plug-in feeds only :class:`~kvsieve.selectors.dsa.IndexerInputs`
-    (the layer's hidden state, :mod:`.indexer_feed`), on CPU; any other type is refused."""
-    plans = lower_config(config.sparse, num_layers=num_layers, attention_kind="gqa", device=device)
-    plan = next((p for p in plans if p is not None), None)
-    if plan is None:
-        return plans
-    sel = plan.selector
-    if sel.capabilities.evicts:
-        raise ValueError(
-            f"kvsieve vLLM plug-in: selector {sel.name!r} evicts prompt tokens (predict_kv), which vLLM's block "
-            "manager cannot be told about (it owns the blocks and the sequence lengths); use a selection-only "
-            "selector (streaming, oracle_topk, quest, block_select or a third-party one without evicts=True)")
-    wanted = sel.model_inputs_type
-    if wanted is not None and wanted is not IndexerInputs:
-        raise ValueError(
-            f"kvsieve vLLM plug-in: selector {sel.name!r} needs per-step model inputs "
-            f"({wanted.__name__}, its model_inputs_type), which vLLM's attention backend never receives (only q, "
-            "k, v and the cache); the plug-in feeds IndexerInputs (the layer's hidden state) alone")
-    if wanted is IndexerInputs and getattr(sel.config, "projections", "") is None:
-        raise ValueError(
-            f"kvsieve vLLM plug-in: selector {sel.name!r} needs its indexer projections (config field 'projections': "
-            "a file from kvsieve distill-indexer for this model); inside vLLM the plug-in feeds each layer's hidden "
-            "state, which only the projections turn into index queries and keys")
-    if wanted is IndexerInputs and device != "cpu":
-        raise ValueError(
-            f"kvsieve vLLM plug-in: selector {sel.name!r} reads the layer's hidden state (IndexerInputs), which the "
-            f"plug-in feeds on vLLM's CPU platform only, not on {device!r}")
-    if tensor_parallel_size > 1 and not sel.capabilities.per_kv_head:
-        raise ValueError(
-            f"kvsieve vLLM plug-in: selector {sel.name!r} cannot run under tensor parallelism (tensor_parallel_size="
-            f"{tensor_parallel_size}): each worker holds only a shard of a layer's heads, and the selector does not "
-            "declare Capabilities(per_kv_head=True) (a KV head's selection read from that head alone); run it with "
-            "tensor_parallel_size=1")
-    # the one built-in that only gives kernel hints; a third-party selector's thresholds are refused
-    # by the backend's forward (every backend without skip-softmax raises on a factor > 0)
-    if sel.name == "skip_softmax" and backend_name != "triton":
-        raise ValueError(
-            f"kvsieve vLLM plug-in: selector {sel.name!r} gives kernel hints (skip-softmax thresholds) that only "
-            f"the 'triton' backend implements; the plug-in runs backend {backend_name!r}")
-    return plans
-
-
-def check_plugin_config(config: PluginConfig, *, device: str) -> None:
-    """Start-up check in every vLLM process: the selector exists, its fields are valid, it serves
-    ``device`` and nothing in :func:`lower_plans` refuses it (before the model's layer count is known)."""
-    sparse = config.sparse
-    if sparse is None:
-        if config.check_state:
-            check_supported(None)
-        return
-    span = max([i + 1 if i >= 0 else -i for i in sparse.dense_layers] + [1])
-    from ...sparse.backends import default_backend
-
-    plans = lower_plans(config, num_layers=span, backend_name=config.backend or default_backend(device), device=device)
-    if config.check_state:
-        check_supported(next((p.selector for p in plans if p is not None), None))

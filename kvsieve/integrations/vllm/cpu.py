@@ -1,24 +1,18 @@
-"""vLLM's CPU attention backend (``CPU_ATTN``) with kvsieve computing the attention.
+"""vLLM's CPU attention backend (``CPU_ATTN``) with kvsieve computing the attention: a thin adapter
+from vLLM's objects to the plug-in's router (:mod:`.router`).
 
 :class:`KvsieveCPUAttentionBackend` keeps vLLM's cache shape, metadata builder and KV write
-(``do_kv_cache_update``, run by vLLM before ``forward``); only ``forward`` changes: it views the
-layer's cache (:mod:`.layouts`), translates the step (:class:`.step.StepTranslator`, once per
-step) and runs the layer's selector, then the attention (:class:`.step.LayerRunner`: SDPA over a
-block-wise gather for prompt rows the layer does not select, the kvsieve backend for the others).
-
-Whatever a layer attends densely runs vLLM's own kernel on vLLM's own metadata (no gather): dense
-layers whole, sliding-window layers whole (their selector, if any, is not run: Gemma 3's local
-layers), and the dense rows of a selecting layer; a selection of whole vLLM blocks runs vLLM's paged
-kernel on per-(row, KV head) block tables (:class:`VllmHostAttention`); any other selection of decode
-rows (token-granular, smaller pages) runs kvsieve's native decode kernel on per-(row, KV head) runs
-of vLLM's cache, read in place (:func:`.host.native_runs_attention`).
-
-Refused when the layer is built, naming the feature: ALiBi, logit soft-capping, attention sinks,
-KV sharing between layers, FP8 KV cache, encoder / cross attention; at ``forward``: non-causal
-steps and fused output quantization. The builder keeps vLLM's KV write
-in a layout kvsieve can view in each KV cache group holding a layer kvsieve reads: the ``amx`` ISA
-(which packs K for AMX tiles) is replaced by ``vec`` there, and the layout is checked by writing known
-values through vLLM's own op; a group of layers left whole to vLLM keeps vLLM's ISA.
+(``do_kv_cache_update``, run by vLLM before ``forward``). Its metadata builder copies the step's
+tables to the host once per step, with each row's per-request setting and prompt length
+(:class:`KvsieveCPUAttentionMetadata`), and keeps vLLM's KV write in a layout kvsieve can view in
+each KV cache group holding a layer kvsieve reads: the ``amx`` ISA (which packs K for AMX tiles) is
+replaced by ``vec`` there, checked at start-up by writing known values through vLLM's own op
+(:func:`.startup.probe_cpu_layout`); a group of layers left whole to vLLM keeps vLLM's ISA.
+``forward`` asks :func:`.router.route_call` for the layer call's path and runs it: vLLM's dummy
+steps return untouched, a layer left whole to vLLM runs vLLM's own forward, a decode step the
+one-call path takes runs it on the step's host tables, and everything else runs the layer's
+selector and each phase's path (:meth:`.state.PluginState.run_layer`) with vLLM's own kernels at
+hand (:class:`VllmHostAttention`: ``host_dense``, ``host_paged``).
 """
 from __future__ import annotations
 
@@ -39,10 +33,11 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from ...selectors.dsa import IndexerInputs
+from ...sparse import AttentionGeometry
 from .host import PerHeadTables
-from .layer_checks import refuse_features, refusing_backend, worker_ranks
-from .layouts import kv_views
-from .request_settings import row_prompt_lens, row_settings
+from .request_settings import RequestSetting, row_prompt_lens, row_settings
+from .router import DUMMY_STEP, HOST_WHOLE, ONE_CALL_DECODE, refuse_step, route_call
+from .startup import probe_cpu_layout, refuse_layer_features, refusing_backend, worker_ranks
 from .state import PluginState, current_plugin_state, plugin_state
 from .step import VllmStep
 
@@ -79,7 +74,8 @@ class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             if self.isa not in VIEWABLE_ISAS:
                 self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
                 self._set_isa_to_layers(layer_names)
-            probe_cpu_layout(self.isa, self.dtype, self.block_size, self.head_dim, self.num_kv_heads)
+            probe_cpu_layout(ops.cpu_attn_reshape_and_cache, self.isa, self.dtype, self.block_size, self.head_dim,
+                             self.num_kv_heads, LAYOUT)
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False  # noqa: ANN001
               ) -> KvsieveCPUAttentionMetadata:
@@ -87,28 +83,15 @@ class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         step = None
         if self.reads_cache:
             b = md.seq_lens.shape[0]
-            step = VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens,
-                                         settings=row_settings(b), prompt_lens=row_prompt_lens(b))
+            step = _host_step(md, b)
         return KvsieveCPUAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, step=step)
 
 
-def probe_cpu_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int, num_kv_heads: int) -> None:
-    """Write known K/V with vLLM's own ``cpu_attn_reshape_and_cache`` into a scratch cache and read
-    them back through :func:`.layouts.kv_views`; raise if the layout is not the one kvsieve views."""
-    gen = torch.Generator().manual_seed(0)
-    n = 2 * block_size
-    k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
-    cache = torch.zeros(3, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
-    half = cache.view(3, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
-    slots = torch.arange(block_size, block_size + n, dtype=torch.int64)  # blocks 1 and 2
-    ops.cpu_attn_reshape_and_cache(k, v, half[0], half[1], slots, isa)
-    kv, vv = kv_views(LAYOUT, cache)
-    pos = slots - block_size
-    got_k, got_v = kv[1 + pos // block_size, :, pos % block_size], vv[1 + pos // block_size, :, pos % block_size]
-    if not (torch.equal(got_k, k) and torch.equal(got_v, v)):
-        raise NotImplementedError(f"kvsieve vLLM plug-in: vLLM's CPU KV write with ISA {isa!r} ({dtype}, block "
-                                  f"{block_size}, head_dim {head_dim}) is not the {LAYOUT!r} layout kvsieve views")
+def _host_step(md: CPUAttentionMetadata, rows: int) -> VllmStep:
+    """The step's tables on the host, with each row's prompt length (refused by name where the batch
+    table does not know a row) and per-request setting."""
+    return VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens,
+                                 prompt_lens=row_prompt_lens(rows), settings=row_settings(rows))
 
 
 class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -119,60 +102,58 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, sinks: torch.Tensor | None = None) -> None:
         # a sliding-window layer (Gemma 3's local layers) is vLLM's own attention, whole (forward)
-        refuse_features(alibi_slopes=alibi_slopes, sliding_window=None, logits_soft_cap=logits_soft_cap,
-                        attn_type=attn_type, kv_sharing_target_layer_name=kv_sharing_target_layer_name, sinks=sinks,
-                        kv_cache_dtype=kv_cache_dtype)
+        refuse_layer_features(alibi_slopes=alibi_slopes, sliding_window=None, logits_soft_cap=logits_soft_cap,
+                              attn_type=attn_type, kv_sharing_target_layer_name=kv_sharing_target_layer_name,
+                              sinks=sinks, kv_cache_dtype=kv_cache_dtype)
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                          logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
         self.state: PluginState = plugin_state(get_current_vllm_config(), device=torch.device("cpu"),
                                                ranks=worker_ranks())
         self.state.start_indexer_feed(_selecting_layer, lambda module: extract_layer_index(module.layer_name))
+        self.geometry = AttentionGeometry(kind="gqa", num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                          head_dim=self.head_size, sm_scale=self.scale)
         self._layer_idx: int | None = None  # this layer's index, read from its name at the first forward
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,  # noqa: ANN001
                 kv_cache: torch.Tensor, attn_metadata: KvsieveCPUAttentionMetadata | None, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("kvsieve vLLM plug-in: fused output quantization (output_scale) is not supported")
-        if attn_metadata is None:  # vLLM's warm-up/profiling pass
-            return output
-        if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
-            raise NotImplementedError("kvsieve vLLM plug-in: non-causal attention steps are not supported")
-        n = attn_metadata.num_actual_tokens
+        md = attn_metadata
+        refuse_step(quantized_output=output_scale is not None or output_block_scale is not None,
+                    causal=None if md is None else bool(md.causal) and md.dynamic_causal is None)
         if self._layer_idx is None:
             self._layer_idx = extract_layer_index(layer.layer_name)
-        layer_idx = self._layer_idx
-        if self.sliding_window != -1 or self.state.host_only(layer_idx):  # vLLM's own attention, nothing else
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        layer_idx, state, steps = self._layer_idx, self.state, []
+
+        def decode_step() -> tuple[bool, tuple[RequestSetting | None, ...] | None]:
+            # the builder's host copy; None: metadata vLLM built without the plug-in's builder
+            steps.append(getattr(md, "step", None) or _host_step(md, md.seq_lens.shape[0]))
+            return steps[0].decode_only, steps[0].settings
+
+        route = route_call(
+            has_metadata=md is not None, decode_step=decode_step,
+            host_whole=self.sliding_window != -1 or state.host_only(layer_idx),
+            one_call=lambda setting: state.decode_path(layer_idx, LAYOUT, kv_cache, self.geometry, setting))
+        if route.path == DUMMY_STEP:
+            return output
+        if route.path == HOST_WHOLE:  # vLLM's own attention, nothing else
+            return super().forward(layer, query, key, value, kv_cache, md, output)
+        n, step = md.num_actual_tokens, steps[0]
         hidden = None
-        if layer_idx in self.state.indexer_layers:  # DSA: the layer's hidden state, kept by its attention module
-            hidden = self.state.feed.take(layer_idx, n, query.shape[0])
-        step = getattr(attn_metadata, "step", None)  # None: metadata vLLM built without the plug-in's builder
-        if step is None:
-            b = attn_metadata.seq_lens.shape[0]
-            step = VllmStep.from_tensors(attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                                         attn_metadata.block_table, n, settings=row_settings(b),
-                                         prompt_lens=row_prompt_lens(b))
-        one, setting = step.one_setting
-        if step.decode_only and one:  # one native call (selection, tables, attention) where the selector has
-            # a program and every row takes one setting (the process's, or one per-request budget)
-            native = self.state.decode_path(layer_idx, LAYOUT, kv_cache, num_heads=self.num_heads,
-                                            num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-                                            scale=self.scale, setting=setting)
-            if native is not None:
-                model_inputs = None if hidden is None else IndexerInputs(hidden=hidden)
-                native.run(step.block_table, step.seq_lens, step.positions, query[:n],
-                           output[:n].view(n, self.num_heads, self.head_size), model_inputs)
-                if self.state.state_check is not None:  # debug: the pools the native call left, checked
-                    self.state.check_decode_step(layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], step,
-                                                 model_inputs)
-                return output
-        host = VllmHostAttention(self, layer, query, key, value, kv_cache, attn_metadata)
-        self.state.run_layer(
-            layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n], step=step,
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size, scale=self.scale,
-            host=host, indexer_hidden=hidden)
+        if layer_idx in state.indexer_layers:  # DSA: the layer's hidden state, kept by its attention module
+            hidden = state.feed.take(layer_idx, n, query.shape[0])
+        if route.path == ONE_CALL_DECODE:
+            model_inputs = None if hidden is None else IndexerInputs(hidden=hidden)
+            route.one_call.run(step.block_table, step.seq_lens, step.positions, query[:n],
+                               output[:n].view(n, self.num_heads, self.head_size), model_inputs)
+            if state.state_check is not None:  # debug: the pools the one call left, checked
+                state.state_check.check_one_call(
+                    state.runner(layer_idx, self.geometry).plan, layer_idx, self.geometry, query[:n], key[:n],
+                    value[:n], state.prepare(layer_idx, LAYOUT, kv_cache, step).metadata, model_inputs)
+            return output
+        state.run_layer(layer_idx, LAYOUT, kv_cache, query[:n], key[:n], value[:n], output[:n], step=step,
+                        geometry=self.geometry, host=VllmHostAttention(self, layer, query, key, value, kv_cache, md),
+                        indexer_hidden=hidden)
         return output
 
 

@@ -23,15 +23,16 @@ from typing import Protocol
 
 import torch
 
-from ...kernels.common.native import NativeUnavailable
+from ...kernels.common.native import native_status
 from ...kernels.head_tables.plan import head_tables
-from ...kernels.sparse_gqa_decode.native import sparse_decode_runs_native, supports_runs_native
+from ...kernels.sparse_gqa_decode.native import SOURCE, sparse_decode_runs_native, supports_runs_native
 from ...kernels.sparse_gqa_decode.runs import TokenRuns, selection_runs
 from ...metadata import AttentionMetadata
 from ...metadata.foreign_paged import ForeignPagedKV
 from ...sparse import AttentionGeometry, SparseRuntimeParams
 
-__all__ = ["HostAttention", "PerHeadTables", "native_runs_attention", "per_head_block_tables", "token_runs"]
+__all__ = ["HostAttention", "PerHeadTables", "native_runs_attention", "per_head_block_tables", "runs_kernel_takes",
+           "token_runs"]
 
 
 class HostAttention(Protocol):
@@ -96,17 +97,20 @@ def token_runs(params: SparseRuntimeParams, md: AttentionMetadata, view: Foreign
                           md.positions_host[rows] + 1, view.tokens_per_block)
 
 
+def runs_kernel_takes(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, geometry: AttentionGeometry) -> bool:
+    """Whether kvsieve's native runs kernel takes a layer call: ``k``/``v [num_blocks, Hkv, block_size,
+    D]`` the layer's cache views, q ``[N, Hq, D]``: GQA with ``value_dim == head_dim``, a cache dtype of
+    bf16/fp32, a head dim up to 256 and a group up to 16 (:func:`supports_runs_native`), and its
+    library there (``KVSIEVE_NATIVE=0`` or no compiler: not)."""
+    return (geometry.kind == "gqa" and geometry.value_dim == geometry.head_dim and supports_runs_native(k, v, q)
+            and native_status(SOURCE) == "native")
+
+
 def native_runs_attention(q: torch.Tensor, runs: TokenRuns, view: ForeignPagedKV, layer_idx: int,
-                          geometry: AttentionGeometry) -> torch.Tensor | None:
-    """q ``[N, Hq, D]`` (the generation rows of ``runs``) -> ``[N, Hq, D]`` in q's dtype: each (row,
-    KV head) attends its runs, read in place from the view's K/V of ``layer_idx`` by the native kernel;
-    ``None`` where the kernel does not take the call (not GQA with ``value_dim == head_dim``, a cache
-    dtype other than bf16/fp32, a head dim past 256 or group past 16, or its library unavailable)."""
+                          geometry: AttentionGeometry) -> torch.Tensor:
+    """q ``[N, Hq, D]`` (the rows of ``runs``) -> ``[N, Hq, D]`` in q's dtype: each (row, KV head)
+    attends its runs, read in place from the view's K/V of ``layer_idx`` by the native kernel; the
+    caller has checked :func:`runs_kernel_takes`."""
     k, v = view.k_cache(layer_idx), view.v_cache(layer_idx)
-    if geometry.kind != "gqa" or geometry.value_dim != geometry.head_dim or not supports_runs_native(k, v, q):
-        return None
-    try:
-        out, _ = sparse_decode_runs_native(k, v, runs, q, sm_scale=geometry.sm_scale)
-    except NativeUnavailable:
-        return None
+    out, _ = sparse_decode_runs_native(k, v, runs, q, sm_scale=geometry.sm_scale)
     return out.to(q.dtype)

@@ -1,7 +1,8 @@
 """The ``vllm.general_plugins`` entry point. vLLM calls :func:`register` in every process it
 starts (API server, engine core, workers). It imports nothing at module level (vLLM logs and
 skips a plug-in that fails to *import*, which would silently leave vLLM's own attention in place),
-and raises from :func:`register` on any bad setting, which stops vLLM at start-up."""
+and raises from :func:`register` on any bad setting (:func:`.startup.check_plugin_config`), which
+stops vLLM at start-up."""
 from __future__ import annotations
 
 __all__ = ["register", "CPU_BACKEND", "CUDA_BACKEND"]
@@ -14,7 +15,8 @@ _CUDA_KEPT = ("TRITON_ATTN", "NO_ATTENTION", "CUSTOM", "CPU_ATTN", "CPU_MLA", "A
 
 def register() -> None:
     """Override vLLM's attention backend when ``KVSIEVE_SELECTOR`` or ``KVSIEVE_CONFIG`` is set."""
-    from .config import check_plugin_config, read_plugin_config
+    from .config import read_plugin_config
+    from .startup import check_plugin_config, refuse_platform
 
     config = read_plugin_config()
     if config is None:
@@ -34,5 +36,4 @@ def register() -> None:
                 register_backend(backend, "kvsieve.integrations.vllm.cuda.RefuseOtherCudaBackend")
         register_backend(AttentionBackendEnum.TRITON_ATTN, CUDA_BACKEND)
     else:
-        raise ValueError(f"kvsieve vLLM plug-in ({config.source}): platform {current_platform.device_name!r} is not "
-                         "supported; it runs on vLLM's CPU and CUDA platforms")
+        refuse_platform(config, current_platform.device_name)

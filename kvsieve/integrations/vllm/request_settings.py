@@ -167,21 +167,21 @@ class BatchRows:
             return None
         return tuple(self._settings.get(i) for i in range(num_rows))
 
-    def prompt_lens(self, num_rows: int) -> np.ndarray | None:
-        """int32 ``[num_rows]``: the prompt length of each row's request; ``None`` when the batch holds
-        no request (vLLM's dummy steps: its memory profile and warm-up, whose outputs are discarded).
-        Raises ``RuntimeError`` naming the rows when the batch holds requests but not one of these
-        rows: without its prompt length a recomputed request's generated tokens would be taken for
-        prompt tokens."""
+    def prompt_lens(self, num_rows: int) -> np.ndarray:
+        """int32 ``[num_rows]``: the prompt length of each row's request. Raises ``RuntimeError``
+        naming the rows the table does not know, an empty table included: vLLM's own dummy steps
+        (its profile and warm-up runs) build no attention metadata and never ask (:data:`.router.DUMMY_STEP`),
+        so a step that asks holds requests, and without a row's prompt length a recomputed request's
+        generated tokens would be taken for prompt tokens."""
         missing = [i for i in range(num_rows) if i not in self._prompt_lens]
         if not missing:
             return np.fromiter((self._prompt_lens[i] for i in range(num_rows)), dtype=np.int32, count=num_rows)
-        if not self._prompt_lens and not self._settings:
-            return None
         raise RuntimeError(
             f"kvsieve vLLM plug-in: rows {missing} of a {num_rows}-row step have no prompt length in the batch "
             "table (vLLM added them without prompt token ids, or the table missed a batch update); kvsieve "
-            "cannot tell their prompt tokens from generated ones")
+            "cannot tell their prompt tokens from generated ones. The table follows vLLM 0.32's V1 model runner "
+            "(VLLM_USE_V2_MODEL_RUNNER=0) through kvsieve's KvsieveRequestSettings logits processor, with prompts "
+            "given as token ids; unset KVSIEVE_SELECTOR/KVSIEVE_CONFIG to run vLLM's own attention")
 
 
 _CURRENT: list[BatchRows | None] = [None]
@@ -202,10 +202,11 @@ def row_settings(num_rows: int) -> tuple[RequestSetting | None, ...] | None:
     return None if table is None else table.settings(num_rows)
 
 
-def row_prompt_lens(num_rows: int) -> np.ndarray | None:
+def row_prompt_lens(num_rows: int) -> np.ndarray:
     """int32 ``[num_rows]``: the prompt length of the request of each of this step's rows in vLLM's
-    order; ``None`` on vLLM's dummy steps (:meth:`BatchRows.prompt_lens`). Raises ``RuntimeError``
-    when this process keeps no table: vLLM built no ``KvsieveRequestSettings`` processor here."""
+    order (:meth:`BatchRows.prompt_lens`, which refuses rows it does not know). Raises
+    ``RuntimeError`` when this process keeps no table: vLLM built no ``KvsieveRequestSettings``
+    processor here."""
     table = _CURRENT[0]
     if table is None:
         raise RuntimeError(

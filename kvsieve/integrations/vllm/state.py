@@ -1,8 +1,11 @@
-"""The plug-in's per-process state, shared by every attention layer of the process: the config,
-the per-layer plans (one selector instance, as in the rest of kvsieve), the kvsieve backend, and
-one :class:`~.step.StepTranslator` (view + metadata) per cache geometry. Built when vLLM builds
-the first attention layer (``get_current_vllm_config()`` is set then); reads the vLLM config
-only through plain attributes, so it imports nothing from vLLM."""
+"""The plug-in's per-process state, shared by every attention layer of the process and kept for its
+life: the config, the per-layer plans (one selector instance, as in the rest of kvsieve), the
+kvsieve backend, and the caches the layer calls fill on first use — one
+:class:`~.step.StepTranslator` (view + metadata) per cache geometry, one
+:class:`~.layer.LayerRunner` per layer, one one-call decode path per (layer, setting). Built when
+vLLM builds the first attention layer (``get_current_vllm_config()`` is set then), after the
+engine-wide refusals (:mod:`.startup`); reads the vLLM config only through plain attributes, so it
+imports nothing from vLLM."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -13,18 +16,19 @@ import torch
 from torch import nn
 
 from ...metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
-from ...selectors.dsa import DSASelector, IndexerInputs
+from ...selectors.dsa import IndexerInputs
 from ...sparse import AttentionGeometry
-from ...sparse.selector_step import selector_inputs
-from .config import PluginConfig, WorkerRanks, lower_plans, read_plugin_config
+from .config import PluginConfig, WorkerRanks, read_plugin_config
 from .host import HostAttention
 from .indexer_feed import IndexerFeed
+from .layer import LayerRunner, make_backend
 from .layouts import kv_views
 from .native_decode import DeviceDecodeLayer, NativeDecodeLayer, decode_layer_path
 from .request_settings import RequestSetting
 from .setting_groups import MAX_VARIANTS, plan_with_setting
+from .startup import check_engine, check_indexer_model, check_projections, lower_plans
 from .state_check import StateCheck
-from .step import LayerRunner, StepTranslator, VllmStep, make_backend
+from .step import PreparedStep, StepTranslator, VllmStep
 
 __all__ = ["PluginState", "current_plugin_state", "plugin_state"]
 
@@ -48,23 +52,7 @@ class PluginState:
 
     def __init__(self, config: PluginConfig, vllm_config: Any, device: torch.device,
                  ranks: WorkerRanks = WorkerRanks()) -> None:
-        parallel = vllm_config.parallel_config
-        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-            if getattr(parallel, name) > 1:
-                raise NotImplementedError(
-                    f"kvsieve vLLM plug-in: {name}={getattr(parallel, name)} is not supported: context parallelism "
-                    "spreads one request's tokens over several workers' caches, and a selector here sees one "
-                    "worker's cache only; use tensor or pipeline parallelism")
-        if getattr(vllm_config, "speculative_config", None) is not None:
-            raise NotImplementedError(
-                "kvsieve vLLM plug-in: speculative decoding is not supported: vLLM then builds no custom logits "
-                "processor, so per-request kvsieve settings would not reach the layers (docs/vllm.md, per-request "
-                "settings)")
-        if getattr(vllm_config.model_config, "enable_prompt_embeds", False):
-            raise NotImplementedError(
-                "kvsieve vLLM plug-in: enable_prompt_embeds is not supported: a prompt given as embeddings reaches "
-                "the workers without token ids, so the plug-in cannot tell its prompt from the tokens it generated "
-                "when vLLM computes it again after a preemption (docs/vllm.md, preemption)")
+        check_engine(vllm_config)
         self.config = config
         self.device = device
         self.ranks = ranks
@@ -84,26 +72,7 @@ class PluginState:
         self.indexer_layers = frozenset(i for i, p in enumerate(self.plans)
                                         if p is not None and p.selector.model_inputs_type is IndexerInputs)
         self.feed: IndexerFeed | None = None
-        if self.indexer_layers:
-            self._check_indexer_model(vllm_config)
-
-    def _check_indexer_model(self, vllm_config: Any) -> None:
-        """Refuse, at start-up, what the indexer's hidden-state feed cannot serve exactly."""
-        sel = self.plans[min(self.indexer_layers)].selector
-        mode = int(vllm_config.compilation_config.mode)
-        if mode != 0:
-            raise NotImplementedError(
-                f"kvsieve vLLM plug-in: selector {sel.name!r} reads each layer's hidden state from the model's "
-                f"attention modules, which is right only when the model runs eagerly; compilation mode {mode} "
-                "traces it (run with enforce_eager=True / --enforce-eager; pipeline parallelism on CPU needs a "
-                "traced model, so it cannot serve this selector)")
-        hidden = int(vllm_config.model_config.hf_config.hidden_size)
-        if isinstance(sel, DSASelector):
-            sizes = {i: p.hidden_size for i, p in sel.projections.items() if p.hidden_size != hidden}
-            if sizes:
-                raise ValueError(f"kvsieve vLLM plug-in: dsa projections of layers {sorted(sizes)} take hidden "
-                                 f"size {sorted(set(sizes.values()))}, the model's is {hidden} (projections "
-                                 "distilled for another model?)")
+        check_indexer_model(vllm_config, self.plans)
 
     def start_indexer_feed(self, is_plugin_layer: Callable[[nn.Module], bool],
                            layer_index: Callable[[nn.Module], int]) -> None:
@@ -112,16 +81,7 @@ class PluginState:
         runs on (not a sliding-window one left to vLLM); ``layer_index``: its global index."""
         if self.indexer_layers and self.feed is None:
             self.feed = IndexerFeed(set(self.indexer_layers), is_plugin_layer, layer_index,
-                                    on_found=self._check_projections)
-
-    def _check_projections(self, layers: frozenset[int]) -> None:
-        """The feed found the selecting layers' modules: each must have its DSA projections."""
-        sel = self.plans[min(self.indexer_layers)].selector
-        missing = sorted(i for i in layers if isinstance(sel, DSASelector) and i not in sel.projections)
-        if missing:
-            raise ValueError(f"kvsieve vLLM plug-in: dsa has no indexer projections for layers {missing} (config "
-                             "'projections': a file from kvsieve distill-indexer for this model; or list those "
-                             "layers in dense_layers)")
+                                    on_found=lambda layers: check_projections(self.plans, layers))
 
     def translator(self, layout: str, raw: torch.Tensor, k: torch.Tensor) -> StepTranslator:
         n, h, p, d = k.shape
@@ -138,27 +98,26 @@ class PluginState:
                                                    translations=needed)
         return self.translators[key]
 
-    def runner(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_size: int, scale: float) -> LayerRunner:
+    def runner(self, layer_idx: int, geometry: AttentionGeometry) -> LayerRunner:
+        """The layer's runner (built on first use): ``geometry`` the layer's heads on this worker."""
         if layer_idx not in self.runners:
             if not 0 <= layer_idx < self.num_layers:
                 raise ValueError(f"kvsieve vLLM plug-in: layer index {layer_idx} outside the model's "
                                  f"{self.num_layers} layers")
-            geometry = AttentionGeometry(kind="gqa", num_q_heads=num_heads, num_kv_heads=num_kv_heads,
-                                         head_dim=head_size, sm_scale=scale)
             self.runners[layer_idx] = LayerRunner(layer_idx=layer_idx, geometry=geometry, plan=self.plans[layer_idx],
                                                   backend=self.backend, capture_dir=self.config.capture_dir,
                                                   ranks=self.ranks, state_check=self.state_check)
         return self.runners[layer_idx]
 
-    def decode_path(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, *, num_heads: int,
-                    num_kv_heads: int, head_size: int, scale: float, setting: RequestSetting | None = None
-                    ) -> NativeDecodeLayer | DeviceDecodeLayer | None:
+    def decode_path(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, geometry: AttentionGeometry,
+                    setting: RequestSetting | None = None) -> NativeDecodeLayer | DeviceDecodeLayer | None:
         """The layer's one-call decode path (:mod:`.native_decode`) over ``kv_cache`` for a step whose
         rows all carry ``setting`` (``None``: the process default; :func:`.setting_groups.one_setting`),
         decided once per layer, setting and cache: the path a process started with that setting
         runs, over the same pools; ``None`` where it has none, and always while the golden capture is on
-        (every call then takes :class:`LayerRunner`, which compares with the golden). With the state
-        check on, the caller checks each native step afterwards (:meth:`check_decode_step`)."""
+        (every call then takes :class:`~.layer.LayerRunner`, which compares with the golden). With the
+        state check on, the caller checks each native step afterwards
+        (:meth:`.state_check.StateCheck.check_one_call`)."""
         key = (layer_idx, setting)
         have = self.decode_paths.get(key)
         if have is not None and have[0] == kv_cache.data_ptr():
@@ -168,7 +127,7 @@ class PluginState:
         if self.config.capture_dir is None:
             k_view, v_view = kv_views(layout, kv_cache)
             view = self.translator(layout, kv_cache, k_view).view
-            runner = self.runner(layer_idx, num_heads, num_kv_heads, head_size, scale)
+            runner = self.runner(layer_idx, geometry)
             path = decode_layer_path(plan_with_setting(runner.plan, setting), view, layer_idx, k_view, v_view,
                                      runner.geometry)
         self.decode_paths[key] = (kv_cache.data_ptr(), path)
@@ -176,19 +135,12 @@ class PluginState:
             self.decode_paths.popitem(last=False)
         return path
 
-    def check_decode_step(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, q: torch.Tensor,
-                          k: torch.Tensor, v: torch.Tensor, step: VllmStep, model_inputs: object = None) -> None:
-        """The state check (:mod:`.state_check`) of a decode step the native path ran: the step's
-        metadata prepared (as :class:`LayerRunner` would), then the selector's pools, as the native call
-        left them, against their recomputation. q ``[N, Hq, D]``, k/v ``[N, Hkv, D]`` (every row a decode
-        row, so vLLM's order is kvsieve's); ``model_inputs``: the layer's, as handed to the native call."""
+    def prepare(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, step: VllmStep) -> PreparedStep:
+        """``step`` prepared over the view of ``kv_cache``'s geometry, bound to the layer's cache."""
         k_view, v_view = kv_views(layout, kv_cache)
         tr = self.translator(layout, kv_cache, k_view)
         tr.view.bind_layer(layer_idx, kv_cache, k_view, v_view)
-        runner = self.runners[layer_idx]
-        inputs = selector_inputs(q, k, v, tr.prepare(step), layer_idx=layer_idx, geometry=runner.geometry,
-                                 plan=runner.plan, model_inputs=model_inputs)
-        self.state_check.check(runner.plan.selector, inputs)
+        return tr.prepare(step)
 
     def native_layers(self) -> list[int]:
         """The layers whose decode steps have taken the one-call path so far in this process."""
@@ -199,25 +151,22 @@ class PluginState:
         return 0 <= layer_idx < self.num_layers and self.plans[layer_idx] is None and self.config.capture_dir is None
 
     def run_layer(self, layer_idx: int, layout: str, kv_cache: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor, output: torch.Tensor, *, step: VllmStep, num_heads: int, num_kv_heads: int,
-                  head_size: int, scale: float, host: HostAttention | None = None,
-                  indexer_hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """One layer of one step: q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (vLLM's token order, K/V
-        already in ``kv_cache``), ``step`` vLLM's step tables (read once per step, by the caller);
-        writes ``output [T, H, D]`` (or ``[T, H*D]``) and returns it.
-        ``host``: vLLM's own kernels on this layer call (:meth:`.step.LayerRunner.forward`);
+                  value: torch.Tensor, output: torch.Tensor, *, step: VllmStep, geometry: AttentionGeometry,
+                  host: HostAttention | None = None, indexer_hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer of one step on the selector path (:data:`.router.SELECTED`): q ``[T, H, D]``, k/v
+        ``[T, Hkv, D]`` (vLLM's token order, K/V already in ``kv_cache``), ``step`` vLLM's step tables
+        (read once per step, by the caller); writes ``output [T, H, D]`` (or ``[T, H*D]``) and returns it.
+        ``host``: vLLM's own kernels on this layer call (:meth:`.layer.LayerRunner.forward`);
         ``indexer_hidden [T, hidden_size]``: the layer's hidden state (vLLM's token order) for a
         layer in :attr:`indexer_layers`, handed to its selector as :class:`IndexerInputs`."""
-        k_view, v_view = kv_views(layout, kv_cache)
-        tr = self.translator(layout, kv_cache, k_view)
-        tr.view.bind_layer(layer_idx, kv_cache, k_view, v_view)
         if step.num_tokens != query.shape[0]:
             raise ValueError(f"vLLM step of {step.num_tokens} tokens, layer call of {query.shape[0]}")
-        tr.prepare(step)
-        model_inputs = None if indexer_hidden is None else IndexerInputs(hidden=tr.to_kvsieve(indexer_hidden))
-        out = self.runner(layer_idx, num_heads, num_kv_heads, head_size, scale).forward(
-            tr.to_kvsieve(query), tr.to_kvsieve(key), tr.to_kvsieve(value), tr, host, model_inputs=model_inputs).out
-        tr.to_vllm(out.to(output.dtype), output.view(query.shape[0], num_heads, head_size))
+        prepared = self.prepare(layer_idx, layout, kv_cache, step)
+        model_inputs = None if indexer_hidden is None else IndexerInputs(hidden=prepared.to_kvsieve(indexer_hidden))
+        out = self.runner(layer_idx, geometry).forward(
+            prepared.to_kvsieve(query), prepared.to_kvsieve(key), prepared.to_kvsieve(value), prepared, host,
+            model_inputs=model_inputs).out
+        prepared.to_vllm(out.to(output.dtype), output.view(query.shape[0], geometry.num_q_heads, geometry.head_dim))
         return output
 
 

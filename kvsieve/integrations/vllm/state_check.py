@@ -30,7 +30,7 @@ is checked, per selector:
 The check only reads: the pools, the cache and the selector's outputs are left as they were (the DSA
 projections run once more on the step's hidden state). It costs a gather of every key of the step's
 requests per layer and step: a debug and test option, off by default. Decode steps on the one-call
-native path are checked after the call (:meth:`~.state.PluginState.check_decode_step`), so the state
+native path are checked after the call (:meth:`StateCheck.check_one_call`), so the state
 checked is what each path wrote: the selector's hooks on prompt and mixed steps, the native kernel on
 decode steps.
 """
@@ -42,7 +42,9 @@ import torch
 from ...selectors.block_select import BlockSelectSelector
 from ...selectors.common.page_selector import PageSelectorBase
 from ...selectors.dsa import DSASelector
-from ...sparse import SelectorInputs, SparseSelector
+from ...metadata import AttentionMetadata
+from ...sparse import AttentionGeometry, LayerPlan, SelectorInputs, SparseSelector
+from ...sparse.selector_step import selector_inputs
 
 __all__ = ["StateCheck", "StateMismatch", "check_supported"]
 
@@ -86,6 +88,16 @@ class StateCheck:
             check_page_summaries(selector, inputs)
         else:
             check_supported(selector)
+
+    def check_one_call(self, plan: LayerPlan, layer_idx: int, geometry: AttentionGeometry, q: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata, model_inputs: object = None) -> None:
+        """:meth:`check` of a decode step the one-call path ran (:data:`.router.ONE_CALL_DECODE`): the
+        pools as the call left them. q ``[N, Hq, D]``, k/v ``[N, Hkv, D]`` (every row a decode row, so
+        vLLM's order is kvsieve's), ``md`` the step prepared as the selector path would, ``model_inputs``
+        the layer's, as handed to the call."""
+        inputs = selector_inputs(q, k, v, md, layer_idx=layer_idx, geometry=geometry, plan=plan,
+                                 model_inputs=model_inputs)
+        self.check(plan.selector, inputs)
 
     def _check_index_keys(self, selector: DSASelector, inputs: SelectorInputs) -> None:
         md, cache, layer = inputs.metadata, inputs.cache, inputs.layer_idx

@@ -194,7 +194,8 @@ def _tasks() -> list[tuple[str, str, str]]:
         task = get_task(name)
         grid = preset.get(name) or {}
         defaults = ", ".join(f"{k}={v}" for k, v in grid.items())
-        out.append((name, _summary_line(type(task)), f"metric: {task.metric}; default preset: {defaults or '-'}"))
+        options = f"; params: {', '.join(f'{k}={v}' for k, v in task.options.items())}" if task.options else ""
+        out.append((name, _summary_line(type(task)), f"metric: {task.metric}{options}; default preset: {defaults or '-'}"))
     return out
 
 

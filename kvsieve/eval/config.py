@@ -147,12 +147,14 @@ class SelectorSpec:
 
 @dataclass
 class TaskSpec:
-    """Which lengths (prompt tokens), needle depths (percent) and samples per cell a task runs."""
+    """Which lengths (prompt tokens), needle depths (percent) and samples per cell a task runs, and
+    the task's options (``params``, e.g. a RULER NIAH task's ``values: uuids``; ``kvsieve list tasks``)."""
 
     name: str
     lengths: list[int]
     depths: list[float] = field(default_factory=lambda: [50.0])
     samples: int = 1
+    params: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.lengths or any(n < 64 for n in self.lengths):
@@ -308,6 +310,21 @@ def check_prepare(spec: SelectorSpec) -> None:
                           f"{sorted(step.options)}")
 
 
+def _check_task(spec: TaskSpec) -> None:
+    """The task's own check of its options and of every length (before any model loads)."""
+    from .tasks import get_task
+
+    try:
+        task = get_task(spec.name, spec.params)
+    except ValueError as err:
+        raise ConfigError(f"tasks.{spec.name}.params: {err}") from None
+    for length in spec.lengths:
+        try:
+            task.check_length(length)
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(f"tasks.{spec.name}.lengths: {length}: {err}") from None
+
+
 def from_dict(raw: dict[str, Any]) -> EvalConfig:
     """Validate a raw mapping (as read from YAML) into an :class:`EvalConfig`; a :class:`ConfigError`
     names the offending key, the expected type and the valid values."""
@@ -319,6 +336,7 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
     for name, v in _mapping("tasks", top.pop("tasks", None), "{passkey: {lengths: [1024]}}").items():
         _named("tasks", name, available_tasks())
         tasks.append(TaskSpec(name=name, **_fields(TaskSpec, f"tasks.{name}", v, skip=("name",))))
+        _check_task(tasks[-1])
     sels = []
     for label, v in _mapping("selectors", top.pop("selectors", None), "{quest: {budgets: [64]}}").items():
         for key, why in _REFUSED_SELECTOR_KEYS.items():

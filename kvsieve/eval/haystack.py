@@ -37,11 +37,16 @@ def essays_text(start: int = 0) -> str:
 
 
 def _fit(text: str, tokenizer: Any, num_tokens: int) -> str:
-    """The longest prefix of ``text`` ending at a sentence end with at most ``num_tokens`` tokens."""
+    """The longest prefix of ``text`` ending at a sentence end with at most ``num_tokens`` tokens
+    (a ``ValueError`` when all of ``text`` holds fewer)."""
     if num_tokens <= 0:
         return ""
-    ids = tokenizer.encode(text[: num_tokens * 8], add_special_tokens=False)[:num_tokens]
-    cut = tokenizer.decode(ids)
+    ids = tokenizer.encode(text[: num_tokens * 8], add_special_tokens=False)
+    if len(ids) < num_tokens < len(text):  # more than 8 characters a token: encode it all
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < num_tokens:
+        raise ValueError(f"the text holds {len(ids)} tokens of this tokenizer, fewer than the {num_tokens} asked")
+    cut = tokenizer.decode(ids[:num_tokens])
     end = cut.rfind(". ")
     return cut[: end + 1] if end > 0 else cut
 

@@ -212,8 +212,8 @@ def _progress(total: int, enabled: bool) -> Any:
 
 def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict[str, RunState],
               ids: dict[str, str]) -> None:
-    task = get_task(cell[0].task.name)
     spec, length = cell[0].task, cell[0].length
+    task = get_task(spec.name, spec.params)
     prog: dict[str, Progress] = {}
     for run in todo:
         folder, state = sw.out / run.folder, states[run.folder]
@@ -242,8 +242,9 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
         if not active:
             continue
         execute = list(active)
-        # the dense run is the KL reference of a fidelity cell: it runs again (unrecorded) when done
-        if task.kind == "fidelity" and dense not in execute:
+        # the dense run is the reference of the task (fidelity's KL, a continuation's tokens): it runs
+        # again (unrecorded) when done
+        if task.needs_reference and dense not in execute:
             execute.insert(0, dense)
         execute.sort(key=lambda r: (r.selector is not None, not r.shares_prefill))
         # the tokenizer's own special tokens (Gemma needs its <bos>)
@@ -255,8 +256,9 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
             sw.bar.set_postfix_str(f"{task.name} L={length} {run.label} {run.budget.label if run.budget else ''}")
             t0 = time.perf_counter()
             try:
-                if task.kind == "fidelity" and run.selector is not None and reference is None:
-                    raise RuntimeError("the dense reference run failed on this sample, so no KL can be measured")
+                if task.needs_reference and run.selector is not None and reference is None:
+                    raise RuntimeError(f"the dense reference run failed on this sample, so {task.name} cannot "
+                                       "score it")
                 row, frac = _execute(sw.session, task, run, ids_t, prefix, sample, reference, shared,
                                      sw.lm.tokenizer)
             except Exception as err:  # recorded in the run's folder, the sweep goes on

@@ -12,7 +12,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["essay_files", "essays_text", "essay_haystack", "noise_haystack", "insert_at_depths", "NOISE"]
+__all__ = ["essay_files", "essays_text", "essay_haystack", "check_essay_length", "noise_haystack", "insert_at_depths",
+           "NOISE"]
 
 _SENTENCE_END = re.compile(r"[.!?][\"')]?(?:\s+|(?=[A-Z]))")
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -54,6 +55,15 @@ def _fit(text: str, tokenizer: Any, num_tokens: int) -> str:
 def essay_haystack(tokenizer: Any, num_tokens: int, start: int = 0) -> str:
     """Essay text of about ``num_tokens`` tokens (cut at a sentence end)."""
     return _fit(essays_text(start), tokenizer, num_tokens)
+
+
+def check_essay_length(length: int) -> None:
+    """Raise ``ValueError`` when the essays certainly cannot fill ``length`` tokens: no tokenizer
+    makes more tokens than bytes (the tokenizer's own count is :func:`essay_haystack`'s check)."""
+    most = sum(f.stat().st_size for f in essay_files())
+    if length > most:
+        raise ValueError(f"the essays cannot fill length={length} tokens: they hold {most} bytes, so at most that "
+                         "many tokens")
 
 
 def noise_haystack(tokenizer: Any, num_tokens: int) -> str:

@@ -68,8 +68,11 @@ def run_identity(cfg: EvalConfig, run: RunSpec) -> dict[str, Any]:
     top = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in RESULT_NEUTRAL}
     if top.pop("engine") != TRANSFORMERS:
         top["engine"] = engine_identity()
-    # a task without options keeps the id it had before tasks took options
+    # a task without options or revisions keeps the id it had before tasks took them
     task = {k: v for k, v in asdict(run.task).items() if k != "lengths" and (k != "params" or v)}
+    revision = get_task(run.task.name, run.task.params).revision
+    if revision:
+        task["revision"] = revision
     selector = None
     if run.selector is not None:
         axis = ("budgets", "sparsities", "reduction_factors")

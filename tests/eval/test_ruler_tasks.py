@@ -185,8 +185,8 @@ def _cfg(tasks: dict) -> dict:
      "['haystack', 'keys', 'values']"),
     ({"cwe": {"lengths": [1024], "params": {"values": "uuids"}}}, "tasks.cwe.params: unknown option(s) ['values']"),
     ({"cwe": {"lengths": [4096, 1_000_000]}}, "tasks.cwe.lengths: 1000000: the essay word list"),
-    ({"niah_single_2": {"lengths": [10_000_000]}}, "tasks.niah_single_2.lengths: 10000000: the essay haystack "
-                                                   "cannot fill"),
+    ({"niah_single_2": {"lengths": [10_000_000]}}, "tasks.niah_single_2.lengths: 10000000: the essays cannot "
+                                                   "fill"),
     ({"essay_continuation": {"lengths": [10_000_000]}}, "tasks.essay_continuation.lengths: 10000000: the essays "
                                                         "cannot fill"),
 ])
@@ -207,3 +207,16 @@ def test_essays_shorter_than_the_length_refused_when_made():
     task.check_length(length)
     with pytest.raises(ValueError, match="fewer than the"):
         _one("niah_single_2", length=length)
+
+
+def test_identity_carries_params_and_revision_only_when_set():
+    """Runs of tasks without options or revisions keep their ids; variable tracking's new prompts
+    (revision 1) and a run with options are new runs, never a reuse of the old folders."""
+    from kvsieve.eval.run_plan import plan_runs, run_identity
+
+    cfg = from_dict(_cfg({"passkey": {"lengths": [512]}, "variable_tracking": {"lengths": [1024]},
+                          "niah_single_2": {"lengths": [1024], "params": {"values": "uuids"}}}))
+    tasks = {c[0].task.name: run_identity(cfg, c[0])["task"] for c in plan_runs(cfg, "m")}
+    assert tasks["passkey"] == {"name": "passkey", "depths": [50.0], "samples": 1, "length": 512}
+    assert tasks["variable_tracking"]["revision"] == 1 and "params" not in tasks["variable_tracking"]
+    assert tasks["niah_single_2"]["params"] == {"values": "uuids"} and "revision" not in tasks["niah_single_2"]

@@ -42,6 +42,9 @@ class Task:
     #: decoding stops once the answer so far matches this (``None``: always ``max_new_tokens``)
     stop_regex: ClassVar[str | None] = None
     uses_depths: ClassVar[bool] = True
+    #: raised whenever the task's prompts or scoring change, so a resume reruns the runs made before
+    #: (part of each run's identity when nonzero)
+    revision: ClassVar[int] = 0
     #: scores are 0 or 1 (their interval is Wilson's); otherwise a normal interval
     binary_score: ClassVar[bool] = False
     #: what :meth:`score` measures, in words (the y-axis of the plots)

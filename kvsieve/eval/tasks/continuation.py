@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ..haystack import essay_files, essay_haystack
+from ..haystack import check_essay_length, essay_files, essay_haystack
 from .base import Sample, Task, register_task
 
 __all__ = ["ContinuationTask", "matched_prefix"]
@@ -40,10 +40,7 @@ class ContinuationTask(Task):
     max_new_tokens = 32
 
     def check_length(self, length: int) -> None:
-        most = sum(f.stat().st_size for f in essay_files())  # no tokenizer makes more tokens than bytes
-        if length > most:
-            raise ValueError(f"the essays cannot fill length={length} tokens: they hold {most} bytes, so at most "
-                             "that many tokens")
+        check_essay_length(length)
 
     def make_one(self, tokenizer: Any, length: int, depth: float | None, rng: random.Random, index: int) -> Sample:
         text = essay_haystack(tokenizer, length - 2, start=rng.randrange(len(essay_files())))  # room for <bos>

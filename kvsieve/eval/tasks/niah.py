@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from typing import Any, ClassVar
 
-from ..haystack import essay_files, essay_haystack, insert_at_depths, noise_haystack
+from ..haystack import check_essay_length, essay_files, essay_haystack, insert_at_depths, noise_haystack
 from ._prompt import fill_to_length, haystack_budget
 from .base import Sample, Task, random_key, random_number, random_uuid, register_task
 
@@ -125,10 +125,7 @@ class RulerNiahTask(Task):
 
     def check_length(self, length: int) -> None:
         if self.params["haystack"] == "essay":
-            most = sum(f.stat().st_size for f in essay_files())  # no tokenizer makes more tokens than bytes
-            if length > most:
-                raise ValueError(f"the essay haystack cannot fill length={length} tokens: the essays hold "
-                                 f"{most} bytes, so at most that many tokens")
+            check_essay_length(length)
 
     def make_one(self, tokenizer: Any, length: int, depth: float | None, rng: random.Random, index: int) -> Sample:
         p = self.params

@@ -68,6 +68,7 @@ class VariableTrackingTask(Task):
     metric = "RULER string_match_all (share of variables named)"
     max_new_tokens = 30  # RULER's tokens_to_generate
     num_hops = 4
+    revision = 1  # 0: 2 hops, each assignment a sentence among noise sentences, no worked example
 
     def make_one(self, tokenizer: Any, length: int, depth: float | None, rng: random.Random, index: int) -> Sample:
         where = f"task {self.name}"

@@ -70,6 +70,10 @@ def test_niah_generator(name):
     assert abs(frac - 0.30) <= 0.12, frac
     assert s.prompt[s.meta["needle_char"]:].startswith(f"One of the special magic {values} for")
     assert _one(name, depth=30.0).prompt == s.prompt and _one(name, depth=30.0, seed=1).prompt != s.prompt
+    # scored: every value asked is 1; the values of keys not asked (distractors) are a wrong answer
+    assert task.score(" " + ", ".join(s.answers) + ".", s) == 1.0
+    distractors = [v for k, vs in by_key.items() if k not in asked_keys for v in vs]
+    assert task.score(" " + ", ".join(distractors or ["0000000"]) + ".", s) == 0.0
 
 
 def test_niah_value_and_haystack_options():

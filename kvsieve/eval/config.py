@@ -66,7 +66,7 @@ _REFUSED_SELECTOR_KEYS = {
     "is converted to it in one place; give budgets: [...] in tokens, or sparsities: / reduction_factors:")
 #: EvalConfig fields that do not change a run's results; every other field (model, backend, seed and
 #: any field added later) is part of each run's identity (see ``kvsieve.eval.run_plan.run_identity``)
-RESULT_NEUTRAL = ("output_dir", "threads", "tasks", "selectors", "check")
+RESULT_NEUTRAL = ("output_dir", "threads", "tasks", "selectors", "check", "share_prefill")
 
 
 class ConfigError(ValueError):
@@ -169,7 +169,10 @@ class TaskSpec:
 @dataclass
 class EvalConfig:
     """The whole sweep. ``model``: ``smollm2``, ``tiny-random`` or a local checkpoint directory;
-    ``engine``: ``transformers`` (kvsieve's session) or ``vllm`` (the vLLM plug-in, :mod:`.served`)."""
+    ``engine``: ``transformers`` (kvsieve's session) or ``vllm`` (the vLLM plug-in, :mod:`.served`);
+    ``share_prefill``: the runs that can share a sample's dense prefill do (:mod:`.run_plan`); ``false``
+    prefills every run on its own (the same results, at the cost of a prefill per run: to measure
+    what sharing saves)."""
 
     model: str = "smollm2"
     engine: str = TRANSFORMERS
@@ -178,6 +181,7 @@ class EvalConfig:
     check: int = 0
     seed: int = 0
     threads: int = 0
+    share_prefill: bool = True
     tasks: list[TaskSpec] = field(default_factory=list)
     selectors: list[SelectorSpec] = field(default_factory=list)
 

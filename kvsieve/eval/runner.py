@@ -259,8 +259,8 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
                 if task.needs_reference and run.selector is not None and reference is None:
                     raise RuntimeError(f"the dense reference run failed on this sample, so {task.name} cannot "
                                        "score it")
-                row, frac = _execute(sw.session, task, run, ids_t, prefix, sample, reference, shared,
-                                     sw.lm.tokenizer)
+                row, frac = _execute(sw.session, task, run, ids_t, prefix, sample, reference,
+                                     shared if sw.cfg.share_prefill else None, sw.lm.tokenizer)
             except Exception as err:  # recorded in the run's folder, the sweep goes on
                 shared.clear()  # the session's state is unknown: the next run prefills anew
                 if run in todo:
@@ -286,14 +286,16 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
 
 
 def _execute(session: KvsieveSession, task: Task, run: RunSpec, ids: torch.Tensor, prefix: int, sample: Sample,
-             reference: Any, shared: list[torch.Tensor], tokenizer: Any) -> tuple[dict[str, Any], list[float | None]]:
-    """One run on one sample; ``shared`` holds the dense prefill's logits once a sharing run made it.
+             reference: Any, shared: list[torch.Tensor] | None,
+             tokenizer: Any) -> tuple[dict[str, Any], list[float | None]]:
+    """One run on one sample; ``shared`` holds the dense prefill's logits once a sharing run made it
+    (``None``: sharing is off, every run prefills).
     A run whose selector reads :class:`IndexerInputs` (``dsa``) feeds it each layer's hidden state
     (hooks attached for the run only)."""
     reads_indexer = run.sparse is not None and get_selector_class(run.sparse.selector).model_inputs_type is IndexerInputs
     handles = attach_dsa_indexer(session) if reads_indexer else []
     try:
-        if run.shares_prefill:
+        if run.shares_prefill and shared is not None:
             if not shared:
                 session.set_config(None)
                 shared.append(session.prefill(ids[:, :prefix]))
@@ -302,7 +304,8 @@ def _execute(session: KvsieveSession, task: Task, run: RunSpec, ids: torch.Tenso
             session.set_config(run.sparse)
             logits = shared[0]
         else:
-            shared.clear()  # this prefill replaces the cached prompt
+            if shared is not None:
+                shared.clear()  # this prefill replaces the cached prompt
             session.set_config(run.sparse)
             logits = session.prefill(ids[:, :prefix])
         session.reset_stats()

@@ -25,6 +25,7 @@ _EVAL_EPILOG = """examples:
   kvsieve eval --config my_sweep.yaml --output-dir out/
   kvsieve eval --preset recipes   (every selector at its published recipe; dsa/skip_softmax prepared per model)
   kvsieve eval --preset served    (through vLLM: score against decode speed-up, every servable selector)
+  kvsieve eval --preset ruler     (RULER's offline families at 8K and 16K, n = 20; a many-hour run)
   kvsieve eval --quick --engine vllm --set selectors.snapkv=null --set tasks.fidelity=null
   kvsieve list selectors          (what a selectors entry can name, with config defaults)
 exit status: 0 all runs ok, 1 some run failed (see its error.txt), 2 bad input, 130 interrupted.

@@ -45,14 +45,15 @@ from ..sparse import SparseAttentionConfig, get_selector_class, lower_budget
 from ..sparse.prepare import available_prepare_steps, get_prepare_step
 
 __all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "load_config", "apply_overrides",
-           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "SERVED", "SERVED_SMOLLM2", "PRESETS", "check_prepare", "ENGINES",
-           "TRANSFORMERS", "VLLM"]
+           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "SERVED", "SERVED_SMOLLM2", "RULER",
+           "PRESETS", "check_prepare", "ENGINES", "TRANSFORMERS", "VLLM"]
 
 QUICK = "quick"
 DEFAULT = "default"
 RECIPES = "recipes"
 SERVED, SERVED_SMOLLM2 = "served", "served_smollm2"
-PRESETS = (QUICK, DEFAULT, RECIPES, SERVED, SERVED_SMOLLM2)  # kvsieve/eval/configs/<name>.yaml
+RULER = "ruler"
+PRESETS = (QUICK, DEFAULT, RECIPES, SERVED, SERVED_SMOLLM2, RULER)  # kvsieve/eval/configs/<name>.yaml
 TRANSFORMERS, VLLM = "transformers", "vllm"
 ENGINES = (TRANSFORMERS, VLLM)
 _BUDGET_FORMS = ("budgets", "sparsities", "reduction_factors")

@@ -38,15 +38,16 @@ class Task:
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = "generate"
-    max_new_tokens: ClassVar[int] = 12
+    # the answer's room, stop rule and interval may depend on a task's options: set per instance
+    max_new_tokens: int = 12
     #: decoding stops once the answer so far matches this (``None``: always ``max_new_tokens``)
-    stop_regex: ClassVar[str | None] = None
+    stop_regex: str | None = None
     uses_depths: ClassVar[bool] = True
     #: raised whenever the task's prompts or scoring change, so a resume reruns the runs made before
     #: (part of each run's identity when nonzero)
     revision: ClassVar[int] = 0
     #: scores are 0 or 1 (their interval is Wilson's); otherwise a normal interval
-    binary_score: ClassVar[bool] = False
+    binary_score: bool = False
     #: what :meth:`score` measures, in words (the y-axis of the plots)
     metric: ClassVar[str] = "share of gold answers in the answer"
     #: the dense run's output on the same sample is the reference (:meth:`run`'s ``reference``): the

@@ -25,6 +25,7 @@ _EVAL_EPILOG = """examples:
   kvsieve eval --config my_sweep.yaml --output-dir out/
   kvsieve eval --preset recipes   (every selector at its published recipe; dsa/skip_softmax calibrated per model)
   kvsieve eval --preset served    (through vLLM: score against decode speed-up, every servable selector)
+  kvsieve eval --preset ruler     (RULER's offline families at 8K and 16K, n = 20; a many-hour run)
   kvsieve eval --quick --engine vllm --set selectors.snapkv=null --set tasks.fidelity=null
   kvsieve list selectors          (what a selectors entry can name, with config defaults)
 exit status: 0 all runs ok, 1 some run failed (see its error.txt), 2 bad input, 130 interrupted.
@@ -195,7 +196,8 @@ def _tasks() -> list[tuple[str, str, str]]:
         task = get_task(name)
         grid = preset.get(name) or {}
         defaults = ", ".join(f"{k}={v}" for k, v in grid.items())
-        out.append((name, _summary_line(type(task)), f"metric: {task.metric}; default preset: {defaults or '-'}"))
+        options = f"; params: {', '.join(f'{k}={v}' for k, v in task.options.items())}" if task.options else ""
+        out.append((name, _summary_line(type(task)), f"metric: {task.metric}{options}; default preset: {defaults or '-'}"))
     return out
 
 

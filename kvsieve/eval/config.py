@@ -46,15 +46,15 @@ from ..sparse import SparseAttentionConfig, get_selector_class, lower_budget
 from ..sparse.calibration import available_calibration_steps, get_calibration_step
 
 __all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "load_config", "apply_overrides",
-           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "SERVED", "SERVED_SMOLLM2", "PRESETS",
-           "check_calibration", "ENGINES",
-           "TRANSFORMERS", "VLLM"]
+           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "SERVED", "SERVED_SMOLLM2", "RULER",
+           "PRESETS", "check_calibration", "ENGINES", "TRANSFORMERS", "VLLM"]
 
 QUICK = "quick"
 DEFAULT = "default"
 RECIPES = "recipes"
 SERVED, SERVED_SMOLLM2 = "served", "served_smollm2"
-PRESETS = (QUICK, DEFAULT, RECIPES, SERVED, SERVED_SMOLLM2)  # kvsieve/eval/configs/<name>.yaml
+RULER = "ruler"
+PRESETS = (QUICK, DEFAULT, RECIPES, SERVED, SERVED_SMOLLM2, RULER)  # kvsieve/eval/configs/<name>.yaml
 TRANSFORMERS, VLLM = "transformers", "vllm"
 ENGINES = (TRANSFORMERS, VLLM)
 _BUDGET_FORMS = ("budgets", "sparsities", "reduction_factors")
@@ -73,7 +73,7 @@ _REFUSED_SELECTOR_KEYS = {
 _RENAMED_SELECTOR_KEYS = ("prepare", "prepare_params")
 #: EvalConfig fields that do not change a run's results; every other field (model, backend, seed and
 #: any field added later) is part of each run's identity (see ``kvsieve.eval.run_plan.run_identity``)
-RESULT_NEUTRAL = ("output_dir", "threads", "tasks", "selectors", "check")
+RESULT_NEUTRAL = ("output_dir", "threads", "tasks", "selectors", "check", "share_prefill")
 
 
 class ConfigError(ValueError):
@@ -154,12 +154,14 @@ class SelectorSpec:
 
 @dataclass
 class TaskSpec:
-    """Which lengths (prompt tokens), needle depths (percent) and samples per cell a task runs."""
+    """Which lengths (prompt tokens), needle depths (percent) and samples per cell a task runs, and
+    the task's options (``params``, e.g. a RULER NIAH task's ``values: uuids``; ``kvsieve list tasks``)."""
 
     name: str
     lengths: list[int]
     depths: list[float] = field(default_factory=lambda: [50.0])
     samples: int = 1
+    params: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.lengths or any(n < 64 for n in self.lengths):
@@ -174,7 +176,10 @@ class TaskSpec:
 @dataclass
 class EvalConfig:
     """The whole sweep. ``model``: ``smollm2``, ``tiny-random`` or a local checkpoint directory;
-    ``engine``: ``transformers`` (kvsieve's session) or ``vllm`` (the vLLM plug-in, :mod:`.served`)."""
+    ``engine``: ``transformers`` (kvsieve's session) or ``vllm`` (the vLLM plug-in, :mod:`.served`);
+    ``share_prefill``: the runs that can share a sample's dense prefill do (:mod:`.run_plan`); ``false``
+    prefills every run on its own (the same results, at the cost of a prefill per run: to measure
+    what sharing saves)."""
 
     model: str = "smollm2"
     engine: str = TRANSFORMERS
@@ -183,6 +188,7 @@ class EvalConfig:
     check: int = 0
     seed: int = 0
     threads: int = 0
+    share_prefill: bool = True
     tasks: list[TaskSpec] = field(default_factory=list)
     selectors: list[SelectorSpec] = field(default_factory=list)
 
@@ -318,6 +324,21 @@ def check_calibration(spec: SelectorSpec) -> None:
                           f"{sorted(step.options)}")
 
 
+def _check_task(spec: TaskSpec) -> None:
+    """The task's own check of its options and of every length (before any model loads)."""
+    from .tasks import get_task
+
+    try:
+        task = get_task(spec.name, spec.params)
+    except ValueError as err:
+        raise ConfigError(f"tasks.{spec.name}.params: {err}") from None
+    for length in spec.lengths:
+        try:
+            task.check_length(length)
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(f"tasks.{spec.name}.lengths: {length}: {err}") from None
+
+
 def from_dict(raw: dict[str, Any]) -> EvalConfig:
     """Validate a raw mapping (as read from YAML) into an :class:`EvalConfig`; a :class:`ConfigError`
     names the offending key, the expected type and the valid values."""
@@ -329,6 +350,7 @@ def from_dict(raw: dict[str, Any]) -> EvalConfig:
     for name, v in _mapping("tasks", top.pop("tasks", None), "{passkey: {lengths: [1024]}}").items():
         _named("tasks", name, available_tasks())
         tasks.append(TaskSpec(name=name, **_fields(TaskSpec, f"tasks.{name}", v, skip=("name",))))
+        _check_task(tasks[-1])
     sels = []
     for label, v in _mapping("selectors", top.pop("selectors", None), "{quest: {budgets: [64]}}").items():
         for key, why in _REFUSED_SELECTOR_KEYS.items():

@@ -12,7 +12,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["essay_files", "essays_text", "essay_haystack", "noise_haystack", "insert_at_depths", "NOISE"]
+__all__ = ["essay_files", "essays_text", "essay_haystack", "check_essay_length", "noise_haystack", "insert_at_depths",
+           "NOISE"]
 
 _SENTENCE_END = re.compile(r"[.!?][\"')]?(?:\s+|(?=[A-Z]))")
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -37,11 +38,16 @@ def essays_text(start: int = 0) -> str:
 
 
 def _fit(text: str, tokenizer: Any, num_tokens: int) -> str:
-    """The longest prefix of ``text`` ending at a sentence end with at most ``num_tokens`` tokens."""
+    """The longest prefix of ``text`` ending at a sentence end with at most ``num_tokens`` tokens
+    (a ``ValueError`` when all of ``text`` holds fewer)."""
     if num_tokens <= 0:
         return ""
-    ids = tokenizer.encode(text[: num_tokens * 8], add_special_tokens=False)[:num_tokens]
-    cut = tokenizer.decode(ids)
+    ids = tokenizer.encode(text[: num_tokens * 8], add_special_tokens=False)
+    if len(ids) < num_tokens < len(text):  # more than 8 characters a token: encode it all
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < num_tokens:
+        raise ValueError(f"the text holds {len(ids)} tokens of this tokenizer, fewer than the {num_tokens} asked")
+    cut = tokenizer.decode(ids[:num_tokens])
     end = cut.rfind(". ")
     return cut[: end + 1] if end > 0 else cut
 
@@ -49,6 +55,15 @@ def _fit(text: str, tokenizer: Any, num_tokens: int) -> str:
 def essay_haystack(tokenizer: Any, num_tokens: int, start: int = 0) -> str:
     """Essay text of about ``num_tokens`` tokens (cut at a sentence end)."""
     return _fit(essays_text(start), tokenizer, num_tokens)
+
+
+def check_essay_length(length: int) -> None:
+    """Raise ``ValueError`` when the essays certainly cannot fill ``length`` tokens: no tokenizer
+    makes more tokens than bytes (the tokenizer's own count is :func:`essay_haystack`'s check)."""
+    most = sum(f.stat().st_size for f in essay_files())
+    if length > most:
+        raise ValueError(f"the essays cannot fill length={length} tokens: they hold {most} bytes, so at most that "
+                         "many tokens")
 
 
 def noise_haystack(tokenizer: Any, num_tokens: int) -> str:

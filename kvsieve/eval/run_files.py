@@ -58,12 +58,14 @@ def write_run(folder: Path, run: RunSpec, cfg: EvalConfig, run_id: str, p: Progr
         vals = [v for v in layer if v is not None]
         per_layer.append(_mean(vals) if vals else None)
     seen = [v for v in per_layer if v is not None]
-    score, lo, hi = mean_ci95([float(r["score"]) for r in p.rows], binary=get_task(run.task.name).binary_score)
+    binary = get_task(run.task.name, run.task.params).binary_score
+    score, lo, hi = mean_ci95([float(r["score"]) for r in p.rows], binary=binary)
     metrics: dict[str, Any] = {
         "run_id": run_id, **run.describe(), "selector_name": run.sparse.selector if run.sparse else DENSE,
         "score": score, "ci95": [lo, hi], "n": len(p.rows),
         "achieved_sparsity": 1 - _mean(seen) if seen else 0.0, "attended_fraction_per_layer": per_layer,
-        "wall_time_s": p.seconds, "peak_rss_mb": rss_mb()[0], "shares_prefill": run.shares_prefill,
+        "wall_time_s": p.seconds, "peak_rss_mb": rss_mb()[0],
+        "shares_prefill": run.shares_prefill and cfg.share_prefill,
         "backend": cfg.backend, "engine": cfg.engine,
         "kvsieve_version": __version__, "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         **(extra or {}),

@@ -73,7 +73,11 @@ def run_identity(cfg: EvalConfig, run: RunSpec) -> dict[str, Any]:
     top = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in RESULT_NEUTRAL}
     if top.pop("engine") != TRANSFORMERS:
         top["engine"] = engine_identity()
-    task = {k: v for k, v in asdict(run.task).items() if k != "lengths"}
+    # a task without options or revisions keeps the id it had before tasks took them
+    task = {k: v for k, v in asdict(run.task).items() if k != "lengths" and (k != "params" or v)}
+    revision = get_task(run.task.name, run.task.params).revision
+    if revision:
+        task["revision"] = revision
     selector = None
     if run.selector is not None:
         axis = ("budgets", "sparsities", "reduction_factors")
@@ -105,7 +109,7 @@ def plan_runs(cfg: EvalConfig, model_name: str) -> list[list[RunSpec]]:
     each entry also has a run of dense attention through the plug-in (:mod:`.served.protocol`)."""
     cells = []
     for t in cfg.tasks:
-        get_task(t.name)
+        get_task(t.name, t.params)
         for length in t.lengths:
             runs = [RunSpec(t, length, model_name)]
             runs += [RunSpec(t, length, model_name, s, b) for s in cfg.selectors for b in s.resolve(length)]

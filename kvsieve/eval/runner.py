@@ -212,8 +212,8 @@ def _progress(total: int, enabled: bool) -> Any:
 
 def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict[str, RunState],
               ids: dict[str, str]) -> None:
-    task = get_task(cell[0].task.name)
     spec, length = cell[0].task, cell[0].length
+    task = get_task(spec.name, spec.params)
     prog: dict[str, Progress] = {}
     for run in todo:
         folder, state = sw.out / run.folder, states[run.folder]
@@ -242,8 +242,9 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
         if not active:
             continue
         execute = list(active)
-        # the dense run is the KL reference of a fidelity cell: it runs again (unrecorded) when done
-        if task.kind == "fidelity" and dense not in execute:
+        # the dense run is the reference of the task (fidelity's KL, a continuation's tokens): it runs
+        # again (unrecorded) when done
+        if task.needs_reference and dense not in execute:
             execute.insert(0, dense)
         execute.sort(key=lambda r: (r.selector is not None, not r.shares_prefill))
         # the tokenizer's own special tokens (Gemma needs its <bos>)
@@ -255,10 +256,11 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
             sw.bar.set_postfix_str(f"{task.name} L={length} {run.label} {run.budget.label if run.budget else ''}")
             t0 = time.perf_counter()
             try:
-                if task.kind == "fidelity" and run.selector is not None and reference is None:
-                    raise RuntimeError("the dense reference run failed on this sample, so no KL can be measured")
-                row, frac = _execute(sw.session, task, run, ids_t, prefix, sample, reference, shared,
-                                     sw.lm.tokenizer)
+                if task.needs_reference and run.selector is not None and reference is None:
+                    raise RuntimeError(f"the dense reference run failed on this sample, so {task.name} cannot "
+                                       "score it")
+                row, frac = _execute(sw.session, task, run, ids_t, prefix, sample, reference,
+                                     shared if sw.cfg.share_prefill else None, sw.lm.tokenizer)
             except Exception as err:  # recorded in the run's folder, the sweep goes on
                 shared.clear()  # the session's state is unknown: the next run prefills anew
                 if run in todo:
@@ -284,14 +286,16 @@ def _run_cell(sw: _Sweep, cell: list[RunSpec], todo: list[RunSpec], states: dict
 
 
 def _execute(session: KvsieveSession, task: Task, run: RunSpec, ids: torch.Tensor, prefix: int, sample: Sample,
-             reference: Any, shared: list[torch.Tensor], tokenizer: Any) -> tuple[dict[str, Any], list[float | None]]:
-    """One run on one sample; ``shared`` holds the dense prefill's logits once a sharing run made it.
+             reference: Any, shared: list[torch.Tensor] | None,
+             tokenizer: Any) -> tuple[dict[str, Any], list[float | None]]:
+    """One run on one sample; ``shared`` holds the dense prefill's logits once a sharing run made it
+    (``None``: sharing is off, every run prefills).
     A run whose selector reads :class:`IndexerInputs` (``dsa``) feeds it each layer's hidden state
     (hooks attached for the run only)."""
     reads_indexer = run.sparse is not None and get_selector_class(run.sparse.selector).model_inputs_type is IndexerInputs
     handles = attach_dsa_indexer(session) if reads_indexer else []
     try:
-        if run.shares_prefill:
+        if run.shares_prefill and shared is not None:
             if not shared:
                 session.set_config(None)
                 shared.append(session.prefill(ids[:, :prefix]))
@@ -300,7 +304,8 @@ def _execute(session: KvsieveSession, task: Task, run: RunSpec, ids: torch.Tenso
             session.set_config(run.sparse)
             logits = shared[0]
         else:
-            shared.clear()  # this prefill replaces the cached prompt
+            if shared is not None:
+                shared.clear()  # this prefill replaces the cached prompt
             session.set_config(run.sparse)
             logits = session.prefill(ids[:, :prefix])
         session.reset_stats()

@@ -40,8 +40,11 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]], fields: list[str] | tuple[str, ...]) -> None:
+    """``rows`` under a header of ``fields``, lines ended by CRLF (RFC 4180): the csv module quotes a
+    field holding a character of the line terminator, so a value with a bare ``\r`` (a model's answer
+    may hold one) reads back as one field, which it would not with ``\n`` line ends."""
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(fields), extrasaction="ignore", lineterminator="\n")
+    w = csv.DictWriter(buf, fieldnames=list(fields), extrasaction="ignore", lineterminator="\r\n")
     w.writeheader()
     w.writerows(rows)
     atomic_write_text(path, buf.getvalue())

@@ -62,7 +62,7 @@ def test_list(capsys):
 @pytest.mark.parametrize("override, message", [
     ("tasks=[passkey]", "tasks: expected a mapping {name: {...}}"),
     ("tasks.passkey.depth=[10]", "tasks.passkey.depth: unknown key (did you mean 'depths'?); valid keys: "
-                                 "['lengths', 'depths', 'samples']"),
+                                 "['lengths', 'depths', 'samples', 'params']"),
     ("tasks.passkey.lengths=1024", "tasks.passkey.lengths: expected a list of int, got int 1024"),
     ("tasks.passkey.samples=two", "tasks.passkey.samples: expected int, got str 'two'"),
     ("tasks.paskey.lengths=[1024]", "tasks: unknown name 'paskey' (did you mean 'passkey'?)"),

@@ -13,6 +13,7 @@ from kvsieve.eval import run_plan, runner
 from kvsieve.eval.config import EvalConfig, apply_overrides, from_dict
 from kvsieve.eval.model import load_model
 from kvsieve.eval.runner import SweepInterrupted, run_sweep
+from kvsieve.eval.store import write_csv
 
 BASE = {
     "model": "tiny-random", "seed": 0,
@@ -218,3 +219,12 @@ def test_interrupt_keeps_finished_samples(tmp_path, tiny, monkeypatch):
     # sample 2 of the streaming run, plus the dense run as its KL reference (not re-recorded)
     assert calls == [FIDELITY[0], FIDELITY[2]]
     assert json.loads((out / FIDELITY[2] / "metrics.json").read_text())["n"] == 2
+
+
+def test_a_prediction_holding_a_carriage_return_reads_back(tmp_path):
+    """A random model's answer held a bare \\r, which split its predictions.csv row in two (the run
+    then read as corrupt and was redone on every resume)."""
+    rows = [{"sample": 0, "prediction": "a\rb"}, {"sample": 1, "prediction": "c\nd\r\ne"}]
+    write_csv(tmp_path / "p.csv", rows, ["sample", "prediction"])
+    with open(tmp_path / "p.csv", newline="", encoding="utf-8") as f:
+        assert [r["prediction"] for r in csv.DictReader(f)] == ["a\rb", "c\nd\r\ne"]

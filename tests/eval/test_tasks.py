@@ -29,7 +29,10 @@ def test_needle_at_depth_and_length(name, depth):
         assert a in s.prompt
     frac = (s.meta["needle_char"] - s.meta["context_start"]) / s.meta["context_chars"]
     # snapped back to the preceding sentence end: never after the depth, at most a sentence before
-    assert depth / 100 - 0.06 <= frac <= depth / 100 + 1e-9, (frac, depth)
+    # (variable tracking: a line, and its 4 hops after it lengthen the context; test_ruler_tasks.py
+    # checks its depth in noise lines)
+    slack = 0.2 if name == "variable_tracking" else 0.06
+    assert depth / 100 - slack <= frac <= depth / 100 + 1e-9, (frac, depth)
 
 
 def test_deterministic_and_distinct():
@@ -46,7 +49,7 @@ def test_multikey_has_distractors_and_vt_chain():
     (s,) = get_task("niah_multikey").make_samples(TOK, 2000, [50.0], 1, seed=0)
     assert s.prompt.count("One of the special magic numbers for") == 4
     (v,) = get_task("variable_tracking").make_samples(TOK, 2000, [10.0], 1, seed=0)
-    assert len(v.answers) == 3 and all(f"VAR {x} =" in v.prompt for x in v.answers)
+    assert len(v.answers) == 5 and all(f"VAR {x} =" in v.prompt for x in v.answers)
 
 
 def test_insert_at_depths_validates():

@@ -4,6 +4,7 @@ with Quest, budgets set per request.
 
 * dense through the plug-in (``{"dense": true}`` per request) answers every prompt as vLLM's own
   attention does, and so does a Quest budget covering the whole context;
+* an essay continuation is scored against vLLM's own attention's continuation of the same prompt;
 * every row has a positive decode speed-up against vLLM's own attention, measured in the run;
 * report.md shows the frontier plot (score against decode speed-up);
 * a rerun reuses every run (no engine started) and the engine is part of each run's identity.
@@ -24,7 +25,8 @@ COVERING = 384  # whole pages of 16 covering the prompt and the answer
 
 def _config(out: Path) -> dict:
     return {"model": "smollm2", "engine": "vllm", "output_dir": str(out),
-            "tasks": {"passkey": {"lengths": [LENGTH], "depths": [25, 75], "samples": 1}},
+            "tasks": {"passkey": {"lengths": [LENGTH], "depths": [25, 75], "samples": 1},
+                      "essay_continuation": {"lengths": [LENGTH], "samples": 2}},
             "selectors": {"quest": {"budgets": [32, COVERING], "params": {"page_size": 16}}}}
 
 
@@ -54,13 +56,24 @@ def sweep(tmp_path_factory):
 def test_every_run_finishes(sweep):
     out, first, _, lines, _ = sweep
     assert first.failed == 0, "\n".join(lines)
-    assert {r["selector"] + "/" + r["budget_label"] for r in first.rows} == {
-        "dense/full", "quest/b32", f"quest/b{COVERING}", "quest/dense"}
+    for task in ("passkey", "essay_continuation"):
+        assert {r["selector"] + "/" + r["budget_label"] for r in first.rows if r["task"] == task} == {
+            "dense/full", "quest/b32", f"quest/b{COVERING}", "quest/dense"}
+
+
+def test_a_continuation_is_scored_against_vllms_own_attention(sweep):
+    """The dense run is its own reference; dense attention through the plug-in and a covering budget
+    continue exactly as vLLM's own attention does, so every token matches."""
+    _, first, _, _, _ = sweep
+    score = {r["selector"] + "/" + r["budget_label"]: float(r["score"]) for r in first.rows
+             if r["task"] == "essay_continuation"}
+    assert score.pop("dense/full") == score.pop("quest/dense") == score.pop(f"quest/b{COVERING}") == 1.0
+    assert 0.0 <= score.pop("quest/b32") <= 1.0
 
 
 def test_dense_through_the_plugin_and_a_covering_budget_answer_as_vllms_own_attention(sweep):
     out, first, _, _, _ = sweep
-    folder = {r["selector"] + "/" + r["budget_label"]: r["folder"] for r in first.rows}
+    folder = {r["selector"] + "/" + r["budget_label"]: r["folder"] for r in first.rows if r["task"] == "passkey"}
     own = _answers(out, folder["dense/full"])
     assert len(own) == 2 and all(own)
     assert _answers(out, folder["quest/dense"]) == own

@@ -13,7 +13,7 @@
 * **Engine settings** are fixed (:func:`engine_identity`, part of every run's identity).
 * **Refused by name** (:func:`check_served`): a task that is not a generation task (``fidelity``
   reads attention inside kvsieve's session), ``check`` (the vanilla golden check of kvsieve's
-  session), an entry with ``layers`` / ``layer_types`` (the plug-in takes ``dense_layers`` only;
+  session), ``share_prefill: false`` (the engines' prefix caches share prompts), an entry with ``layers`` / ``layer_types`` (the plug-in takes ``dense_layers`` only;
   sliding-window layers stay vLLM's own), a selector the plug-in refuses at start-up (evicting
   ones, ``skip_softmax`` on CPU, ``dsa`` without projections: ``vllm.config.lower_plans``), and a
   budget the plug-in's admission check would refuse or lower to another knob value than the
@@ -110,6 +110,9 @@ def check_served(cfg: EvalConfig, *, calibrated: bool) -> None:
     if cfg.check:
         raise ConfigError("check: the golden check compares kvsieve's session with its vanilla backend; the vLLM "
                           "path has none (tests/vllm checks the plug-in against the golden); set check=0")
+    if not cfg.share_prefill:
+        raise ConfigError("share_prefill: false prefills every run in kvsieve's session; through vLLM the prompts "
+                          "share the engine's prefix cache, which the sweep does not switch off")
     for t in cfg.tasks:
         if get_task(t.name).kind != "generate":
             raise ConfigError(f"tasks.{t.name}: a {get_task(t.name).kind} task reads attention inside kvsieve's "

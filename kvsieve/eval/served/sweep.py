@@ -31,7 +31,7 @@ from ..model import LoadedModel
 from ..run_files import Progress, prediction_row, record_failure, write_run
 from ..run_plan import RunSpec, run_identity
 from ..store import CONFIG, atomic_write_text, clear_run
-from ..tasks import Sample, get_task
+from ..tasks import ContinuationTask, Sample, get_task
 from .agreement import answer_text
 from .engine import plugin_config_file, start_engine
 from .launch import OWN, EngineError, EngineLaunch, EngineProcess, model_folder
@@ -63,28 +63,42 @@ def _cell_prompts(sw: ServedSweep, run: RunSpec) -> list[tuple[Sample, list[int]
     key = (run.task.name, run.length)
     if key not in sw.prompts:
         spec = run.task
-        samples = get_task(spec.name).make_samples(sw.lm.tokenizer, run.length, spec.depths, spec.samples, sw.cfg.seed)
+        samples = get_task(spec.name, spec.params).make_samples(sw.lm.tokenizer, run.length, spec.depths,
+                                                               spec.samples, sw.cfg.seed)
         sw.prompts[key] = [(s, sw.lm.tokenizer.encode(s.prompt, add_special_tokens=True)) for s in samples]
     return sw.prompts[key]
 
 
 def _max_model_len(sw: ServedSweep, runs: list[RunSpec]) -> int:
-    longest = max(len(ids) + max(get_task(r.task.name).max_new_tokens, DECODE_TOKENS)
+    longest = max(len(ids) + max(get_task(r.task.name, r.task.params).max_new_tokens, DECODE_TOKENS)
                   for r in runs for _, ids in _cell_prompts(sw, r))
     return -(-(longest + 16) // 128) * 128
 
 
-def _generate(sw: ServedSweep, engine: EngineProcess, run: RunSpec) -> Progress:
-    task = get_task(run.task.name)
-    prompts = _cell_prompts(sw, run)
-    setting = None if run.budget is None else request_setting(run.budget)
-    salt = None if run.budget is None else cache_salt(run.selector, run.budget)
-    t0 = time.perf_counter()
+def _tokens(engine: EngineProcess, run: RunSpec, prompts: list[tuple[Sample, list[int]]], max_tokens: int,
+            dense: bool = False) -> list[list[int]]:
+    """The greedy tokens of ``run``'s setting (``dense``: none) for each prompt, in one ``generate`` call."""
+    setting = None if dense or run.budget is None else request_setting(run.budget)
+    salt = None if dense or run.budget is None else cache_salt(run.selector, run.budget)
     reply = engine.request({"op": "generate", "prompts": [
-        {"ids": ids, "max_tokens": task.max_new_tokens, "setting": setting, "salt": salt} for _, ids in prompts]})
+        {"ids": ids, "max_tokens": max_tokens, "setting": setting, "salt": salt} for _, ids in prompts]})
+    return reply["tokens"]
+
+
+def _generate(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, run: RunSpec) -> Progress:
+    task = get_task(run.task.name, run.task.params)
+    prompts = _cell_prompts(sw, run)
+    t0 = time.perf_counter()
+    outputs = _tokens(engine, run, prompts, task.max_new_tokens)
     p = Progress(seconds=time.perf_counter() - t0)
-    for (sample, ids), tokens in zip(prompts, reply["tokens"]):
-        row = task.answer_row(answer_text(sw.lm.tokenizer, tokens, task.stop_regex), sample)
+    # a continuation is scored against vLLM's own attention's on the same prompts (the dense run's)
+    references = (_tokens(own, run, prompts, task.max_new_tokens, dense=True)
+                  if isinstance(task, ContinuationTask) and run.selector is not None else None)
+    for i, ((sample, ids), tokens) in enumerate(zip(prompts, outputs)):
+        if isinstance(task, ContinuationTask):
+            row = task.reference_row(tokens, None if references is None else references[i], sw.lm.tokenizer)
+        else:
+            row = task.answer_row(answer_text(sw.lm.tokenizer, tokens, task.stop_regex), sample)
         p.rows.append(prediction_row(sample, len(ids), row, []))
         p.fractions.append([])
     return p
@@ -121,7 +135,7 @@ def _finish(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, run: Run
                                                        "identity": run_identity(sw.cfg, run)}, sort_keys=False))
     sw.bar.set_postfix_str(f"{run.task.name} L={run.length} {run.label} {run.budget.label if run.budget else ''}")
     try:
-        p = _generate(sw, engine, run)
+        p = _generate(sw, own, engine, run)
         extra = _speed(sw, own, engine, run)
     except Exception as err:  # recorded in the run's folder, the sweep goes on (an engine that died fails the rest)
         record_failure(folder, sw.ids[run.folder], err, sw.log)

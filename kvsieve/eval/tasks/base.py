@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..metrics import digit_prefix_match, string_match_all
 
-__all__ = ["Sample", "Task", "register_task", "get_task", "available_tasks", "WORDS", "random_key", "random_number"]
+__all__ = ["Sample", "Task", "register_task", "get_task", "available_tasks", "WORDS", "random_key", "random_number",
+           "random_uuid"]
 
 _TASKS: dict[str, type[Task]] = {}
 
@@ -28,18 +30,45 @@ class Sample:
 
 class Task:
     """Base class. ``kind``: ``"generate"`` (greedy answer, scored by :meth:`score`) or
-    ``"fidelity"`` (per-layer attention metrics, see :mod:`kvsieve.eval.tasks.fidelity`)."""
+    ``"fidelity"`` (per-layer attention metrics, see :mod:`kvsieve.eval.tasks.fidelity`).
+
+    ``options``: the task's parameters and their defaults (a sweep sets them under
+    ``tasks.<name>.params``); an instance is built with the defaults updated by the given values,
+    each checked by :meth:`check_options` (an unknown key or value is a ``ValueError`` naming it)."""
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = "generate"
-    max_new_tokens: ClassVar[int] = 12
+    # the answer's room, stop rule and interval may depend on a task's options: set per instance
+    max_new_tokens: int = 12
     #: decoding stops once the answer so far matches this (``None``: always ``max_new_tokens``)
-    stop_regex: ClassVar[str | None] = None
+    stop_regex: str | None = None
     uses_depths: ClassVar[bool] = True
+    #: raised whenever the task's prompts or scoring change, so a resume reruns the runs made before
+    #: (part of each run's identity when nonzero)
+    revision: ClassVar[int] = 0
     #: scores are 0 or 1 (their interval is Wilson's); otherwise a normal interval
-    binary_score: ClassVar[bool] = False
+    binary_score: bool = False
     #: what :meth:`score` measures, in words (the y-axis of the plots)
     metric: ClassVar[str] = "share of gold answers in the answer"
+    #: the dense run's output on the same sample is the reference (:meth:`run`'s ``reference``): the
+    #: dense run runs first on every sample, again (unrecorded) when it is already done
+    needs_reference: ClassVar[bool] = False
+    options: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, **params: Any) -> None:
+        unknown = sorted(set(params) - set(self.options))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} of task {self.name!r}; valid: {sorted(self.options)}")
+        self.params = {**self.options, **params}
+        self.check_options()
+
+    def check_options(self) -> None:
+        """Raise ``ValueError`` naming an option of ``self.params`` the task cannot honour."""
+
+    def check_length(self, length: int) -> None:
+        """Raise ``ValueError`` when a prompt of ``length`` tokens is certainly beyond what the task's
+        haystack can fill, for any tokenizer (called when the sweep is planned, before a model
+        loads; :meth:`make_one` checks again with the model's tokenizer)."""
 
     def make_samples(self, tokenizer: Any, length: int, depths: list[float], samples: int,
                      seed: int) -> list[Sample]:
@@ -97,10 +126,11 @@ def register_task(cls: type[Task]) -> type[Task]:
     return cls
 
 
-def get_task(name: str) -> Task:
+def get_task(name: str, params: dict[str, Any] | None = None) -> Task:
+    """The task ``name`` with its options ``params`` (defaults for the rest)."""
     if name not in _TASKS:
         raise ValueError(f"unknown task {name!r}; available: {available_tasks()}")
-    return _TASKS[name]()
+    return _TASKS[name](**(params or {}))
 
 
 def available_tasks() -> list[str]:
@@ -127,3 +157,8 @@ def random_key(rng: random.Random, used: set[str] | None = None) -> str:
 
 def random_number(rng: random.Random, digits: int) -> str:
     return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+
+
+def random_uuid(rng: random.Random) -> str:
+    """A version-4 UUID drawn from ``rng`` (RULER's uuid keys and values)."""
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))

@@ -35,6 +35,7 @@ class FidelityTask(Task):
 
     name = "fidelity"
     kind = "fidelity"
+    needs_reference = True
     metric = "attention-mass recall"
     uses_depths = False
     num_queries = 8

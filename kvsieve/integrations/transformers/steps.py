@@ -43,6 +43,7 @@ class SessionSteps:
     def _run(self, ids: torch.Tensor, *, new_requests: bool) -> torch.Tensor:
         return self.run_logits(ids, new_requests=new_requests)[:, -1]
 
+    @torch.inference_mode()
     def run_logits(self, ids: torch.Tensor, *, new_requests: bool, keep: int = 1, dense: bool = False) -> torch.Tensor:
         """One session-driven step of ``ids [B, S]`` (new requests, or appended to the live ones);
         returns the logits of its last ``keep`` positions ``[B, keep, V]``. ``dense``: every layer

@@ -41,7 +41,11 @@ from ...sparse import LayerPlan
 from ...sparse.speculation import AcceptanceStats, Sampling, accept_greedy, accept_sampled
 from .generate_args import GenerateRequest, read_generate_call
 
-__all__ = ["SpeculativeOutput", "SessionSpeculation", "speculation_refusal", "speculative_decode"]
+__all__ = ["SpeculativeOutput", "SessionSpeculation", "speculation_refusal", "speculative_decode", "untied_mismatch"]
+
+#: the largest gap between dense decoding's two top fp32 logits that a K+1-token verify pass may
+#: resolve the other way than one-token steps (their rounding differs by far less)
+TIE_TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,31 @@ def speculative_decode(session: Any, request: GenerateRequest, k: int,
             if finished:
                 break
     return SpeculativeOutput(torch.stack(out, dim=1), stats)
+
+
+def untied_mismatch(model: torch.nn.Module, prompt_len: int, dense: torch.Tensor, out: torch.Tensor,
+                    tol: float = TIE_TOLERANCE) -> str | None:
+    """Check greedy tokens ``out [B, n]`` against dense greedy decoding's ``dense [B, n]`` (both with
+    the prompt's first ``prompt_len`` tokens): ``None`` when every row equals dense up to its first
+    difference and there dense decoding's two top logits (the model's own forward on the dense
+    tokens before it) are within ``tol``; else what differs."""
+    if out.shape[0] != dense.shape[0] or not torch.equal(out[:, :prompt_len], dense[:, :prompt_len]):
+        return f"rows or prompts differ: {tuple(out.shape)} against {tuple(dense.shape)}"
+    for row in range(dense.shape[0]):
+        n = min(out.shape[1], dense.shape[1])
+        diff = (out[row, :n] != dense[row, :n]).nonzero()
+        if len(diff) == 0:
+            if out.shape[1] != dense.shape[1]:
+                return f"row {row}: {out.shape[1]} tokens against dense decoding's {dense.shape[1]}"
+            continue
+        first = int(diff[0])
+        with torch.inference_mode():
+            top = model(dense[row: row + 1, :first]).logits[0, -1].float().topk(2).values
+        gap = float(top[0] - top[1])
+        if gap >= tol:
+            return (f"row {row}, position {first}: token {int(out[row, first])} against dense {int(dense[row, first])}, "
+                    f"whose two top logits are {gap:.3g} apart (>= {tol}: not a rounding tie)")
+    return None
 
 
 class SessionSpeculation:

@@ -21,7 +21,8 @@ from .tasks import Sample, get_task
 
 __all__ = ["Progress", "prediction_row", "write_run", "record_failure", "OPTIONAL_METRICS"]
 
-OPTIONAL_METRICS = ("partial", "mass_recall", "rel_error", "topk_overlap", "kl")
+OPTIONAL_METRICS = ("partial", "mass_recall", "rel_error", "topk_overlap", "kl", "accepted_length_k2",
+                    "accepted_length_k4", "accepted_length_k8")
 
 
 @dataclass

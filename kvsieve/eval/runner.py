@@ -52,7 +52,8 @@ __all__ = ["SweepResult", "SweepInterrupted", "run_sweep", "SUMMARY_FIELDS"]
 
 SUMMARY_FIELDS = ("task", "length", "model", "selector", "budget_label", "budget_tokens", "target_sparsity",
                   "reduction_factor", "achieved_sparsity", "score", "ci95_low", "ci95_high", "n", "partial",
-                  "mass_recall", "rel_error", "topk_overlap", "kl", "status", "error", "run_id", "folder")
+                  "mass_recall", "rel_error", "topk_overlap", "kl", "accepted_length_k2", "accepted_length_k4",
+                  "accepted_length_k8", "status", "error", "run_id", "folder")
 _OPTIONAL_METRICS = ("partial", "mass_recall", "rel_error", "topk_overlap", "kl")
 
 

@@ -100,6 +100,9 @@ class AttentionMetadata:
         self.prepared = False
         # request id -> kept length after eviction, recorded by layers, committed by the engine
         self.pending_kv_lens: dict[int, int] = {}
+        # a step whose every row attends densely: the selectors keep their state (on_append) but
+        # choose nothing (a speculative verify pass, kvsieve.integrations.transformers.speculate)
+        self.dense = False
 
     # ---- per-step inputs (setters recompute the derived counts) ---------------------------
     @property

@@ -206,12 +206,16 @@ class Engine:
         return [int(r) for r in request_ids[:num_contexts] if evicts and r in self.caches[group].request_ids]
 
     def begin_step(self, request_ids: Sequence[int], seq_lens: Sequence[int], num_contexts: int,
-                   tokens: Sequence[Sequence[int] | None] | None = None, beam_width: int = 1) -> AttentionMetadata:
+                   tokens: Sequence[Sequence[int] | None] | None = None, beam_width: int = 1,
+                   dense: bool = False) -> AttentionMetadata:
         """Context requests first. A request id not yet in the cache is added. ``tokens``: per
         request, the step's new token ids for a request tracked for prefix caching
         (:meth:`add_request`), ``None`` for the others. ``beam_width``: the generation requests
         come as groups of that many beams (forked requests, consecutive), laid out so in the
-        block-offset table (:attr:`AttentionMetadata.beam_width`). Returns the step metadata of the first
+        block-offset table (:attr:`AttentionMetadata.beam_width`). ``dense``: every row of the step
+        attends densely (:attr:`AttentionMetadata.dense`): each layer's selector runs ``on_append``
+        (its per-position state follows the cache) but chooses nothing (a speculative verify pass,
+        which must read what dense attention reads). Returns the step metadata of the first
         cache group (the only one of a single-group engine; every group's through
         :meth:`metadata_for`). Call :meth:`end_step` after the layers ran, or :meth:`abort_step`
         if one failed."""
@@ -233,6 +237,7 @@ class Engine:
                 md.seq_lens = list(seq_lens)
                 md.num_contexts = num_contexts
                 md.beam_width = beam_width
+                md.dense = dense
                 md.prepare()
         except BaseException:
             self.abort_step()

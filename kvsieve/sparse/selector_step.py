@@ -61,9 +61,11 @@ def selector_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, me
                     layer_idx: int, geometry: AttentionGeometry, plan: LayerPlan | None,
                     window: int | None = None, model_inputs: object = None) -> SelectorInputs:
     """The hooks' inputs for one layer step: ``phases`` = the plan's phases present this step (none
-    without a plan), ``rows`` their query rows (context rows first, so one contiguous slice).
-    q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (MLA: k the latent ``[T, R + rope]``, v ``None``)."""
-    plan_phases = plan.phases if plan is not None else frozenset()
+    without a plan, and none in a step the engine runs densely, :attr:`AttentionMetadata.dense`:
+    ``on_append`` still runs, nothing is chosen), ``rows`` their query rows (context rows first, so
+    one contiguous slice). q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` (MLA: k the latent ``[T, R + rope]``,
+    v ``None``)."""
+    plan_phases = plan.phases if plan is not None and not metadata.dense else frozenset()
     phases = tuple(p for p in metadata.phases() if p in plan_phases)
     rows = slice(metadata.phase_rows(phases[0]).start, metadata.phase_rows(phases[-1]).stop) if phases \
         else slice(0, 0)

@@ -7,7 +7,9 @@ Modules: :mod:`.session` (the session: paged cache, engine, layer calls, reporti
 attention and mask functions registered with transformers), :mod:`.generate_link` (transformers'
 own cache beside the paged cache under ``model.generate``), :mod:`.attention_features` (each
 layer's window, softcap, sinks and scaling, read and checked), :mod:`.feature_backend` (those
-features applied around any backend), :mod:`.golden_check` (spot checks against the Vanilla golden).
+features applied around any backend), :mod:`.golden_check` (spot checks against the Vanilla golden),
+:mod:`.speculate` (lossless decoding: the selector drafts, a dense pass verifies) and
+:mod:`.generate_args` (the ``generate`` settings it honours or refuses).
 """
 from __future__ import annotations
 

@@ -19,7 +19,10 @@ history; kvsieve attends its own paged cache. :class:`GenerateLink` keeps the tw
 * ``model.generate`` tells the session the call's beam width (``num_beams``, from its keyword
   arguments or generation config) for the call's duration: its decode steps run the rows as
   groups of that many beams (:attr:`~kvsieve.metadata.AttentionMetadata.beam_width`, the
-  block-offset table's layout), and rows that are not whole beam groups are refused.
+  block-offset table's layout), and rows that are not whole beam groups are refused;
+  a session built with ``speculate=K`` decodes the call itself instead
+  (:meth:`~kvsieve.integrations.transformers.speculate.SessionSpeculation.generate_call`: the
+  selector drafts, a dense pass verifies).
 
 :meth:`GenerateLink.close` removes all four.
 """
@@ -38,7 +41,8 @@ class GenerateLink:
 
     ``session`` exposes ``active`` (the model's attention runs through it now), ``driven`` (a
     session-driven forward is running), ``num_cached_positions``,
-    ``live_rows``, ``decode_phase_selectors()``, ``reorder_rows(beam_idx)`` and a settable ``beam_width``."""
+    ``live_rows``, ``decode_phase_selectors()``, ``reorder_rows(beam_idx)``, a settable ``beam_width``,
+    ``speculate`` and ``generate_call(args, kwargs)``."""
 
     def __init__(self, model: torch.nn.Module, session: Any) -> None:
         self.model = model
@@ -67,7 +71,10 @@ class GenerateLink:
             del self.model.generate
 
     def _generate(self, *args: Any, **kwargs: Any) -> Any:
-        """``model.generate`` with the session's ``beam_width`` set to the call's ``num_beams``."""
+        """``model.generate`` with the session's ``beam_width`` set to the call's ``num_beams``, or
+        the session's speculative decoding of the call."""
+        if self.session.speculate is not None and self.session.active:
+            return self.session.generate_call(args, kwargs)
         config = kwargs.get("generation_config", args[1] if len(args) > 1 else None) or self.model.generation_config
         width = kwargs.get("num_beams", getattr(config, "num_beams", None)) or 1
         before = self.session.beam_width

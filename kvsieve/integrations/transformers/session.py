@@ -61,11 +61,13 @@ import torch
 from ...metadata import AttentionMetadata, KVCacheManager, KVCacheSpec
 from ...sparse import Engine, LayerOutput, SparseAttention, SparseAttentionConfig, get_backend, lower_config
 from ...sparse.backends import default_backend
+from ...sparse.speculation import AcceptanceStats
 from .attention_features import LayerFeatures, read_layer_features
 from .feature_backend import FeatureBackend
 from .generate_link import GenerateLink
 from .golden_check import GOLDEN_TRANSLATIONS, GoldenCheck
 from .hooks import ATTN_IMPLEMENTATION, SESSION_ATTR, attention_modules, head_dims, register_attention
+from .speculate import SessionSpeculation, speculation_refusal
 from .steps import SessionSteps
 
 __all__ = ["KvsieveSession", "LayerObserver"]
@@ -80,7 +82,7 @@ def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width)) if width else x
 
 
-class KvsieveSession(SessionSteps):
+class KvsieveSession(SessionSteps, SessionSpeculation):
     """Owns a kvsieve :class:`Engine` (paged cache + one :class:`SparseAttention` per decoder layer)
     attached to a transformers causal LM.
 
@@ -104,13 +106,19 @@ class KvsieveSession(SessionSteps):
     on the rest (the positions every row of the batch reuses); a new config forgets the cached
     blocks. Refused on a model with sliding-window layers (several cache groups) and with a
     selector that evicts prompt tokens (it would see only the part of the prompt that runs).
+    ``speculate``: lossless sparse decoding, ``K`` tokens drafted by the selector and verified by
+    one dense pass per round (:mod:`.speculate`, ``docs/lossless.md``): ``model.generate`` and
+    :meth:`speculative_generate` decode so; refused with a config it cannot draft with, with
+    prefix caching, and with ``release_windows`` on a model with sliding-window layers (a rejected
+    draft rolls back to positions the window still reads).
     """
 
     def __init__(self, model: torch.nn.Module, config: SparseAttentionConfig | None = None, *,
                  backend: str | None = None, max_tokens: int = 8448, max_batch: int | None = None,
                  tokens_per_block: int = 16,
                  dense_fast_path: bool = True, decode_threads: int | None = None, debug: bool = False,
-                 check_steps: int = 0, release_windows: bool = True, prefix_caching: bool = False) -> None:
+                 check_steps: int = 0, release_windows: bool = True, prefix_caching: bool = False,
+                 speculate: int | None = None) -> None:
         if decode_threads is not None and decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1 or None, got {decode_threads}")
         if max_tokens < 1 or (max_batch is not None and max_batch < 1) or tokens_per_block < 1:
@@ -151,6 +159,11 @@ class KvsieveSession(SessionSteps):
                              f"{sorted({w for w in self.engine.windows if w is not None})}) keep their own cache group, "
                              "whose blocks out of the window are released; prefix caching needs one cache group")
         self.prefix_caching = prefix_caching
+        if speculate is not None and release_windows and len(self.engine.caches) > 1:
+            raise ValueError("speculate: release_windows drops the blocks a sliding window has passed, but a rejected "
+                             "draft rolls back to positions before them; build the session with release_windows=False")
+        self.speculate = speculate
+        self._acceptance = None if speculate is None else AcceptanceStats.empty(speculate)
         self._tracked = False  # the live requests were added with their token ids (prefix caching)
         self.decode_threads = decode_threads
         self.device = device
@@ -236,6 +249,10 @@ class KvsieveSession(SessionSteps):
         plans = lower_config(config, num_layers=self.num_layers, device=self.device,
                              layer_types=[f.layer_type for f in self.features],
                              layer_windows=[f.window for f in self.features])
+        why = None if self.speculate is None else speculation_refusal(self.speculate, plans,
+                                                                      prefix_caching=self.prefix_caching)
+        if why is not None:
+            raise ValueError(why)
         evicting = sorted({p.selector.name for p in plans if p is not None and p.selector.capabilities.evicts})
         if self.prefix_caching and evicting:
             raise ValueError(f"prefix_caching: selector(s) {evicting} evict prompt tokens, but a prompt that reuses "
@@ -389,5 +406,8 @@ class KvsieveSession(SessionSteps):
         return [float(a / n) if n else None for a, n in acc]
 
     def reset_stats(self) -> None:
+        """Forget the attended fractions and the speculative acceptance gathered so far."""
         for acc in self._stats.values():
             acc[:] = 0
+        if self._acceptance is not None:
+            self._acceptance = AcceptanceStats.empty(self._acceptance.draft_len)

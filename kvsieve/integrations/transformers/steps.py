@@ -82,26 +82,34 @@ class SessionSteps:
         self._next_pos = length
 
     def _run(self, ids: torch.Tensor, *, new_requests: bool) -> torch.Tensor:
+        return self.run_logits(ids, new_requests=new_requests)[:, -1]
+
+    @torch.inference_mode()
+    def run_logits(self, ids: torch.Tensor, *, new_requests: bool, keep: int = 1, dense: bool = False) -> torch.Tensor:
+        """One session-driven step of ``ids [B, S]`` (new requests, or appended to the live ones);
+        returns the logits of its last ``keep`` positions ``[B, keep, V]``. ``dense``: every layer
+        attends densely, its selector keeping its state (``Engine.begin_step(..., dense=True)``)."""
         b, s = ids.shape
-        reused = self._open_step(b, s, new_requests, ids)
+        reused = self._open_step(b, s, new_requests, ids, dense=dense)
         start = self._next_pos - s + reused
         self._driven = True
         try:
             pos = torch.arange(start, self._next_pos, device=self.device).expand(b, s - reused)
             logits = self.model(input_ids=ids[:, reused:].to(self.device), position_ids=pos, use_cache=False,
-                                logits_to_keep=1).logits
+                                logits_to_keep=keep).logits
         except BaseException:
             self._abort_step(s, new_requests)
             raise
         finally:
             self._driven = False
         self._close_step()
-        return logits[:, -1]
+        return logits
 
-    def _open_step(self, batch: int, num_new: int, new_requests: bool, ids: torch.Tensor | None = None) -> int:
+    def _open_step(self, batch: int, num_new: int, new_requests: bool, ids: torch.Tensor | None = None,
+                   dense: bool = False) -> int:
         """Open the step of ``num_new`` positions per row (token ids ``ids [batch, num_new]`` when
-        the session drives); returns how many leading positions of new prompts came from the
-        prefix cache (the model runs on the rest)."""
+        the session drives; ``dense``: see :meth:`run_logits`); returns how many leading positions of
+        new prompts came from the prefix cache (the model runs on the rest)."""
         if self.max_batch is not None and batch > self.max_batch:
             raise ValueError(f"batch of {batch} rows exceeds max_batch={self.max_batch}")
         if num_new > self.max_tokens:  # refused by the user's knob, before anything changes
@@ -125,7 +133,8 @@ class SessionSteps:
         tokens = ids[:, reused:].tolist() if self._tracked else None
         try:
             self.engine.begin_step(self._request_ids, [num_new - reused] * batch,
-                                   num_contexts=batch if new_requests else 0, tokens=tokens, beam_width=self.beam_width)
+                                   num_contexts=batch if new_requests else 0, tokens=tokens, beam_width=self.beam_width,
+                                   dense=dense)
         except BaseException:
             if new_requests:
                 self._drop_new_requests()

@@ -3,18 +3,27 @@
 Block ids ``1..num_blocks-1`` (block 0 is the reserved sentinel). Every block is in exactly one
 state:
 
-* **free**: reference count 0, no hash; on the LIFO free list.
+* **free**: reference count 0, no name; on the LIFO free list.
 * **held**: reference count >= 1 (requests whose table holds it; a forked beam or a request that
-  reused a cached prefix adds one). A held block may carry a hash (it is then *cached*: full, its
+  reused a cached prefix adds one). A held block may carry a name (it is then *cached*: full, its
   contents fixed, findable by :meth:`BlockAllocator.lookup`).
-* **evictable**: reference count 0 but still cached (its hash kept), in least-recently-freed
-  order. A prefix hit revives it; the allocator takes evictable blocks only once the free list is
-  empty, oldest first, and drops their hash then.
+* **evictable**: reference count 0 but still named, in least-recently-freed order (a request's
+  blocks are released last block first, so a prefix outlives the blocks that extend it). A prefix
+  hit revives it; the allocator takes evictable blocks only once the free list is empty, oldest
+  first, and drops their name then.
+
+A name (the hash of a block's whole prefix, :func:`chain_hash`) may be carried by several held
+blocks: requests that wrote the same prefix each into a block of its own (a parent and its fork
+that both filled the block they shared while it was partly written) keep their own blocks, and
+each block carries the name, so the name lives while any of them is held. :meth:`lookup` gives the
+carrier named first. Unheld copies are not kept: a carrier released while another carrier is held
+goes to the free list (nameless), and naming a held block frees an evictable carrier of the same
+name. So the LRU holds one block per name at most, and only names no held block carries.
 
 Conservation: free + evictable + held == num_blocks - 1 at all times
 (:meth:`BlockAllocator.check`).
 
-A block's hash chains the hashes of the blocks before it (:func:`chain_hash`), so equal hashes
+A block's name chains the names of the blocks before it (:func:`chain_hash`), so equal names
 mean equal token prefixes, not only equal blocks.
 """
 from __future__ import annotations
@@ -57,9 +66,9 @@ class BlockAllocator:
         self._free = list(range(num_blocks - 1, 0, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.refcount = np.zeros(num_blocks, dtype=np.int32)
-        self._hash_of: dict[int, bytes] = {}
-        self._block_of: dict[bytes, int] = {}
-        self.named = np.zeros(num_blocks, dtype=bool)  # block has a hash (its contents are fixed)
+        self._hash_of: dict[int, bytes] = {}  # every named block -> its name, in the order they were named
+        self._carriers: dict[bytes, dict[int, None]] = {}  # name -> the blocks carrying it, first named first
+        self.named = np.zeros(num_blocks, dtype=bool)  # block has a name (its contents are fixed)
 
     @property
     def num_free(self) -> int:
@@ -73,7 +82,7 @@ class BlockAllocator:
 
     @property
     def num_cached(self) -> int:
-        """Blocks with a hash (held or evictable)."""
+        """Blocks with a name (held or evictable; held blocks carrying the same name each count)."""
         return len(self._hash_of)
 
     def allocate(self, n: int) -> list[int]:
@@ -87,7 +96,7 @@ class BlockAllocator:
         del self._free[len(self._free) - k:]
         for b in taken[k:]:
             del self._evictable[b]
-            del self._block_of[self._hash_of.pop(b)]
+            self._drop_name(b)
         self.named[taken] = False
         self.refcount[taken] = 1
         return taken
@@ -114,9 +123,9 @@ class BlockAllocator:
             self.refcount[b] += 1
 
     def release(self, blocks: Sequence[int] | np.ndarray) -> None:
-        """Drop one reference to each of ``blocks``; a block left with none goes to the evictable
-        LRU if cached, to the free list otherwise. Raises, changing nothing, for a block id out of
-        range or not held."""
+        """Drop one reference to each of ``blocks``, last one first; a block left with none goes to
+        the evictable LRU if it carries a name no held block carries, to the free list otherwise
+        (nameless). Raises, changing nothing, for a block id out of range or not held."""
         ids = self._checked("release", blocks)
         counts = np.bincount(np.asarray(ids, dtype=np.int64), minlength=self.num_blocks)
         over = np.flatnonzero(counts > self.refcount)
@@ -126,36 +135,66 @@ class BlockAllocator:
         for b in reversed(ids):
             self.refcount[b] -= 1
             if self.refcount[b] == 0:
-                if b in self._hash_of:
+                h = self._hash_of.get(b)
+                if h is not None and len(self._carriers[h]) > 1:  # the others are held: they keep the name
+                    self._drop_name(b)
+                    h = None
+                if h is not None:
                     self._evictable[b] = None
                 else:
                     self._free.append(b)
 
     # ---- the prefix-cache index ----------------------------------------------------------
     def lookup(self, block_hash: bytes) -> int | None:
-        """The cached block named ``block_hash``, or ``None``."""
-        return self._block_of.get(block_hash)
+        """A cached block named ``block_hash`` (the one named first), or ``None``."""
+        carriers = self._carriers.get(block_hash)
+        return next(iter(carriers)) if carriers else None
 
     def hash_of(self, block: int) -> bytes | None:
         return self._hash_of.get(block)
 
     def register(self, block: int, block_hash: bytes) -> None:
-        """Name held block ``block`` ``block_hash`` (its contents are fixed from now on). A hash
-        already naming another block is left to that block (the first one stays cached)."""
-        if self.refcount[block] < 1:
-            raise ValueError(f"register: block {block} is not held")
-        if block in self._hash_of or block_hash in self._block_of:
+        """Name held block ``block`` ``block_hash`` (its contents are fixed from now on). Held
+        blocks already named so keep the name too (each holds the same prefix); an evictable one
+        is freed, this held block standing for it. Naming a block again with its own name does
+        nothing; raises, changing nothing, for a block not held or named otherwise."""
+        self.check_register(block, block_hash)
+        block = int(block)
+        if self._hash_of.get(block) == block_hash:
             return
+        for b in [b for b in self._carriers.get(block_hash, ()) if self.refcount[b] == 0]:
+            del self._evictable[b]
+            self._drop_name(b)
+            self._free.append(b)
         self._hash_of[block] = block_hash
-        self._block_of[block_hash] = block
+        self._carriers.setdefault(block_hash, {})[block] = None
         self.named[block] = True
 
+    def check_register(self, block: int, block_hash: bytes) -> None:
+        """Raise, naming the problem, unless :meth:`register` may name ``block`` ``block_hash``:
+        the block is held and carries that name or none."""
+        (b,) = self._checked("register", [block])
+        if self.refcount[b] < 1:
+            raise ValueError(f"register: block {b} is not held")
+        have = self._hash_of.get(b)
+        if have is not None and have != block_hash:
+            raise ValueError(f"register: block {b} is named {have.hex()} already, asked to name it {block_hash.hex()}")
+
     def unregister(self, block: int) -> None:
-        """Drop the name of held block ``block`` (before its only holder writes it)."""
-        h = self._hash_of.pop(block, None)
-        if h is not None:
-            del self._block_of[h]
+        """Drop the name of held block ``block`` (before its only holder writes it); the other
+        blocks carrying the name keep it."""
+        if block in self._hash_of:
+            self._drop_name(block)
         self.named[block] = False
+
+    def _drop_name(self, block: int) -> None:
+        """Take ``block``'s name off it."""
+        self.named[block] = False
+        h = self._hash_of.pop(block)
+        carriers = self._carriers[h]
+        del carriers[block]
+        if not carriers:
+            del self._carriers[h]
 
     def forget_names(self) -> None:
         """Drop every block's name: cached blocks nobody holds go to the free list, held ones stay
@@ -164,7 +203,7 @@ class BlockAllocator:
         self._free.extend(self._evictable)
         self._evictable.clear()
         self._hash_of.clear()
-        self._block_of.clear()
+        self._carriers.clear()
         self.named[:] = False
 
     # ---- state ---------------------------------------------------------------------------
@@ -176,20 +215,26 @@ class BlockAllocator:
         self._evictable = OrderedDict.fromkeys(state.evictable)
         self.refcount[:] = state.refcount
         self._hash_of = dict(state.hash_of)
-        self._block_of = {h: b for b, h in self._hash_of.items()}
+        self._carriers = {}
+        for b, h in self._hash_of.items():  # in naming order, so lookup gives the same carrier
+            self._carriers.setdefault(h, {})[b] = None
         self.named[:] = False
         self.named[list(self._hash_of)] = True
 
     def check(self) -> None:
         """Raise ``AssertionError`` unless the invariants hold: every block in exactly one state,
-        free blocks unnamed, evictable blocks named, the two hash maps inverse."""
+        free blocks unnamed, evictable blocks named, the name maps agree, and a name carried by an
+        evictable block carried by no other block."""
         free, ev = set(self._free), set(self._evictable)
         held = set(np.flatnonzero(self.refcount > 0).tolist())
         assert len(free) == len(self._free), "a block is twice on the free list"
         assert not (free & ev) and not (free & held) and not (ev & held), "a block is in two states"
         assert free | ev | held == set(range(1, self.num_blocks)), "blocks lost or the sentinel handed out"
         assert not (free & set(self._hash_of)) and ev <= set(self._hash_of), "free named or evictable unnamed"
-        assert {h: b for b, h in self._hash_of.items()} == self._block_of, "hash maps disagree"
+        assert {(b, h) for h, bs in self._carriers.items() for b in bs} == set(self._hash_of.items()), \
+            "name maps disagree"
+        assert all(bs for bs in self._carriers.values()), "a name with no carrier"
+        assert all(len(self._carriers[self._hash_of[b]]) == 1 for b in ev), "an evictable block's name carried twice"
         assert set(np.flatnonzero(self.named).tolist()) == set(self._hash_of), "named mask disagrees"
         assert int(self.refcount.min()) >= 0 and self.refcount[0] == 0
 

@@ -98,17 +98,31 @@ class BlockSharing:
 
     def cache_full_blocks(self, request_ids: Sequence[int]) -> None:
         """Name (hash) the full, written blocks of the tracked requests among ``request_ids`` so that
-        later requests can reuse them. Call once the step that wrote them is complete."""
+        later requests can reuse them. Call once the step that wrote them is complete. A block
+        holding a prefix another held block carries the name of is named too (either may be lost
+        first). Raises, changing nothing, for an unknown request or a block named otherwise."""
         p = self.tokens_per_block
-        for rid in request_ids:
-            s = self.slot(int(rid))
+        names: list[tuple[int, list[bytes]]] = []  # per tracked slot, the names of its newly full blocks
+        pending: dict[int, bytes] = {}
+        for s in dict.fromkeys(self.slot(int(rid)) for rid in request_ids):
             toks, hashes = self._tokens[s], self._hashes[s]
             if toks is None:
                 continue
+            new: list[bytes] = []
             for j in range(len(hashes), int(self.valid_lens[s]) // p):
-                hashes.append(chain_hash(hashes[-1] if hashes else b"", toks[j * p: (j + 1) * p]))
-                if self.block_table[s, j]:  # not released out of a sliding window
-                    self.allocator.register(int(self.block_table[s, j]), hashes[-1])
+                new.append(chain_hash(new[-1] if new else hashes[-1] if hashes else b"", toks[j * p: (j + 1) * p]))
+                b = int(self.block_table[s, j])
+                if b:  # not released out of a sliding window
+                    self.allocator.check_register(b, new[-1])
+                    if pending.setdefault(b, new[-1]) != new[-1]:
+                        raise ValueError(f"cache_full_blocks: block {b} would be named twice, differently")
+            names.append((s, new))
+        for s, new in names:
+            first = len(self._hashes[s])
+            self._hashes[s].extend(new)
+            for j, h in enumerate(new, first):
+                if self.block_table[s, j]:
+                    self.allocator.register(int(self.block_table[s, j]), h)
 
     def forget_prefixes(self) -> None:
         """End prefix caching for what the cache holds now: every block loses its name (cached
@@ -148,6 +162,11 @@ class BlockSharing:
         free = [b for b in range(self.allocator.num_blocks - 1, 0, -1) if b not in taken]
         self.allocator.set_state(AllocatorState(free, list(cached), np.zeros(self.allocator.num_blocks, np.int32),
                                                 {b: state.hash_of[b] for b in cached}))
+
+    def cached_prefix_len(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` a request added with them would find cached now (whole blocks,
+        leaving at least one token to compute); changes nothing."""
+        return len(self._cached_prefix(tokens)[0]) * self.tokens_per_block
 
     def _cached_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
         """The cached blocks holding the longest prefix of ``tokens`` in whole blocks (leaving at

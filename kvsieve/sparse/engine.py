@@ -164,6 +164,10 @@ class Engine:
         self.caches[self._single("add_request (prefix caching)")].add_request(request_id, tokens=tokens)
         return self.caches[0].valid_len(request_id)
 
+    def cached_prefix_len(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` :meth:`add_request` would find cached now; changes nothing."""
+        return self.caches[self._single("cached_prefix_len (prefix caching)")].cached_prefix_len(tokens)
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """Start request ``child_id`` as a beam of ``parent_id``: every block shared, copied on write."""
         self._check_idle("fork")

@@ -2,14 +2,18 @@
 (:func:`kvsieve.terminal.deferred_interrupt`), so the sweep's interrupt path runs (exit 130, what was
 saved) instead of ``ImportError: initialization failed`` and an abort at exit. The intermittent
 failure of ``test_kill_resume.py::test_sigint_says_what_was_saved_and_how_to_resume`` was this: its
-SIGINT landed while ``write_plots`` imported matplotlib's pybind11 modules."""
+SIGINT landed while ``write_plots`` imported matplotlib's pybind11 modules.
+
+The tests raise SIGINT with ``signal.raise_signal``: the signal goes to the calling (main) thread and
+its Python handler runs before the call returns, so where the signal lands does not depend on how
+busy the machine is. (``os.kill`` sends it to the process: any thread may take it, and the main
+thread runs the handler when it next checks, which under load came after a 50 ms sleep.)"""
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,26 +24,29 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_sigint_inside_the_block_is_raised_after_it():
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     done = []
+    with pytest.raises(KeyboardInterrupt):  # without the block, it is raised by raise_signal itself
+        signal.raise_signal(signal.SIGINT)
+        done.append("unblocked")
     with pytest.raises(KeyboardInterrupt):
         with deferred_interrupt():
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)  # without the block, the KeyboardInterrupt would be raised here
-            done.append(True)
-    assert done == [True]
+            signal.raise_signal(signal.SIGINT)  # the block's handler has run when this returns: recorded
+            done.append("blocked")
+    assert done == ["blocked"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is restored
 
 
-# A fresh interpreter: the first import of one of matplotlib's compiled modules sends SIGINT to the
-# process; write_plots must finish importing matplotlib (pyplot included) before the interrupt lands.
+# A fresh interpreter: the first import of one of matplotlib's compiled modules raises SIGINT in the
+# main thread; write_plots must finish importing matplotlib (pyplot included) before the interrupt lands.
 CHILD = r'''
-import builtins, os, pathlib, signal, sys
+import builtins, pathlib, signal, sys
 real = builtins.__import__
 sent = []
 def hook(name, *args, **kwargs):
     if not sent and name.startswith("matplotlib") and "_path" in (name + str(args[2] if len(args) > 2 else "")):
         sent.append(name)
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
     return real(name, *args, **kwargs)
 builtins.__import__ = hook
 from kvsieve.eval.plots import write_plots

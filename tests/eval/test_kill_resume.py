@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvsieve.eval.store import METRICS
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {
     "model": "tiny-random", "seed": 0,
@@ -78,11 +80,15 @@ def test_sigkill_at_random_points_then_resume_gives_the_same_summary(cfg_path, u
 
 
 def test_sigint_says_what_was_saved_and_how_to_resume(cfg_path, uninterrupted, tmp_path):
-    whole, sweep_seconds = uninterrupted
+    whole, _ = uninterrupted
     out = tmp_path / "interrupted"
     proc = _start(cfg_path, out)
     _wait_for_plan(proc)
-    time.sleep(min(1.0, sweep_seconds / 4))
+    # once the first of its 8 runs is saved, the sweep is surely still running however busy the machine
+    # (a sleep measured against another run could outlast a sweep that runs faster this time)
+    while not any(out.rglob(METRICS)):
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err

@@ -166,14 +166,14 @@ def _targets(res: dict) -> list[dict]:
     if "cpu_attention" in res:
         t = res["cpu_attention"]["target"]
         out.append({"section": "cpu_attention", "target": f"torch sparse decode >= {t['min_speedup']:.0f}x dense SDPA at "
-                              f"{t['context'] // 1024}K context, density 1/{t['density']}",
+                              f"{t['context'] // 1024}K context, density 1/{t['reduction_factor']}",
                     "value": t.get("speedup"), "met": t.get("met") if t.get("measured") else None})
         for r in res["cpu_attention"]["prefill"]:  # issue #17 target 2: at FlexAttention's level
             compiled = r["flex_mode"] == "compiled" and r["speedup_vs_flex"] is not None
             out.append({"section": "cpu_attention", "target": f"torch block-sparse prefill >= compiled FlexAttention, {r['length'] // 1024}K, "
                                   f"density {r['density']} (speed ratio; flex {r['flex_mode']})",
                         "value": r["speedup_vs_flex"], "met": r["speedup_vs_flex"] >= 1.0 if compiled else None})
-        sparsest = [r for r in res["cpu_attention"]["decode"] if r["density_inv"] == DECODE_SPARSEST]
+        sparsest = [r for r in res["cpu_attention"]["decode"] if r["reduction_factor"] == DECODE_SPARSEST]
         if sparsest:  # issue #17 target 4
             worst = min(sparsest, key=lambda r: r["fraction_of_ideal"])
             out.append({"section": "cpu_attention", "target": f"torch sparse decode at 1/{DECODE_SPARSEST} >= {DECODE_MIN_OF_IDEAL:.0%} of the "

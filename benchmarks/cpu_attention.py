@@ -37,15 +37,15 @@ __all__ = ["run", "main", "copy_bandwidth"]
 
 FULL = {
     "decode": {"hq": 32, "hkv": 8, "d": 128, "page": 64, "contexts": [8192, 32768, 65536, 131072],
-               "densities": [8, 16, 32, 64]},
+               "reduction_factors": [8, 16, 32, 64]},
     "prefill": {"hq": 8, "hkv": 2, "d": 64, "page": 64, "block": 128, "lengths": [4096, 16384],
-                "densities": [4, 16]},
+                "reduction_factors": [4, 16]},
 }
 QUICK = {
-    "decode": {"hq": 4, "hkv": 2, "d": 32, "page": 16, "contexts": [512, 1024], "densities": [4, 8]},
-    "prefill": {"hq": 4, "hkv": 2, "d": 32, "page": 16, "block": 32, "lengths": [256], "densities": [4]},
+    "decode": {"hq": 4, "hkv": 2, "d": 32, "page": 16, "contexts": [512, 1024], "reduction_factors": [4, 8]},
+    "prefill": {"hq": 4, "hkv": 2, "d": 32, "page": 16, "block": 32, "lengths": [256], "reduction_factors": [4]},
 }
-TARGET = {"context": 65536, "density": 32, "min_speedup": 10.0}
+TARGET = {"context": 65536, "reduction_factor": 32, "min_speedup": 10.0}
 # the eager FlexAttention cross-check materializes all [Hq, L, L] fp32 scores (8.6 GB at 16K)
 EAGER_FLEX_MAX_SCORE_BYTES = 2 << 30
 
@@ -99,7 +99,7 @@ def bench_decode(cfg: dict, budget_s: float, bandwidth: dict) -> list[dict]:
         ref = F.scaled_dot_product_attention(qg, k, v, scale=geo.sm_scale).reshape(1, hq, d)
         dense_err = float((backend.forward(q, md, 0, geo, None).out - ref).abs().max())
         nb = -(-length // page)
-        for dens in cfg["densities"]:
+        for dens in cfg["reduction_factors"]:
             n_sel = max(1, nb // dens)
             gen = torch.Generator().manual_seed(dens)
             sel = torch.stack([torch.cat([torch.tensor([nb - 1]), torch.randperm(nb - 1, generator=gen)[: n_sel - 1]])
@@ -115,7 +115,7 @@ def bench_decode(cfg: dict, budget_s: float, bandwidth: dict) -> list[dict]:
             err = float((res.out - ref_sparse).abs().max())
             gathered = hkv * n_sel * page * d * 4 * 2  # K and V bytes read through the block table
             rows.append({
-                "context": length, "density": f"1/{dens}", "density_inv": dens, "selected_tokens_per_head": n_sel * page,
+                "context": length, "density": f"1/{dens}", "reduction_factor": dens, "selected_tokens_per_head": n_sel * page,
                 "sparse": t.as_dict(), "sdpa_dense": sdpa.as_dict(), "torch_dense": dense.as_dict(),
                 "speedup_vs_sdpa": sdpa.median_s / t.median_s, "ideal_speedup": float(dens),
                 "fraction_of_ideal": sdpa.median_s / t.median_s / dens,
@@ -171,7 +171,7 @@ def bench_prefill(cfg: dict, budget_s: float, compile_flex: bool) -> tuple[list[
         ke, ve = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         sdpa = measure(lambda: F.scaled_dot_product_attention(q4, ke, ve, is_causal=True, scale=geo.sm_scale),
                        budget_s=budget_s, min_reps=2)
-        for dens in cfg["densities"]:
+        for dens in cfg["reduction_factors"]:
             sel = _prefill_selection(length, block, hkv, dens, seed=dens)  # [Hkv, nq, k]
             nq, kk = sel.shape[1], sel.shape[2]
             per_tok = sel.repeat_interleave(block, dim=1).permute(1, 0, 2)  # [L, Hkv, k]
@@ -221,7 +221,7 @@ def bench_prefill(cfg: dict, budget_s: float, compile_flex: bool) -> tuple[list[
                 flex_row, flex_fail, err, err_eager, t_flex = None, f"{type(e).__name__}: {e}"[:300], None, None, None
             visited = int((sel >= 0).sum())  # kv blocks per (KV head, q block)
             rows.append({
-                "length": length, "density": f"1/{dens}", "density_inv": dens, "block": block,
+                "length": length, "density": f"1/{dens}", "reduction_factor": dens, "block": block,
                 "kv_blocks_visited_fraction": visited / (hkv * nq * (nq + 1) / 2),
                 "sparse": t_sparse.as_dict(), "flex": flex_row, "flex_mode": flex_mode, "flex_error": flex_fail,
                 "sdpa_dense_causal": sdpa.as_dict(),
@@ -237,7 +237,7 @@ def bench_prefill(cfg: dict, budget_s: float, compile_flex: bool) -> tuple[list[
 
 
 def _target(rows: list[dict]) -> dict:
-    hit = [r for r in rows if r["context"] == TARGET["context"] and r["density_inv"] == TARGET["density"]]
+    hit = [r for r in rows if r["context"] == TARGET["context"] and r["reduction_factor"] == TARGET["reduction_factor"]]
     if not hit:
         return {**TARGET, "measured": False}
     sp = hit[0]["speedup_vs_sdpa"]

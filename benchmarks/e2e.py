@@ -7,7 +7,7 @@ their prefill is the dense one). Each length (``--lengths``, default 4K, 8K, 16K
 floor's 128 tokens), longest first, is that cache rewound to the length (a causal prefix is exactly
 its own prefill). From there, side by side:
 
-* ``quest`` (each ``selectors`` entry) at ``budget = length / density_inv``, torch backend;
+* ``quest`` (each ``selectors`` entry) at ``budget = length / reduction_factor``, torch backend;
 * ``kvsieve_dense``: the same session with no selector;
 * ``plain``: plain transformers ``sdpa`` decoding from a ``DynamicCache`` holding exactly the K/V of
   the kvsieve cache (post-RoPE keys; so the three decode from the same state).
@@ -57,7 +57,7 @@ __all__ = ["E2EConfig", "run", "main"]
 class E2EConfig:
     """One e2e run: ``lengths`` (tokens of context), ``floor_length``, ``steps`` timed and ``warmup``
     untimed decode steps per configuration, ``profile_steps`` under the stage timers, the
-    ``selectors`` at ``budget = length // density_inv`` (``page_size`` tokens per page), the
+    ``selectors`` at ``budget = length // reduction_factor`` (``page_size`` tokens per page), the
     ``model`` (a :func:`kvsieve.eval.model.load_model` spec) and the kvsieve ``backend``."""
 
     lengths: tuple[int, ...] = (4096, 8192, 16384, 32768)
@@ -65,7 +65,7 @@ class E2EConfig:
     steps: int = 8
     warmup: int = 2
     profile_steps: int = 3
-    density_inv: int = 16
+    reduction_factor: int = 16
     page_size: int = 16
     selectors: tuple[str, ...] = ("quest",)
     model: str = "smollm2"
@@ -74,7 +74,7 @@ class E2EConfig:
     prefill_max: int = 16384
 
     def __post_init__(self) -> None:
-        for name in ("steps", "warmup", "profile_steps", "density_inv", "page_size", "floor_length", "prefill_max"):
+        for name in ("steps", "warmup", "profile_steps", "reduction_factor", "page_size", "floor_length", "prefill_max"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name in ("warmup", "profile_steps") else 1):
                 raise ValueError(f"E2EConfig.{name} must be an int >= {0 if name in ('warmup', 'profile_steps') else 1}, "
@@ -91,7 +91,7 @@ class E2EConfig:
 
 
 def _quest(length: int, cfg: E2EConfig) -> dict:
-    return {"budget": max(length // cfg.density_inv, cfg.page_size), "page_size": cfg.page_size}
+    return {"budget": max(length // cfg.reduction_factor, cfg.page_size), "page_size": cfg.page_size}
 
 
 #: selector -> its config at a context length (selectors acting in the generation phase only)

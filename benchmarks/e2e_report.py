@@ -24,12 +24,12 @@ def targets(res: dict) -> list[dict]:
                     "value": worst["vs_plain"][DENSE], "met": worst["vs_plain"][DENSE] >= DENSE_MIN_RATIO})
     for s in cfg["selectors"]:
         long = rows.get(32768)
-        out.append({"target": f"{s} at 1/{cfg['density_inv']} >= {FLOOR_MIN_FRACTION:.0%} of the floor's "
+        out.append({"target": f"{s} at 1/{cfg['reduction_factor']} >= {FLOOR_MIN_FRACTION:.0%} of the floor's "
                               "tokens/s at 32K (fraction of the floor)",
                     "value": None if long is None else long["vs_floor"][s],
                     "met": None if long is None else long["vs_floor"][s] >= FLOOR_MIN_FRACTION})
         short = rows.get(4096)
-        out.append({"target": f"{s} at 1/{cfg['density_inv']} never slower than kvsieve dense at 4K (ratio)",
+        out.append({"target": f"{s} at 1/{cfg['reduction_factor']} never slower than kvsieve dense at 4K (ratio)",
                     "value": None if short is None else short["vs_dense"][s],
                     "met": None if short is None else short["vs_dense"][s] >= 1.0})
     return out
@@ -41,7 +41,7 @@ def render_markdown(res: dict) -> list[str]:
     names = [*cfg["selectors"], DENSE, PLAIN]
     lines = ["", f"## End to end: greedy decode through the transformers integration ({res['model_name']})", "",
              f"{res['num_layers']} layers, backend `{cfg['backend']}`, one request, {cfg['steps']} timed greedy steps "
-             f"after {cfg['warmup']} warm-up per configuration; selectors at budget = length / {cfg['density_inv']} "
+             f"after {cfg['warmup']} warm-up per configuration; selectors at budget = length / {cfg['reduction_factor']} "
              f"(page {cfg['page_size']}; native CPU kernels: "
              + ", ".join(f"{k} {v}" for k, v in res["native_kernels"].items()) + f"). One prefill of {res['prefill']['length']} random tokens "
              f"({res['prefill']['seconds']:.0f} s)" + (f", its blocks repeated up to {res['prefill']['tiled_to']} tokens "

@@ -143,10 +143,10 @@ def main() -> None:
                     ("native kernel on the runs", lambda: native_runs_attention(q, runs, view, 0, geometry)),
                     ("kvsieve backend on it", lambda: backend.forward(q, md, 0, geometry, params))]
     # the native path through the plug-in's forward as vLLM calls it, and its foreign call alone
-    # (selection + attention; its pointers already set by a call)
+    # (selection + attention)
     native_rows = []
+    out_native = torch.empty(b, hkv * g, d, dtype=dtype)
     if native is not None and native.reads_model_inputs:  # dsa: the call vLLM's forward makes after taking the hidden state
-        out_native = torch.empty(b, hkv * g, d, dtype=dtype)
         native_rows = [("plug-in decode call, native", lambda: native.run(step.block_table, step.seq_lens,
                                                                           step.positions, q, out_native, fed))]
     elif native is not None:
@@ -156,16 +156,15 @@ def main() -> None:
         native_rows = [("plug-in decode call, native", lambda: impl.forward(layer, q, k, v, cache, md_native, out_flat))]
     if native_rows:
         native_rows[0][1]()
-        call = native.call
+        call, index = native.call, None
         if native.reads_model_inputs:  # the forward's index inputs are freed after it: the call with its own
             def index_inputs():  # noqa: ANN202
                 return native.selector.decode_step_inputs(native.layer_idx, fed, step.positions)
             index = index_inputs()
-            native_rows += [("  the indexer's inputs (torch)", index_inputs),
-                            ("  its foreign call alone", lambda: call.run(step.block_table, step.seq_lens, q, out_native,
-                                                                          index))]
-        else:
-            native_rows.append(("  its foreign call alone", lambda: call._fn(call._ref)))
+            native_rows.append(("  the indexer's inputs (torch)", index_inputs))
+        # the public call with the step's tables (its argument packing is a few attribute writes)
+        native_rows.append(("  its foreign call alone", lambda: call.run(step.block_table, step.seq_lens, q, out_native,
+                                                                         index)))
     load = Path("/proc/loadavg").read_text().split()[0]
     rows = [("vLLM's own dense kernel", own), ("step: view + tables", prep),
             ("selector on_append", lambda: sel.on_append(inputs)), ("selector predict_attn", lambda: sel.predict_attn(inputs)),

@@ -81,9 +81,9 @@ def test_cpu_attention_section(quick_run):
 
 def test_decode_target_at_the_sparsest_density():
     from benchmarks.__main__ import _targets
-    rows = [{"context": c, "density_inv": d, "fraction_of_ideal": f}
+    rows = [{"context": c, "reduction_factor": d, "fraction_of_ideal": f}
             for c, d, f in ((8192, 64, 0.7), (131072, 64, 0.5), (8192, 8, 0.1))]
-    res = {"cpu_attention": {"target": {"min_speedup": 10, "context": 65536, "density": 32, "measured": False},
+    res = {"cpu_attention": {"target": {"min_speedup": 10, "context": 65536, "reduction_factor": 32, "measured": False},
                              "prefill": [], "decode": rows}}
     (t,) = [t for t in _targets(res) if "1/64" in t["target"]]
     assert t["value"] == 0.5 and t["met"] is False and "worst: 128K" in t["target"]

@@ -1,7 +1,8 @@
 """Run vLLM's offline engine once (in its own process) and write the greedy tokens as JSON.
 
 ``python run_engine.py MODEL_DIR OUT_JSON [--prompt-tokens N] [--max-tokens M]``; the kvsieve
-plug-in is on or off as the environment says (``KVSIEVE_SELECTOR`` / ``KVSIEVE_CONFIG``);
+plug-in is on or off as the environment says (``KVSIEVE_SELECTOR`` / ``KVSIEVE_CONFIG``) or
+``--additional-config`` (JSON, vLLM's ``additional_config``);
 ``--settings`` gives each request a per-request kvsieve setting, ``--refused`` sends settings
 expected to be refused (each alone, before the batch) and records vLLM's error.
 Prompts: two short chat-style prompts, plus (with ``--prompt-tokens``) one long prompt of that
@@ -36,6 +37,7 @@ def main() -> None:
                          "request each, cycling through the prompts")
     ap.add_argument("--refused", action="append", default=[],
                     help="a kvsieve setting sent alone (on the first prompt) before the batch; its error is recorded")
+    ap.add_argument("--additional-config", default=None, help="JSON: vLLM's additional_config")
     ap.add_argument("--dynamo-eager", action="store_true",
                     help="trace the model once with dynamo, run it eagerly (instead of --enforce-eager): vLLM's CPU "
                          "worker sets up pipeline stages > 0 only in the warm-up this mode runs")
@@ -52,6 +54,8 @@ def main() -> None:
         extra["kv_cache_memory_bytes"] = args.kv_cache_mib << 20
     if args.max_num_batched_tokens:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.additional_config:
+        extra["additional_config"] = json.loads(args.additional_config)
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=not args.dynamo_eager,
               max_num_seqs=4, seed=0, disable_log_stats=False, distributed_executor_backend="mp" if parallel else "uni",
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
@@ -78,13 +82,14 @@ def main() -> None:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    from kvsieve.integrations.vllm.state import current_plugin_state
+    from kvsieve.integrations.vllm.state import current_plugin_state, served_line
 
     state = current_plugin_state()  # this process's (one process: no engine-core or worker process)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs],
               "prompt_lens": [len(o.prompt_token_ids) for o in outs], "generate_s": wall, "refused": refused,
               "preemptions": sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"),
               "native_layers": None if state is None else state.native_layers(),
+              "served": None if state is None else served_line(state),
               # each attention layer's CPU kernel ISA (one process: the engine's config is this one's)
               "isas": {name: getattr(layer, "isa", None) for name, layer in
                        llm.llm_engine.vllm_config.compilation_config.static_forward_context.items()},

@@ -11,12 +11,15 @@ vLLM's offline engine and its OpenAI-compatible server, each in its own process.
 * third-party: ``recent_blocks`` from ``examples/kvsieve_example_selector`` (installed into the vLLM
   venv as its own distribution, found through the ``kvsieve.selectors`` entry point in every vLLM
   process) runs inside the engine and every layer equals the Vanilla golden on its selection;
-* the server on 127.0.0.1 with the plug-in answers a completion request (bounded wait, stopped).
+* the server on 127.0.0.1 with the plug-in answers a completion request (bounded wait, stopped);
+* configured the vLLM way (``additional_config={"kvsieve": ...}``): the same tokens as the
+  environment's twin, one start-up line naming what is served; a bad entry stops start-up by name.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -59,10 +62,14 @@ def _env(**extra: str | None) -> dict[str, str]:
     return {k: v for k, v in env.items() if v is not None}
 
 
-def _run_engine(model: Path, out: Path, *args: str, **env: str | None) -> dict:
+def _engine_process(model: Path, out: Path, *args: str, **env: str | None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(HERE / "run_engine.py"), str(model), str(out), *args]
-    proc = subprocess.run(cmd, env=_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", **env), capture_output=True, text=True,
+    return subprocess.run(cmd, env=_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", **env), capture_output=True, text=True,
                           timeout=ENGINE_TIMEOUT_S)
+
+
+def _run_engine(model: Path, out: Path, *args: str, **env: str | None) -> dict:
+    proc = _engine_process(model, out, *args, **env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -93,6 +100,25 @@ def test_dense_plugin_greedy_equals_vllm_attention(model_dir, tmp_path):
     assert all(r["selector"] is None and r["attended"] == r["dense"] for r in records)
     assert all(set(r["paths"].values()) == {"host_dense"} for r in records)  # vLLM's own kernel, no gather
 
+
+
+def test_additional_config_serves_what_the_environment_serves(model_dir, tmp_path):
+    """``LLM(additional_config={"kvsieve": ...})`` serves the selector its ``KVSIEVE_SELECTOR`` twin
+    does (the same greedy tokens; the start-up log's one line names it, from the entry), and a bad
+    entry stops the engine at start-up naming the key."""
+    args = ("--prompt-tokens", "300", "--max-tokens", "6", "--dtype", "float32")
+    by_env = _run_engine(model_dir, tmp_path / "env.json", *args, KVSIEVE_SELECTOR="quest:budget=128,page_size=16")
+    entry = {"selector": "quest", "budget": 128, "page_size": 16}
+    proc = _engine_process(model_dir, tmp_path / "entry.json", *args, "--additional-config", json.dumps({"kvsieve": entry}))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    by_entry = json.loads((tmp_path / "entry.json").read_text())
+    assert by_entry["tokens"] == by_env["tokens"]
+    assert "serves selector 'quest' (budget=128" in by_entry["served"] and "--additional-config" in by_entry["served"]
+    assert by_entry["served"] in proc.stdout + proc.stderr  # logged at start-up, one line
+    bad = _engine_process(model_dir, tmp_path / "bad.json", *args, "--additional-config",
+                          json.dumps({"kvsieve": {**entry, "budjet": 64}}))
+    assert bad.returncode != 0 and not (tmp_path / "bad.json").exists()
+    assert re.search(r"unexpected keyword argument 'budjet'\); accepted fields", bad.stdout + bad.stderr)
 
 
 def test_dense_plugin_without_capture_is_vllm_attention_bit_for_bit(model_dir, tmp_path):

@@ -2,6 +2,8 @@
 registration, refusals, and that vLLM's own KV write lands where kvsieve's view reads it."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -9,6 +11,8 @@ import torch
 # namespace package named vllm (tests/ is on sys.path); an installed vLLM always takes precedence
 pytest.importorskip("vllm.platforms", reason="vLLM is not installed (it runs in its own venv, see .ci/run)")
 
+import vllm.config  # noqa: E402
+from vllm.utils.import_utils import resolve_obj_by_qualname  # noqa: E402
 from vllm.v1.attention.backend import AttentionType  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
@@ -32,8 +36,27 @@ def clean_registry(monkeypatch):
 
 
 def test_not_enabled_leaves_vllm_alone(clean_registry):
+    """Without the environment's settings the backends wait for vLLM's config: with no ``kvsieve``
+    entry in it (or no config current) they resolve to vLLM's own classes."""
     plugin.register()
-    assert not any(b.is_overridden() for b in OVERRIDDEN)
+    assert {b.get_class() for b in OVERRIDDEN} == {resolve_obj_by_qualname(b.value) for b in OVERRIDDEN}
+
+
+def test_additional_config_decides_when_vllm_picks_the_backend(clean_registry, monkeypatch):
+    plugin.register()
+    vllm_config = SimpleNamespace(additional_config={"kvsieve": {"selector": "quest", "budget": 128}})
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: vllm_config)
+    backend = AttentionBackendEnum.CPU_ATTN.get_class()
+    assert backend.get_impl_cls().__name__ == "KvsieveCPUAttentionImpl"
+    with pytest.raises(NotImplementedError, match="MLA attention"):
+        AttentionBackendEnum.CPU_MLA.get_class().get_name()
+    vllm_config.additional_config = {"kvsieve": {"selector": "quest", "budjet": 128}}
+    with pytest.raises(ValueError, match=r"\['budjet'\].*accepted fields"):
+        AttentionBackendEnum.CPU_ATTN.get_class()
+    monkeypatch.setenv(ENV_SELECTOR, "quest")
+    vllm_config.additional_config = {"kvsieve": {"selector": "quest"}}
+    with pytest.raises(ValueError, match=r"the environment's \['KVSIEVE_SELECTOR'\] both configure"):
+        AttentionBackendEnum.CPU_ATTN.get_class()
 
 
 def test_enabled_overrides_cpu_attention(clean_registry, monkeypatch):

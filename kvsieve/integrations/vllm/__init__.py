@@ -1,11 +1,12 @@
 """kvsieve inside vLLM: a ``vllm.general_plugins`` plug-in that replaces vLLM's attention backend
 with one that runs a kvsieve selector per layer over vLLM's own paged cache (see docs/vllm.md).
 
-Enable it with ``KVSIEVE_SELECTOR="quest:budget=256"`` (or ``"dense"``) or ``KVSIEVE_CONFIG=file``
-(:mod:`.config`); with neither set the plug-in leaves vLLM untouched. Every module, by when it runs:
+Enable it with ``KVSIEVE_SELECTOR="quest:budget=256"`` (or ``"dense"``) or ``KVSIEVE_CONFIG=file``,
+or the vLLM way, ``--additional-config '{"kvsieve": {"selector": "quest", "budget": 256}}'``
+(:mod:`.config`); with none of them vLLM runs its own attention. Every module, by when it runs:
 
 * **Start-up** (once per process, before any step): :mod:`.plugin` (the entry point vLLM calls),
-  :mod:`.config` (settings read from the environment), :mod:`.startup` (every refusal, in the order a
+  :mod:`.config` (settings read from the environment or vLLM's additional config), :mod:`.startup` (every refusal, in the order a
   user meets them), :mod:`.state` (the process's plans, backend and the caches below, built when vLLM
   builds the first attention layer), :mod:`.layouts` (vLLM's cache tensors as K/V views).
 * **Per request**: :mod:`.request_settings` (what a request may ask, checked at admission; the batch

@@ -22,8 +22,15 @@
   settings apart (prefix caching off, or one ``cache_salt`` per setting on every such request),
   which the plug-in cannot see. Without it such a request is refused at admission.
 
-The plug-in is active only when ``KVSIEVE_SELECTOR`` or ``KVSIEVE_CONFIG`` is set; setting both
-is an error. What a config may not ask (selectors that evict prompt tokens, per-step model inputs
+The same settings come the vLLM way as the ``kvsieve`` entry of vLLM's ``--additional-config``
+(``LLM(additional_config=...)``, :data:`ADDITIONAL_KEYS`), one key per variable:
+``{"selector": "quest", "budget": 256}`` (the selector's name, its fields beside it, plus
+``dense_layers`` / ``phases`` as in the file) or ``{"config": "/path/file.yaml"}``, and ``backend``,
+``capture``, ``check_state``, ``prompt_settings``. Both routes at once, or one setting given twice
+(``selector`` and ``config``, or the file and the entry), are refused.
+
+The plug-in is active only when ``KVSIEVE_SELECTOR`` or ``KVSIEVE_CONFIG`` is set, or the
+``kvsieve`` entry; setting both variables is an error. What a config may not ask (selectors that evict prompt tokens, per-step model inputs
 other than DSA's indexer, ...) is refused at start-up by :mod:`.startup`.
 """
 from __future__ import annotations
@@ -40,7 +47,7 @@ import yaml
 from ...sparse import SparseAttentionConfig, get_selector_class
 
 __all__ = ["PluginConfig", "WorkerRanks", "read_plugin_config", "parse_selector_spec", "parse_fields",
-           "DENSE", "ENV_SELECTOR", "ENV_CONFIG", "ENV_BACKEND", "ENV_CAPTURE", "ENV_CHECK_STATE",
+           "DENSE", "ADDITIONAL_ENTRY", "ADDITIONAL_KEYS", "ENV_SELECTOR", "ENV_CONFIG", "ENV_BACKEND", "ENV_CAPTURE", "ENV_CHECK_STATE",
            "ENV_PROMPT_SETTINGS", "selects_in_prompt"]
 
 ENV_SELECTOR = "KVSIEVE_SELECTOR"
@@ -50,6 +57,11 @@ ENV_CAPTURE = "KVSIEVE_CAPTURE"
 ENV_CHECK_STATE = "KVSIEVE_CHECK_STATE"
 ENV_PROMPT_SETTINGS = "KVSIEVE_PROMPT_SETTINGS"
 DENSE = "dense"
+ADDITIONAL_ENTRY = "kvsieve"  # vLLM's additional_config["kvsieve"]
+# the entry's keys -> the environment variable saying the same (a selector's fields sit beside "selector")
+ADDITIONAL_KEYS = {"selector": ENV_SELECTOR, "config": ENV_CONFIG, "backend": ENV_BACKEND, "capture": ENV_CAPTURE,
+                   "check_state": ENV_CHECK_STATE, "prompt_settings": ENV_PROMPT_SETTINGS}
+_PLAN_KEYS = ("dense_layers", "phases")  # beside "selector", as in a KVSIEVE_CONFIG file
 _FILE_KEYS = ("selector", "params", "dense_layers", "phases", "backend", "check_state", "prompt_settings")
 _FLAGS = {"1": True, "true": True, "0": False, "false": False}
 
@@ -126,6 +138,23 @@ def _read_file(path: Path) -> Any:
     raise ValueError(f"{ENV_CONFIG}={path}: the file must end in .json, .yaml or .yml")
 
 
+def _sparse(selector: object, params: Mapping[str, Any], dense_layers: object, phases: object,
+            where: str) -> SparseAttentionConfig | None:
+    """A file's or an additional-config entry's selector (``"dense"``: ``None``), fields and plan keys."""
+    if not isinstance(selector, str) or not selector:
+        raise ValueError(f"{where}: 'selector' must be a selector name or 'dense', got {selector!r}")
+    if selector == DENSE:
+        extra = sorted(k for k, v in (("params", params), ("dense_layers", dense_layers), ("phases", phases)) if v)
+        if extra:
+            raise ValueError(f"{where}: selector 'dense' takes no {extra}")
+        return None
+    for key, value in (("dense_layers", dense_layers), ("phases", phases)):
+        if value is not None and not isinstance(value, list):
+            raise ValueError(f"{where}: {key} must be a list, got {value!r}")
+    return SparseAttentionConfig(selector=selector, params=dict(params), dense_layers=tuple(dense_layers or ()),
+                                 phases=tuple(phases) if phases else None)
+
+
 def _from_file(path: Path) -> tuple[SparseAttentionConfig | None, str | None]:
     raw = _read_file(path)
     if not isinstance(raw, dict):
@@ -135,22 +164,24 @@ def _from_file(path: Path) -> tuple[SparseAttentionConfig | None, str | None]:
         raise ValueError(f"{ENV_CONFIG}={path}: unknown keys {unknown}; known: {list(_FILE_KEYS)}")
     if "selector" not in raw:
         raise ValueError(f"{ENV_CONFIG}={path}: 'selector' is required (a selector name or 'dense')")
-    backend = raw.get("backend")
-    if raw["selector"] == DENSE:
-        extra = sorted(k for k in ("params", "dense_layers", "phases") if raw.get(k))
-        if extra:
-            raise ValueError(f"{ENV_CONFIG}={path}: selector 'dense' takes no {extra}")
-        return None, backend
-    phases = raw.get("phases")
-    sparse = SparseAttentionConfig(selector=str(raw["selector"]), params=dict(raw.get("params") or {}),
-                                   dense_layers=tuple(raw.get("dense_layers") or ()),
-                                   phases=tuple(phases) if phases else None)
-    return sparse, backend
+    sparse = _sparse(raw["selector"], raw.get("params") or {}, raw.get("dense_layers"), raw.get("phases"),
+                     f"{ENV_CONFIG}={path}")
+    return sparse, raw.get("backend")
 
 
-def read_plugin_config(environ: dict[str, str] | None = None) -> PluginConfig | None:
-    """The plug-in's config from the environment, or ``None`` when the plug-in is not enabled."""
+def read_plugin_config(environ: Mapping[str, str] | None = None,
+                       additional: object = None) -> PluginConfig | None:
+    """The plug-in's config from the environment, or from ``additional`` (vLLM's
+    ``VllmConfig.additional_config``: its ``kvsieve`` entry), or ``None`` when the plug-in is not
+    enabled. Both routes at once are refused, naming the variables set."""
     env = os.environ if environ is None else environ
+    entry = additional.get(ADDITIONAL_ENTRY) if isinstance(additional, dict) else None
+    if entry is not None:
+        named = sorted(v for v in ADDITIONAL_KEYS.values() if env.get(v))
+        if named:
+            raise ValueError(f"--additional-config '{ADDITIONAL_ENTRY}' and the environment's {named} both configure "
+                             "the kvsieve plug-in; use one route")
+        return _from_additional(entry)
     spec, path = env.get(ENV_SELECTOR), env.get(ENV_CONFIG)
     if spec and path:
         raise ValueError(f"set {ENV_SELECTOR} or {ENV_CONFIG}, not both ({ENV_SELECTOR}={spec!r}, {ENV_CONFIG}={path!r})")
@@ -169,6 +200,44 @@ def read_plugin_config(environ: dict[str, str] | None = None) -> PluginConfig | 
                         check_state=_flag(env, ENV_CHECK_STATE, "check_state", Path(path) if path else None),
                         prompt_settings=_flag(env, ENV_PROMPT_SETTINGS, "prompt_settings", Path(path) if path else None),
                         source=source)
+
+
+def _from_additional(entry: object) -> PluginConfig:
+    """The ``kvsieve`` entry of vLLM's additional config (module docstring); errors name the key."""
+    where = f"--additional-config '{ADDITIONAL_ENTRY}'"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: must be a mapping of settings (keys {list(ADDITIONAL_KEYS)}), got {entry!r}")
+    where = f"{where} {json.dumps(entry, sort_keys=True)}"
+    if ("selector" in entry) == ("config" in entry):
+        raise ValueError(f"{where}: give exactly one of 'selector' (a name and its fields) or 'config' (a file)")
+    for key in ("backend", "capture", "config"):
+        if key in entry and (not isinstance(entry[key], str) or not entry[key]):
+            raise ValueError(f"{where}: {key!r} must be a non-empty string, got {entry[key]!r}")
+    for key in ("check_state", "prompt_settings"):
+        if key in entry and not isinstance(entry[key], bool):
+            raise ValueError(f"{where}: {key!r} must be true or false, got {entry[key]!r}")
+    settings = {k: entry.get(k) for k in ("backend", "check_state", "prompt_settings")}
+    if "config" in entry:
+        path = Path(entry["config"])
+        stray = sorted(set(entry) - set(ADDITIONAL_KEYS))
+        if stray:
+            raise ValueError(f"{where}: unknown keys {stray} beside 'config' (selector fields, dense_layers and "
+                             f"phases go in the file); known: {list(ADDITIONAL_KEYS)}")
+        sparse, _ = _from_file(path)
+        in_file = _read_file(path)
+        twice = sorted(k for k, v in settings.items() if v is not None and k in in_file)
+        if twice:
+            raise ValueError(f"{where}: {twice} given twice, in the entry and in the file {path}")
+        settings = {"backend": settings["backend"] or in_file.get("backend"),
+                    **{k: _flag({}, ADDITIONAL_KEYS[k], k, path) if settings[k] is None else settings[k]
+                       for k in ("check_state", "prompt_settings")}}
+    else:
+        fields = {k: v for k, v in entry.items() if k not in ADDITIONAL_KEYS and k not in _PLAN_KEYS}
+        sparse = _sparse(entry["selector"], fields, entry.get("dense_layers"), entry.get("phases"), where)
+    capture = entry.get("capture")
+    return PluginConfig(sparse=sparse, backend=settings["backend"], capture_dir=Path(capture) if capture else None,
+                        check_state=bool(settings["check_state"]), prompt_settings=bool(settings["prompt_settings"]),
+                        source=where)
 
 
 def _flag(env: Mapping[str, str], name: str, key: str, path: Path | None) -> bool:

@@ -60,8 +60,9 @@ def parse_request_setting(raw: object, config: PluginConfig | None) -> RequestSe
     process's selector accepts."""
     where = f"request parameter {EXTRA_ARGS_KEY}={raw!r}"
     if config is None:
-        raise ValueError(f"{where}: the kvsieve vLLM plug-in is not enabled in this server (set KVSIEVE_SELECTOR "
-                         "or KVSIEVE_CONFIG to serve per-request settings)")
+        raise ValueError(f"{where}: the kvsieve vLLM plug-in is not enabled in this server's environment (set "
+                         "KVSIEVE_SELECTOR or KVSIEVE_CONFIG to serve per-request settings; vLLM's front end, which "
+                         "admits requests, never sees --additional-config's 'kvsieve' entry)")
     if isinstance(raw, str):
         fields = parse_fields(raw, where)
     elif isinstance(raw, Mapping):

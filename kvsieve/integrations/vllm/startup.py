@@ -2,21 +2,28 @@
 vLLM imports; the callers hand in what vLLM says).
 
 1. :func:`check_plugin_config`, in :func:`.plugin.register` (every vLLM process, before anything is
-   built): the config read from the environment (:mod:`.config`), the selector and its fields, what
+   built): the config read from the environment (:mod:`.config`: malformed values, unknown file
+   keys, both variables, a setting given twice), the selector and its fields, what
    :func:`lower_plans` refuses, the debug state check's selector (:func:`.state_check.check_supported`);
    then :func:`refuse_platform` (neither vLLM's CPU nor its CUDA platform).
-2. When vLLM builds each attention layer: :func:`refuse_layer_features` (ALiBi, soft-capping, sinks,
+2. When vLLM picks the attention backend of a layer, configured by ``--additional-config`` (vLLM's
+   config exists only then; :func:`.plugin.__getattr__`): the same :func:`check_plugin_config` on the
+   ``kvsieve`` entry (:func:`.config.read_plugin_config`: a malformed entry, a key of the wrong
+   type, ``selector`` and ``config`` both, a setting in the entry and its file, the entry beside any
+   ``KVSIEVE_*`` variable; an unknown key is an unknown selector field).
+3. When vLLM builds each attention layer: :func:`refuse_layer_features` (ALiBi, soft-capping, sinks,
    KV sharing, encoder / cross attention, a KV cache dtype other than the model's; sliding windows
    and chunked local attention on CUDA), :func:`refuse_cuda_graphs` (CUDA), then, for the first
    layer of the process, :func:`check_engine` (context parallelism, speculative decoding, prompt
    embeddings), :func:`lower_plans` at the model's layer count and tensor-parallel size, and
    :func:`check_indexer_model` (a compiled model, or projections of another hidden size, for a
-   selector reading the indexer).
+   selector reading the indexer); the environment's config and the entry both present are refused
+   here too (:func:`.state.plugin_state`), and the state logs what it serves in one line.
    vLLM's MLA backends on CPU and every CUDA backend but ``TRITON_ATTN`` are
    :func:`refusing_backend` classes: vLLM stops when it picks one.
-3. When vLLM builds a KV cache group's metadata builder (CPU): :func:`probe_cpu_layout`, vLLM's own KV
+4. When vLLM builds a KV cache group's metadata builder (CPU): :func:`probe_cpu_layout`, vLLM's own KV
    write checked against the layout kvsieve views.
-4. On the first model forward (vLLM's profile run, or the first step): a selecting layer with no
+5. On the first model forward (vLLM's profile run, or the first step): a selecting layer with no
    DSA projections (:func:`check_projections`, from :class:`.indexer_feed.IndexerFeed`).
 
 Per step the adapters refuse what a step asks that no path computes (fused output quantization,
@@ -138,7 +145,7 @@ def refuse_layer_features(*, alibi_slopes: object, sliding_window: int | None, l
     if refused:
         raise NotImplementedError(f"{PREFIX}: this layer uses " + "; ".join(refused) +
                                   ", which the plug-in does not compute; unset KVSIEVE_SELECTOR/KVSIEVE_CONFIG "
-                                  "to run vLLM's own attention")
+                                  "(or the additional config's 'kvsieve' entry) to run vLLM's own attention")
     if chunk_lookback != -1:
         raise NotImplementedError(f"{PREFIX}: chunked local attention (chunk_lookback={chunk_lookback}) is not "
                                   "supported")

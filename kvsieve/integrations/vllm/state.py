@@ -8,6 +8,7 @@ engine-wide refusals (:mod:`.startup`); reads the vLLM config only through plain
 imports nothing from vLLM."""
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -30,9 +31,10 @@ from .startup import check_engine, check_indexer_model, check_projections, lower
 from .state_check import StateCheck
 from .step import PreparedStep, StepTranslator, VllmStep
 
-__all__ = ["PluginState", "current_plugin_state", "plugin_state"]
+__all__ = ["PluginState", "current_plugin_state", "plugin_state", "served_line"]
 
 _STATE: PluginState | None = None
+_LOG = logging.getLogger("vllm.kvsieve")  # a child of vLLM's logger: its handler and level
 
 
 class PluginState:
@@ -176,12 +178,39 @@ def current_plugin_state() -> PluginState | None:
 
 
 def plugin_state(vllm_config: Any, device: torch.device, ranks: WorkerRanks) -> PluginState:
-    """The process's state, built on first use from the environment's plug-in config; ``ranks``:
+    """The process's state, built on first use from the plug-in config (the environment's or
+    ``vllm_config.additional_config``'s ``kvsieve`` entry), logging :func:`served_line`; ``ranks``:
     the worker this process is (one state per process, so per tensor-parallel rank and stage)."""
     global _STATE
     if _STATE is None:
-        config = read_plugin_config()
+        config = read_plugin_config(additional=getattr(vllm_config, "additional_config", None))
         if config is None:
-            raise RuntimeError("kvsieve's vLLM backend is in use but neither KVSIEVE_SELECTOR nor KVSIEVE_CONFIG is set")
+            raise RuntimeError("kvsieve's vLLM backend is in use but neither KVSIEVE_SELECTOR, KVSIEVE_CONFIG nor "
+                               "--additional-config's 'kvsieve' entry is set")
         _STATE = PluginState(config, vllm_config, device, ranks)
+        _LOG.info("%s", served_line(_STATE))
     return _STATE
+
+
+def _ranges(layers: list[int]) -> str:
+    spans: list[list[int]] = []
+    for i in layers:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"
+
+
+def served_line(state: PluginState) -> str:
+    """What the process serves, in one line: the selector and its fields (the budget among them),
+    the layers it selects in and the dense ones, its phases, the kvsieve backend and the config's source."""
+    where = f"kvsieve (tp rank {state.ranks.tp_rank}, stage {state.ranks.pp_rank}; {state.config.source})"
+    selecting = [i for i, p in enumerate(state.plans) if p is not None]
+    if not selecting:
+        return f"{where} serves dense attention on all {state.num_layers} layers"
+    plan = state.plans[selecting[0]]
+    fields = ", ".join(f"{k}={v}" for k, v in getattr(plan.selector.config, "__dict__", {}).items())
+    dense = [i for i, p in enumerate(state.plans) if p is None]
+    return (f"{where} serves selector {plan.selector.name!r} ({fields}) on layers {_ranges(selecting)} of "
+            f"{state.num_layers} (dense: {_ranges(dense)}), phases {sorted(plan.phases)}, backend {state.backend.name!r}")

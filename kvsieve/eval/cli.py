@@ -25,7 +25,7 @@ _EVAL_EPILOG = """examples:
   kvsieve eval --config my_sweep.yaml --output-dir out/
   kvsieve eval --preset recipes   (every selector at its published recipe; dsa/skip_softmax calibrated per model)
   kvsieve eval --preset served    (through vLLM: score against decode speed-up, every servable selector)
-  kvsieve eval --preset quick_served   (the quick preset's servable part through vLLM: minutes)
+  kvsieve eval --preset quick_served   (the quick preset's servable part through vLLM: 26 runs at 1K)
   kvsieve list selectors          (what a selectors entry can name, with config defaults)
 exit status: 0 all runs ok, 1 some run failed (see its error.txt), 2 bad input, 130 interrupted.
 --debug (anywhere on the line) shows the traceback of an error."""

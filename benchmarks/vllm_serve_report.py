@@ -53,11 +53,13 @@ def stats_ms(seconds: list[float]) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Metrics:
-    """One run's figures (module docstring); ``failed``: each request not served in full, with why."""
+    """One run's figures (module docstring); ``failed``: each request not served in full, with why;
+    ``prompt_tokens``: the fewest and the most prompt tokens of a served request (the server's count)."""
 
     requests: int
     served: int
     failed: tuple[str, ...]
+    prompt_tokens: tuple[int, int]
     ttft_ms: dict[str, float]
     tpot_ms: dict[str, float]
     itl_ms: dict[str, float]
@@ -76,8 +78,10 @@ def summarize(records: list[Record]) -> Metrics:
     itl = [b - a for r in served for a, b in zip(r.answer.chunk_s, r.answer.chunk_s[1:])]
     span = (max(r.start_s + r.answer.total_s for r in records) - min(r.start_s for r in records)) if records else 0.0
     rate = (lambda n: n / span) if span > 0 else (lambda n: math.nan)
-    return Metrics(len(records), len(served), failed, stats_ms(ttft), stats_ms(tpot), stats_ms(itl), span,
-                   rate(len(served)), rate(sum(r.answer.output_tokens for r in served)))
+    prompts = [r.answer.prompt_tokens for r in served]
+    return Metrics(len(records), len(served), failed, (min(prompts, default=0), max(prompts, default=0)),
+                   stats_ms(ttft), stats_ms(tpot), stats_ms(itl), span, rate(len(served)),
+                   rate(sum(r.answer.output_tokens for r in served)))
 
 
 @dataclass(frozen=True)

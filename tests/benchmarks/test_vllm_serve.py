@@ -36,19 +36,20 @@ def test_percentiles_are_linear_between_ranks():
         percentile(values, 101)
 
 
-def _rec(key: str, start: float, chunks: list[float], tokens: int, status: int = 200, message: str = "") -> Record:
-    return Record(key, start, Streamed(status, message, "x" * len(chunks), chunks, 10, tokens,
+def _rec(key: str, start: float, chunks: list[float], tokens: int, status: int = 200, message: str = "",
+         prompt: int = 10) -> Record:
+    return Record(key, start, Streamed(status, message, "x" * len(chunks), chunks, prompt, tokens,
                                        (chunks[-1] if chunks else 0.0) + 0.5))
 
 
 def test_metrics_of_two_served_requests_and_a_refused_one():
     # a: sent at 0, chunks at 1, 2, 4 (3 tokens): TTFT 1, TPOT (4-1)/2 = 1.5, gaps 1 and 2; ends at 4.5
     # b: sent at 1, chunks at 0.5, 1.5 (2 tokens): TTFT 0.5, TPOT 1, gap 1; ends at 1 + 2 = 3
-    records = [_rec("a/0", 0.0, [1.0, 2.0, 4.0], 3), _rec("b/0", 1.0, [0.5, 1.5], 2),
-               _rec("c/0", 2.0, [], 0, status=400, message="too long")]
+    records = [_rec("a/0", 0.0, [1.0, 2.0, 4.0], 3), _rec("b/0", 1.0, [0.5, 1.5], 2, prompt=12),
+               _rec("c/0", 2.0, [], 0, status=400, message="too long", prompt=99)]
     m = summarize(records)
     assert (m.requests, m.served) == (3, 2)
-    assert m.failed == ("c/0: HTTP 400 too long",)
+    assert m.failed == ("c/0: HTTP 400 too long",) and m.prompt_tokens == (10, 12)
     assert m.ttft_ms["p50"] == pytest.approx(750.0) and m.ttft_ms["p99"] == pytest.approx(995.0)
     assert m.tpot_ms["p50"] == pytest.approx(1250.0)
     assert m.itl_ms["p50"] == pytest.approx(1000.0) and m.itl_ms["p90"] == pytest.approx(1800.0)

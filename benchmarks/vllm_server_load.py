@@ -54,6 +54,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
 
 from benchmarks._timing import cpu_isa, load_averages  # noqa: E402
+from benchmarks.vllm_client import completion_response, error_message, sse_chunks  # noqa: E402
 from benchmarks.vllm_common import FILLER  # noqa: E402
 from kvsieve.eval.served.launch import OWN, EngineLaunch, default_threads, healthy, model_folder, openai_server  # noqa: E402,E501
 
@@ -142,38 +143,24 @@ def send(host: str, port: int, req: Request, max_tokens: int, timeout: float = R
     ``cancel`` closes the connection after the first chunk with text)."""
     out, t0 = Outcome(req), time.monotonic()
     payload = _malformed(req, max_tokens) if req.kind == "malformed" else json.dumps(_body(req, max_tokens)).encode()
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request("POST", "/v1/completions", body=payload, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        out.status = resp.status
-        if resp.status != 200:
-            raw = resp.read().decode(errors="replace")
-            try:
-                out.message = json.loads(raw).get("error", {}).get("message", raw)
-            except (ValueError, AttributeError):
-                out.message = raw
-        elif req.kind in ("stream", "cancel"):
-            parts = []
-            for line in resp:
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = json.loads(data)
-                parts.append("".join(c.get("text", "") for c in chunk.get("choices", [])))
-                if req.kind == "cancel" and parts[-1]:
-                    out.cancelled = True
-                    break
-            out.text = "".join(parts)
-        else:
-            out.text = json.loads(resp.read())["choices"][0]["text"]
+        with completion_response(port, payload, timeout_s=timeout, host=host) as resp:
+            out.status = resp.status
+            if resp.status != 200:
+                out.message = error_message(resp.read())
+            elif req.kind in ("stream", "cancel"):
+                parts = []
+                for chunk in sse_chunks(resp):
+                    parts.append("".join(c.get("text", "") for c in chunk.get("choices", [])))
+                    if req.kind == "cancel" and parts[-1]:
+                        out.cancelled = True
+                        break
+                out.text = "".join(parts)
+            else:
+                out.text = json.loads(resp.read())["choices"][0]["text"]
     except (OSError, http.client.HTTPException) as e:
         out.message = f"{type(e).__name__}: {e}"
     finally:
-        conn.close()  # a cancelled stream: the server sees the client gone and aborts the request
         out.seconds = time.monotonic() - t0
     return out
 

@@ -26,7 +26,7 @@ _EVAL_EPILOG = """examples:
   kvsieve eval --preset recipes   (every selector at its published recipe; dsa/skip_softmax calibrated per model)
   kvsieve eval --preset served    (through vLLM: score against decode speed-up, every servable selector)
   kvsieve eval --preset ruler     (RULER's offline families at 8K and 16K, n = 20; a many-hour run)
-  kvsieve eval --quick --engine vllm --set selectors.snapkv=null --set tasks.fidelity=null
+  kvsieve eval --preset quick_served   (the quick preset's servable part through vLLM: 26 runs at 1K)
   kvsieve list selectors          (what a selectors entry can name, with config defaults)
 exit status: 0 all runs ok, 1 some run failed (see its error.txt), 2 bad input, 130 interrupted.
 --debug (anywhere on the line) shows the traceback of an error."""

@@ -46,15 +46,15 @@ from ..sparse import SparseAttentionConfig, get_selector_class, lower_budget
 from ..sparse.calibration import available_calibration_steps, get_calibration_step
 
 __all__ = ["SelectorSpec", "TaskSpec", "EvalConfig", "Budget", "ConfigError", "load_config", "apply_overrides",
-           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "SERVED", "SERVED_SMOLLM2", "RULER",
-           "PRESETS", "check_calibration", "ENGINES", "TRANSFORMERS", "VLLM"]
+           "from_dict", "RESULT_NEUTRAL", "QUICK", "DEFAULT", "RECIPES", "SERVED", "SERVED_SMOLLM2", "QUICK_SERVED",
+           "RULER", "PRESETS", "check_calibration", "ENGINES", "TRANSFORMERS", "VLLM"]
 
 QUICK = "quick"
 DEFAULT = "default"
 RECIPES = "recipes"
-SERVED, SERVED_SMOLLM2 = "served", "served_smollm2"
+SERVED, SERVED_SMOLLM2, QUICK_SERVED = "served", "served_smollm2", "quick_served"
 RULER = "ruler"
-PRESETS = (QUICK, DEFAULT, RECIPES, SERVED, SERVED_SMOLLM2, RULER)  # kvsieve/eval/configs/<name>.yaml
+PRESETS = (QUICK, DEFAULT, RECIPES, SERVED, SERVED_SMOLLM2, QUICK_SERVED, RULER)  # kvsieve/eval/configs/<name>.yaml
 TRANSFORMERS, VLLM = "transformers", "vllm"
 ENGINES = (TRANSFORMERS, VLLM)
 _BUDGET_FORMS = ("budgets", "sparsities", "reduction_factors")

@@ -85,6 +85,27 @@ def test_the_served_presets_name_every_selector_the_plugin_serves_at_three_densi
     check_served(cfg, calibrated=False)  # every entry but dsa (calibrated per model) is checked here
 
 
+def test_the_quick_preset_through_vllm_is_refused_naming_the_quick_served_preset():
+    with pytest.raises(ConfigError, match=r"tasks.fidelity: .*generation tasks only \(the quick preset's servable "
+                                          r"part: --preset quick_served\)"):
+        check_served(load_config(preset="quick", overrides=["engine=vllm"]), calibrated=False)
+    no_fidelity = load_config(preset="quick", overrides=["engine=vllm", "tasks.fidelity=null"])
+    with pytest.raises(ConfigError, match=r"selectors.snapkv: not served .*--preset quick_served\)$"):
+        check_served(no_fidelity, calibrated=False)
+
+
+def test_the_quick_served_preset_is_the_quick_presets_servable_part_and_plans():
+    served, quick = load_config(preset="quick_served"), load_config(preset="quick")
+    assert served.engine == "vllm" and served.model == quick.model == "smollm2"
+    check_served(served, calibrated=False)
+    assert served.tasks == [t for t in quick.tasks if t.name != "fidelity"]
+    assert served.selectors == [s for s in quick.selectors if s.selector != "snapkv"]
+    runs = [r for cell in plan_runs(served, "m") for r in cell]
+    # dense + 8 selector budgets + 4 plug-in dense runs, in each of the two cells
+    assert len(runs) == 2 * (1 + 8 + 4)
+    assert sum(r.folder.endswith("__dense") for r in runs) == 2 * 4
+
+
 def test_no_vllm_python_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv(ENV_PYTHON, str(tmp_path / "missing" / "python"))
     with pytest.raises(ConfigError, match="does not exist"):

@@ -27,7 +27,7 @@ from ...integrations.vllm.config import PluginConfig, selects_in_prompt
 from ...integrations.vllm.startup import check_plugin_config
 from ...integrations.vllm.request_settings import parse_request_setting
 from ...sparse import SparseAttentionConfig
-from ..config import Budget, ConfigError, EvalConfig, SelectorSpec
+from ..config import QUICK_SERVED, Budget, ConfigError, EvalConfig, SelectorSpec
 from ..tasks import get_task
 
 __all__ = ["DTYPE", "DECODE_TOKENS", "TIMING_REPS", "MAX_NUM_SEQS", "kv_cache_gib", "PLUGIN_DENSE", "SERVED_FIELDS", "engine_identity",
@@ -61,6 +61,10 @@ def engine_identity() -> dict[str, Any]:
             "prefix_caching": "on, one cache_salt per setting for selectors that select in the context phase"}
 
 
+#: what the refusals that stop the quick preset (its fidelity task, snapkv) add
+QUICK_HINT = f" (the quick preset's servable part: --preset {QUICK_SERVED})"
+
+
 def plugin_dense_budget(length: int) -> Budget:
     """The budget point of an entry's ``{"dense": true}`` run at ``length``."""
     return Budget(PLUGIN_DENSE, length, 0.0, 1.0, {})
@@ -91,7 +95,7 @@ def _check_entry(spec: SelectorSpec, lengths: list[int]) -> None:
     try:
         check_plugin_config(process, device="cpu")
     except ValueError as err:
-        raise ConfigError(f"{where}: not served by the vLLM plug-in: {err}") from None
+        raise ConfigError(f"{where}: not served by the vLLM plug-in: {err}{QUICK_HINT}") from None
     for length in lengths:
         for budget in spec.resolve(length):
             try:
@@ -116,7 +120,7 @@ def check_served(cfg: EvalConfig, *, calibrated: bool) -> None:
     for t in cfg.tasks:
         if get_task(t.name).kind != "generate":
             raise ConfigError(f"tasks.{t.name}: a {get_task(t.name).kind} task reads attention inside kvsieve's "
-                              "session; --engine vllm runs generation tasks only")
+                              f"session; --engine vllm runs generation tasks only{QUICK_HINT}")
     lengths = sorted({n for t in cfg.tasks for n in t.lengths})
     for spec in cfg.selectors:
         if spec.calibrate is None or calibrated:

@@ -65,4 +65,4 @@ def test_share_prefill_off_is_refused_through_vllm(tmp_path):
     cfg = from_dict({**_raw(tmp_path, False), "engine": "vllm", "model": "smollm2",
                      "tasks": {"passkey": {"lengths": [400]}}, "selectors": {}})
     with pytest.raises(ConfigError, match="share_prefill: false prefills every run"):
-        check_served(cfg, prepared=False)
+        check_served(cfg, calibrated=False)

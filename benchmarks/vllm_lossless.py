@@ -1,0 +1,335 @@
+"""Lossless sparse decoding in vLLM on CPU: vLLM's own attention without speculation against
+kvsieve's drafter (a selector drafts ``K`` tokens, vLLM verifies them densely), decode tokens/s side
+by side in one run, every speculative mode's greedy tokens checked against the baseline's.
+
+    python benchmarks/vllm_lossless.py [--model smollm2] [--lengths 8000] [--concurrency 8]
+                                       [--draft quest:budget=512,page_size=16] [--k 2,4,8]
+                                       [--new 64] [--reps 2] [--sparse] [--dtype float32] [--out bench_out]
+
+Runs in the vLLM virtual environment (docs/vllm.md, docs/lossless.md). One engine process per mode,
+one at a time (8 x 8K requests in fp32 take a few GiB of KV space each): ``own`` (vLLM's own
+attention, no plug-in, no speculation: the baseline), ``draft@K`` for every ``--draft`` and ``--k``
+(``speculative_config={"method": "custom_class", "model": SparseDrafter, "num_speculative_tokens":
+K}``, the plug-in configured with the draft selector) and, with ``--sparse``, the draft selector
+serving every decode step (not lossless: its tokens are shown, not checked). Every engine answers the
+same measurements in the same order: for each repetition, each prompt length ``L`` and each
+concurrency ``C``: ``C`` requests added at once, request ``i`` an essay cut to ``L`` tokens starting
+at essay ``i`` (distinct prompts), greedy, ``ignore_eos``. vLLM's prefix cache is on, so a repetition
+after the first decodes without prefilling again.
+
+``decode_tok_s``: the tokens produced in the engine steps in which all ``C`` requests are past
+their prompt and none has finished, over those steps' time (the same definition for every mode; a
+speculative step produces 1 to ``K + 1`` tokens per request). Each request generates ``--new`` tokens
+plus as many as its staggered prefill chunks take (times ``K + 1`` under speculation; the token check
+compares the tokens both runs made). For the speculative modes also: the mean accepted
+length (tokens per request per verify step, from vLLM's own spec-decode counters), acceptance by
+draft position, the drafter's time per step (``SparseDrafter.propose``, timed in the engine process)
+and the rest of the step (``verify_ms``: vLLM's dense pass over the ``K + 1`` rows, sampling,
+scheduling), and the cost model ``A * own step / (draft + verify)`` (docs/lossless.md).
+
+Token check (:func:`check_tokens`): every speculative mode's tokens must equal the baseline's; the
+first difference of a request is allowed only where the baseline's two top logprobs (``logprobs=2``:
+log-softmax keeps logit differences) are within ``--tie`` (a verify pass over ``K + 1`` rows rounds
+differently from ``K + 1`` one-token steps). Any other difference makes the run exit with status 1.
+Prints the CPU line, one JSON line per measurement with the load before and after, the table; writes
+everything to ``--out/vllm_lossless-<UTC time>.json``. Compare ratios, not figures across runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
+
+from benchmarks._timing import cpu_isa  # noqa: E402
+from kvsieve.eval.served.launch import EngineLaunch, EngineProcess, model_folder  # noqa: E402
+
+DRAFTER = "kvsieve.integrations.vllm.drafter.SparseDrafter"
+OWN = "own"
+TIE = 1e-3  # the transformers half's rounding rule (kvsieve.integrations.transformers.speculate.TIE_TOLERANCE)
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def mode_name(draft: str | None, k: int | None) -> str:
+    """``own``, ``<draft>`` (sparse every step) or ``<draft>@K`` (lossless)."""
+    if draft is None:
+        return OWN
+    return draft if k is None else f"{draft}@{k}"
+
+
+def parse_mode(name: str) -> tuple[str | None, int | None]:
+    """The inverse of :func:`mode_name`."""
+    if name == OWN:
+        return None, None
+    draft, _, k = name.rpartition("@")
+    return (draft, int(k)) if draft and k.isdigit() else (name, None)
+
+
+class ProposeTimer:
+    """Seconds spent in the drafter's ``propose`` since the last :meth:`take` (wraps the class's method)."""
+
+    def __init__(self, cls: type) -> None:
+        self.seconds = 0.0
+        inner = cls.propose
+
+        def timed(drafter: Any, *a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(drafter, *a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        cls.propose = timed
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _counters(llm: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {name: 0.0 for name in SPEC_COUNTERS}
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            out[m.name] += float(m.value)
+        elif m.name == PER_POSITION:
+            out[PER_POSITION] = [float(v) for v in m.values]
+    return out
+
+
+def spec_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Mean accepted length and acceptance by draft position between two counter readings."""
+    drafts = after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"]
+    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
+    if drafts <= 0:
+        return {"drafts": 0}
+    pos_before = before.get(PER_POSITION) or [0.0] * len(after.get(PER_POSITION, []))
+    by_pos = [round((a - b) / drafts, 3) for a, b in zip(after.get(PER_POSITION, []), pos_before)]
+    return {"drafts": int(drafts), "mean_accepted_length": round(1 + accepted / drafts, 3),
+            "acceptance_by_position": by_pos}
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One engine; answers each ``go REP L C`` line on stdin with one ``RESULT {json}`` line."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from kvsieve.eval.haystack import essay_haystack
+
+    draft, k = parse_mode(args.mode)
+    spec = None if k is None else {"method": "custom_class", "model": DRAFTER, "num_speculative_tokens": k}
+    timer = None
+    if k is not None:
+        from kvsieve.integrations.vllm.drafter import SparseDrafter
+        timer = ProposeTimer(SparseDrafter)
+    conc, longest = max(args.concurrency), max(args.lengths)
+    chunk = 2048
+    extra = conc * -(-longest // chunk) + 1
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=longest + args.new + extra + 64, enforce_eager=True,
+              max_num_seqs=conc, max_num_batched_tokens=chunk, block_size=args.block_size, seed=0,
+              distributed_executor_backend="uni", enable_prefix_caching=True, disable_log_stats=False,
+              speculative_config=spec)
+    tok = llm.get_tokenizer()
+    prompts = {n: [tok.encode(essay_haystack(tok, n + 64, start=i), add_special_tokens=False)[:n] for i in range(conc)]
+               for n in args.lengths}
+    engine = llm.llm_engine
+    print("READY", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd or cmd[0] != "go":
+            break
+        rep, n, c = (int(x) for x in cmd[1:4])
+        # a speculative request may make K + 1 tokens a step while the others still prefill
+        params = SamplingParams(temperature=0.0, max_tokens=args.new + extra * (1 + (k or 0)), ignore_eos=True,
+                                logprobs=2 if draft is None else None)
+        before = _counters(llm) if k is not None else None
+        t0 = time.perf_counter()
+        for i in range(c):
+            engine.add_request(f"r{rep}-{n}-{c}-{i}", TokensPrompt(prompt_token_ids=prompts[n][i]), params)
+        counts: dict[str, int] = {}
+        finals: dict[str, Any] = {}
+        steady_tokens, steady_s, steady_draft_s, steady_steps = 0, 0.0, 0.0, 0
+        first_token_at = None
+        if timer is not None:
+            timer.take()
+        while engine.has_unfinished_requests():
+            steady = len(counts) == c and min(counts.values()) > 0 and len(finals) == 0
+            s0 = time.perf_counter()
+            outs = engine.step()
+            s1 = time.perf_counter()
+            drafted = timer.take() if timer is not None else 0.0
+            new = 0
+            for out in outs:
+                got = len(out.outputs[0].token_ids)
+                new += got - counts.get(out.request_id, 0)
+                counts[out.request_id] = got
+                if out.finished:
+                    finals[out.request_id] = out.outputs[0]
+            if steady and len(finals) == 0:
+                steady_tokens, steady_s, steady_draft_s, steady_steps = (
+                    steady_tokens + new, steady_s + s1 - s0, steady_draft_s + drafted, steady_steps + 1)
+            if first_token_at is None and len(counts) == c and min(counts.values()) > 0:
+                first_token_at = s1
+        if steady_steps < 2:
+            raise RuntimeError(f"only {steady_steps} steps with all {c} requests decoding; raise --new")
+        order = sorted(finals, key=lambda r: int(r.rsplit("-", 1)[1]))
+        row = {"rep": rep, "prompt_tokens": n, "concurrency": c, "ttft_all_s": round(first_token_at - t0, 3),
+               "steady_steps": steady_steps, "step_ms": round(1e3 * steady_s / steady_steps, 2),
+               "decode_tok_s": round(steady_tokens / steady_s, 3),
+               "tokens": [list(finals[r].token_ids) for r in order]}
+        if draft is None:
+            row["top2_gaps"] = [[_gap(lp) for lp in finals[r].logprobs] for r in order]
+        if k is not None:
+            row.update(draft_ms=round(1e3 * steady_draft_s / steady_steps, 2),
+                       verify_ms=round(1e3 * (steady_s - steady_draft_s) / steady_steps, 2),
+                       **spec_summary(before, _counters(llm)))
+        print("RESULT " + json.dumps(row), flush=True)
+
+
+def _gap(logprobs: dict[int, Any]) -> float:
+    """The difference of the two highest logprobs at one position (``inf`` with fewer than two)."""
+    top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
+def check_tokens(base: dict[str, Any], row: dict[str, Any], tie: float = TIE) -> list[str]:
+    """What differs between a mode's tokens and the baseline's (empty: identical, or every first
+    difference at a rounding tie of the baseline's, module docstring)."""
+    problems = []
+    for i, (want, got) in enumerate(zip(base["tokens"], row["tokens"], strict=True)):
+        diff = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        if diff is None:
+            continue
+        gap = base["top2_gaps"][i][diff]
+        if gap >= tie:
+            problems.append(f"request {i}, token {diff}: {got[diff]} against the baseline's {want[diff]}, whose two "
+                            f"top logprobs are {gap:.3g} apart (>= {tie}: not a rounding tie)")
+    return problems
+
+
+def ties(base: dict[str, Any], row: dict[str, Any]) -> int:
+    """Requests whose tokens differ from the baseline's (each at a tie, once :func:`check_tokens` passed)."""
+    return sum(a[:len(b)] != b[:len(a)] for a, b in zip(base["tokens"], row["tokens"]))
+
+
+def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (prompt length, concurrency, mode): medians over repetitions, the ratio to ``own`` in the
+    same repetition, the cost model and the token check."""
+    out = []
+    keys = sorted({(r["prompt_tokens"], r["concurrency"]) for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    for n, c in keys:
+        base = {r["rep"]: r for r in rows if r["mode"] == OWN and (r["prompt_tokens"], r["concurrency"]) == (n, c)}
+        for mode in modes:
+            mine = [r for r in rows if r["mode"] == mode and (r["prompt_tokens"], r["concurrency"]) == (n, c)]
+            if not mine or not base:
+                continue
+            entry: dict[str, Any] = {"prompt_tokens": n, "concurrency": c, "mode": mode,
+                                     "decode_tok_s": statistics.median(r["decode_tok_s"] for r in mine),
+                                     "x_own": round(statistics.median(r["decode_tok_s"] / base[r["rep"]]["decode_tok_s"]
+                                                                      for r in mine), 3),
+                                     "step_ms": statistics.median(r["step_ms"] for r in mine)}
+            if "mean_accepted_length" in mine[0]:
+                a = statistics.median(r["mean_accepted_length"] for r in mine)
+                draft_ms = statistics.median(r["draft_ms"] for r in mine)
+                verify_ms = statistics.median(r["verify_ms"] for r in mine)
+                own_ms = statistics.median(b["step_ms"] for b in base.values())
+                entry.update(mean_accepted_length=a, draft_ms=draft_ms, verify_ms=verify_ms,
+                             cost_model=round(a * own_ms / (draft_ms + verify_ms), 3),
+                             acceptance_by_position=mine[0]["acceptance_by_position"])
+            if mode != OWN:
+                checked = parse_mode(mode)[1] is not None
+                problems = [p for r in mine for p in check_tokens(base[r["rep"]], r)] if checked else []
+                differ = sum(ties(base[r["rep"]], r) for r in mine)
+                entry["tokens"] = ("MISMATCH: " + "; ".join(problems) if problems else
+                                   ("own's" if differ == 0 else f"own's ({differ} requests differ at a rounding tie)")
+                                   if checked else f"{differ} of {sum(len(r['tokens']) for r in mine)} requests differ "
+                                   "(not lossless)")
+            out.append(entry)
+    return out
+
+
+def _load() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="smollm2, gemma3-270m or a checkpoint folder")
+    ap.add_argument("--lengths", default="8000", help="comma-separated prompt lengths (tokens)")
+    ap.add_argument("--concurrency", default="8", help="comma-separated numbers of concurrent requests")
+    ap.add_argument("--draft", action="append", help="a KVSIEVE_SELECTOR string drafting (repeatable; default "
+                    "quest:budget=512,page_size=16, 1/16 of 8K)")
+    ap.add_argument("--k", default="2,4,8", help="comma-separated draft lengths (num_speculative_tokens)")
+    ap.add_argument("--new", type=int, default=64, help="tokens generated per request beyond the prefill's stagger")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--sparse", action="store_true", help="also each draft selector on every decode step (not lossless)")
+    ap.add_argument("--block-size", type=int, default=128, help="vLLM's KV block size (a multiple of 32 on CPU)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2, help="OpenMP threads per engine, unbound")
+    ap.add_argument("--kv-gib", type=int, default=8, help="vLLM's CPU KV space per engine (GiB)")
+    ap.add_argument("--tie", type=float, default=TIE, help="the rounding-tie tolerance of the token check")
+    ap.add_argument("--out", default="bench_out", help="folder of the JSON result")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one engine process
+    ap.add_argument("--mode", help=argparse.SUPPRESS)  # internal: the worker's mode
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    args.lengths = [int(x) for x in str(args.lengths).split(",")]
+    args.concurrency = [int(x) for x in str(args.concurrency).split(",")]
+    ks = [int(x) for x in str(args.k).split(",")]
+    if args.worker:
+        worker(args)
+        return 0
+    drafts = args.draft or ["quest:budget=512,page_size=16"]
+    args.model = str(model_folder(args.model))
+    modes = [OWN] + [mode_name(d, k) for d in drafts for k in ks] + ([*drafts] if args.sparse else [])
+    isa = cpu_isa()
+    print(f"CPU {isa}", flush=True)
+    started = datetime.now(timezone.utc)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for mode in modes:  # one engine at a time: each holds the KV of every concurrent request
+        draft, _ = parse_mode(mode)
+        launch = EngineLaunch(OWN if draft is None else draft, threads=args.threads, kv_cache_gib=args.kv_gib)
+        cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--model", args.model,
+               "--lengths", ",".join(map(str, args.lengths)), "--concurrency", ",".join(map(str, args.concurrency)),
+               "--new", str(args.new), "--block-size", str(args.block_size), "--dtype", args.dtype]
+        log = out / f"engine-{len(rows)}-{started.strftime('%H%M%S')}.log"
+        with EngineProcess(mode, cmd, launch.env(), log) as proc:
+            for rep in range(args.reps):
+                for n in args.lengths:
+                    for c in args.concurrency:
+                        before = _load()
+                        proc.send(f"go {rep} {n} {c}")
+                        row = {"mode": mode, **json.loads(proc.read("RESULT ")), "load_before": before,
+                               "load_after": _load()}
+                        print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "top2_gaps")}),
+                              flush=True)
+                        rows.append(row)
+    result = table(rows)
+    for entry in result:
+        print(json.dumps(entry))
+    path = out / f"vllm_lossless-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "cpu": isa,
+                                "started_utc": started.isoformat(timespec="seconds"),
+                                "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                "rows": rows, "table": result}, indent=1))
+    print(f"\nwritten: {path}")
+    bad = [e for e in result if str(e.get("tokens", "")).startswith("MISMATCH")]
+    for e in bad:
+        print(f"TOKENS DIFFER: {e['mode']} at {e['prompt_tokens']} x {e['concurrency']}: {e['tokens']}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

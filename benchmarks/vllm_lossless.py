@@ -8,9 +8,9 @@ by side in one run, every speculative mode's greedy tokens checked against the b
 
 Runs in the vLLM virtual environment (docs/vllm.md, docs/lossless.md). One engine process per mode,
 one at a time (8 x 8K requests in fp32 take a few GiB of KV space each): ``own`` (vLLM's own
-attention, no plug-in, no speculation: the baseline), ``draft@K`` for every ``--draft`` and ``--k``
-(``speculative_config={"method": "custom_class", "model": SparseDrafter, "num_speculative_tokens":
-K}``, the plug-in configured with the draft selector) and, with ``--sparse``, the draft selector
+attention, no plug-in, no speculation: the baseline), ``<draft>@K`` for every ``--draft`` and ``--k``
+(the launcher's lossless mode, :func:`kvsieve.eval.served.launch.split_speculation`: vLLM's
+``speculative_config`` names kvsieve's drafter, the plug-in is configured with the draft selector) and, with ``--sparse``, the draft selector
 serving every decode step (not lossless: its tokens are shown, not checked). Every engine answers the
 same measurements in the same order: for each repetition, each prompt length ``L`` and each
 concurrency ``C``: ``C`` requests added at once, request ``i`` an essay cut to ``L`` tokens starting
@@ -48,29 +48,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
 
 from benchmarks._timing import cpu_isa  # noqa: E402
-from kvsieve.eval.served.launch import EngineLaunch, EngineProcess, model_folder  # noqa: E402
+from kvsieve.eval.served.launch import OWN, EngineLaunch, EngineProcess, model_folder, split_speculation  # noqa: E402
 
-DRAFTER = "kvsieve.integrations.vllm.drafter.SparseDrafter"
-OWN = "own"
 TIE = 1e-3  # the transformers half's rounding rule (kvsieve.integrations.transformers.speculate.TIE_TOLERANCE)
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-def mode_name(draft: str | None, k: int | None) -> str:
-    """``own``, ``<draft>`` (sparse every step) or ``<draft>@K`` (lossless)."""
-    if draft is None:
-        return OWN
-    return draft if k is None else f"{draft}@{k}"
-
-
-def parse_mode(name: str) -> tuple[str | None, int | None]:
-    """The inverse of :func:`mode_name`."""
-    if name == OWN:
-        return None, None
-    draft, _, k = name.rpartition("@")
-    return (draft, int(k)) if draft and k.isdigit() else (name, None)
 
 
 class ProposeTimer:
@@ -122,8 +105,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from kvsieve.eval.haystack import essay_haystack
 
-    draft, k = parse_mode(args.mode)
-    spec = None if k is None else {"method": "custom_class", "model": DRAFTER, "num_speculative_tokens": k}
+    own, k = args.mode == OWN, split_speculation(args.mode)[1]
     timer = None
     if k is not None:
         from kvsieve.integrations.vllm.drafter import SparseDrafter
@@ -134,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=longest + args.new + extra + 64, enforce_eager=True,
               max_num_seqs=conc, max_num_batched_tokens=chunk, block_size=args.block_size, seed=0,
               distributed_executor_backend="uni", enable_prefix_caching=True, disable_log_stats=False,
-              speculative_config=spec)
+              speculative_config=EngineLaunch(args.mode).speculative_config())
     tok = llm.get_tokenizer()
     prompts = {n: [tok.encode(essay_haystack(tok, n + 64, start=i), add_special_tokens=False)[:n] for i in range(conc)]
                for n in args.lengths}
@@ -147,7 +129,7 @@ def worker(args: argparse.Namespace) -> None:
         rep, n, c = (int(x) for x in cmd[1:4])
         # a speculative request may make K + 1 tokens a step while the others still prefill
         params = SamplingParams(temperature=0.0, max_tokens=args.new + extra * (1 + (k or 0)), ignore_eos=True,
-                                logprobs=2 if draft is None else None)
+                                logprobs=2 if own else None)
         before = _counters(llm) if k is not None else None
         t0 = time.perf_counter()
         for i in range(c):
@@ -183,7 +165,7 @@ def worker(args: argparse.Namespace) -> None:
                "steady_steps": steady_steps, "step_ms": round(1e3 * steady_s / steady_steps, 2),
                "decode_tok_s": round(steady_tokens / steady_s, 3),
                "tokens": [list(finals[r].token_ids) for r in order]}
-        if draft is None:
+        if own:
             row["top2_gaps"] = [[_gap(lp) for lp in finals[r].logprobs] for r in order]
         if k is not None:
             row.update(draft_ms=round(1e3 * steady_draft_s / steady_steps, 2),
@@ -244,7 +226,7 @@ def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                              cost_model=round(a * own_ms / (draft_ms + verify_ms), 3),
                              acceptance_by_position=mine[0]["acceptance_by_position"])
             if mode != OWN:
-                checked = parse_mode(mode)[1] is not None
+                checked = split_speculation(mode)[1] is not None
                 problems = [p for r in mine for p in check_tokens(base[r["rep"]], r)] if checked else []
                 differ = sum(ties(base[r["rep"]], r) for r in mine)
                 entry["tokens"] = ("MISMATCH: " + "; ".join(problems) if problems else
@@ -291,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     drafts = args.draft or ["quest:budget=512,page_size=16"]
     args.model = str(model_folder(args.model))
-    modes = [OWN] + [mode_name(d, k) for d in drafts for k in ks] + ([*drafts] if args.sparse else [])
+    modes = [OWN] + [f"{d}@{k}" for d in drafts for k in ks] + ([*drafts] if args.sparse else [])
     isa = cpu_isa()
     print(f"CPU {isa}", flush=True)
     started = datetime.now(timezone.utc)
@@ -299,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     for mode in modes:  # one engine at a time: each holds the KV of every concurrent request
-        draft, _ = parse_mode(mode)
-        launch = EngineLaunch(OWN if draft is None else draft, threads=args.threads, kv_cache_gib=args.kv_gib)
+        launch = EngineLaunch(mode, threads=args.threads, kv_cache_gib=args.kv_gib)
         cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--model", args.model,
                "--lengths", ",".join(map(str, args.lengths)), "--concurrency", ",".join(map(str, args.concurrency)),
                "--new", str(args.new), "--block-size", str(args.block_size), "--dtype", args.dtype]

@@ -9,8 +9,9 @@ tokens/s per mode, workload and concurrency, with ratios to vLLM's own attention
 
 Runs in the main environment or the vLLM one; the servers run in vLLM's (``vllm_python``). Modes
 (``--modes``, :func:`benchmarks.vllm_common.parse_modes`): ``own`` (vLLM's own attention, always
-run first, the reference) and each mode given: a ``KVSIEVE_SELECTOR`` string or a config file
-(:class:`kvsieve.eval.served.launch.EngineLaunch`). One server per mode on 127.0.0.1 (``fp32`` by
+run first, the reference) and each mode given: a ``KVSIEVE_SELECTOR`` string or a config file,
+or either followed by ``@K``, the lossless mode (the selector drafts ``K`` tokens a step, vLLM
+verifies; :class:`kvsieve.eval.served.launch.EngineLaunch`). One server per mode on 127.0.0.1 (``fp32`` by
 default, one OpenMP thread unless ``OMP_NUM_THREADS`` says otherwise, prefix caching on, as many
 sequences at once as the largest concurrency). Workloads (:mod:`benchmarks.vllm_serve_workloads`):
 
@@ -22,7 +23,7 @@ sequences at once as the largest concurrency). Workloads (:mod:`benchmarks.vllm_
 Each workload runs at each ``--concurrency`` (that many sessions at once; a session's turns one
 after another), with prompts of its own per concurrency (nothing but the document is shared across
 them). Answers are greedy, of a length drawn in ``--answer-tokens`` (``ignore_eos``). The modes of
-``--exact`` (default: ``dense`` where run) must answer every request exactly as ``own``: a
+``--exact`` (default: ``dense`` and every lossless mode run) must answer every request exactly as ``own``: a
 difference is printed and the script exits 1, as it does when a request is refused or not
 answered in full (each is counted in the tables and listed). Every request has a timeout
 (``--timeout-s``) and each run a deadline (``--deadline-s``). Prints the CPU and the load above
@@ -47,7 +48,8 @@ from benchmarks.vllm_client import Streamed, stream_completion  # noqa: E402
 from benchmarks.vllm_common import parse_modes  # noqa: E402
 from benchmarks.vllm_serve_report import Cell, Record, check_answers, markdown_table, summarize  # noqa: E402
 from benchmarks.vllm_serve_workloads import Session, independent_prompts, shared_document  # noqa: E402
-from kvsieve.eval.served.launch import OWN, EngineLaunch, default_threads, model_folder, openai_server, vllm_python  # noqa: E402,E501
+from kvsieve.eval.served.launch import (OWN, EngineLaunch, default_threads, model_folder, openai_server,  # noqa: E402
+                                        split_speculation, vllm_python)
 
 WORKLOADS = ("shared", "independent")
 START_TIMEOUT_S = 900
@@ -149,7 +151,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--modes", default="quest:budget=384,page_size=16",
                     help="modes besides own (run first): KVSIEVE_SELECTOR strings or config files, ';' between them")
-    ap.add_argument("--exact", default=None, help="modes whose answers must equal own's (default: dense where run)")
+    ap.add_argument("--exact", default=None,
+                    help="modes whose answers must equal own's (default: dense and every <selector>@K mode run)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--concurrency", type=_ints, default=[1, 4, 8])
     ap.add_argument("--users", type=int, default=8)
@@ -169,7 +172,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.modes = [OWN] + parse_modes(args.modes)
     if len(set(args.modes)) != len(args.modes):
         ap.error(f"--modes: a mode twice, or {OWN!r} (always run first): {args.modes[1:]}")
-    args.exact = [m for m in args.modes if m == "dense"] if args.exact is None else parse_modes(args.exact)
+    if args.exact is None:
+        args.exact = [m for m in args.modes if m == "dense" or split_speculation(m)[1] is not None]
+    else:
+        args.exact = parse_modes(args.exact)
     if unknown := [m for m in args.exact if m not in args.modes[1:]]:
         ap.error(f"--exact: {unknown} not among --modes {args.modes[1:]}")
     args.workloads = args.workloads.split(",")

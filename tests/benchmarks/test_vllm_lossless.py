@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # the benchmarks package lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.vllm_lossless import (OWN, PER_POSITION, ProposeTimer, check_tokens, main, mode_name,  # noqa: E402
-                                      parse_mode, spec_summary, table)
+from benchmarks.vllm_lossless import OWN, PER_POSITION, ProposeTimer, check_tokens, main, spec_summary, table  # noqa: E402
+from kvsieve.eval.served.launch import EngineLaunch, split_speculation  # noqa: E402
 
 
 def _base(tokens, gaps, rep=0, step_ms=100.0, tok_s=10.0):
@@ -21,9 +21,17 @@ def _base(tokens, gaps, rep=0, step_ms=100.0, tok_s=10.0):
             "top2_gaps": gaps, "step_ms": step_ms, "decode_tok_s": tok_s}
 
 
-def test_mode_names_round_trip():
-    for draft, k in [(None, None), ("quest:budget=512,page_size=16", None), ("quest:budget=512,page_size=16", 4)]:
-        assert parse_mode(mode_name(draft, k)) == (draft, k)
+def test_the_lossless_mode_syntax_and_its_refusals():
+    assert split_speculation("quest:budget=512,page_size=16@4") == ("quest:budget=512,page_size=16", 4)
+    assert split_speculation("quest:budget=512") == ("quest:budget=512", None)
+    launch = EngineLaunch("quest:budget=512@2")
+    assert launch.speculative_config() == {"method": "custom_class", "num_speculative_tokens": 2,
+                                           "model": "kvsieve.integrations.vllm.drafter.SparseDrafter"}
+    assert launch.env(base={})["KVSIEVE_SELECTOR"] == "quest:budget=512"
+    assert EngineLaunch("quest:budget=512").speculative_config() is None
+    for bad in ("own@2", "dense@4", "quest:budget=512@0", "quest:budget=512@x"):
+        with pytest.raises(ValueError, match="mode"):
+            EngineLaunch(bad)
 
 
 def test_identical_tokens_pass_and_longer_runs_compare_their_common_part():

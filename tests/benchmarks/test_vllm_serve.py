@@ -130,6 +130,8 @@ def test_the_command_line_runs_own_first_and_refuses_what_it_cannot_honour(capsy
     assert args.modes == ["own", "dense", "quest:budget=384,page_size=16"]
     assert args.exact == ["dense"] and args.concurrency == [1, 4] and args.workloads == ["shared", "independent"]
     assert parse_args(["--modes", "quest:budget=384"]).exact == []
+    lossless = "quest:budget=384,page_size=16@4"  # the lossless mode must answer as own does
+    assert parse_args(["--modes", f"quest:budget=384;{lossless}"]).exact == [lossless]
     for argv, message in ((["--modes", "own"], "a mode twice, or 'own'"), (["--exact", "dense"], "--exact: ['dense']"),
                           (["--workloads", "chat"], "unknown ['chat']"), (["--answer-tokens", "5"], "low,high")):
         with pytest.raises(SystemExit):

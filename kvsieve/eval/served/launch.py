@@ -3,7 +3,10 @@
 
 A process runs in one **mode** (the plug-in is configured per process): ``own`` (vLLM's own
 attention, the plug-in off), a ``.yaml`` / ``.yml`` / ``.json`` file (``KVSIEVE_CONFIG``) or any
-other ``KVSIEVE_SELECTOR`` string (``dense``, ``quest:budget=256``, ...). :class:`EngineLaunch`
+other ``KVSIEVE_SELECTOR`` string (``dense``, ``quest:budget=256``, ...), optionally followed by
+``@K``: the lossless mode, the selector drafting ``K`` tokens a step through kvsieve's drafter and
+vLLM verifying them (:func:`split_speculation`, :meth:`EngineLaunch.speculative_config`;
+docs/lossless.md). :class:`EngineLaunch`
 holds a mode and the process's settings and builds its environment by one rule
 (:meth:`EngineLaunch.env`); :func:`model_folder` names the checkpoint folder vLLM loads;
 :func:`vllm_python` the Python that runs vLLM. Two kinds of process: a script of the caller's
@@ -34,8 +37,8 @@ from ...integrations.vllm.config import (ENV_BACKEND, ENV_CAPTURE, ENV_CHECK_STA
 from ..config import ConfigError
 from ..model import checkpoint_folder, models_dir
 
-__all__ = ["OWN", "ENV_PYTHON", "KV_SPACE", "EngineError", "EngineLaunch", "EngineProcess", "default_threads",
-           "healthy", "model_folder", "openai_server", "vllm_python"]
+__all__ = ["OWN", "DRAFTER", "ENV_PYTHON", "KV_SPACE", "EngineError", "EngineLaunch", "EngineProcess", "default_threads",
+           "healthy", "model_folder", "openai_server", "split_speculation", "vllm_python"]
 
 OWN = "own"
 ENV_PYTHON = "KVSIEVE_VLLM_PYTHON"
@@ -44,6 +47,23 @@ KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 PLUGIN_SETTINGS = (ENV_SELECTOR, ENV_CONFIG, ENV_BACKEND, ENV_CAPTURE, ENV_CHECK_STATE, ENV_PROMPT_SETTINGS)
 CHECKOUT = str(Path(__file__).resolve().parents[3])  # the folder holding this kvsieve package
 _CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+#: kvsieve's proposer class for vLLM's ``speculative_config`` (method ``custom_class``)
+DRAFTER = "kvsieve.integrations.vllm.drafter.SparseDrafter"
+
+
+def split_speculation(mode: str) -> tuple[str, int | None]:
+    """``"quest:budget=512@4"`` -> ``("quest:budget=512", 4)``; a mode without ``@`` -> ``(mode, None)``.
+    A suffix that is not a whole number >= 1, or one on ``own`` / ``dense`` (no selector to draft),
+    is refused naming the mode."""
+    base, mark, k = mode.rpartition("@")
+    if not mark:
+        return mode, None
+    if not k.isdigit() or int(k) < 1:
+        raise ValueError(f"mode {mode!r}: the draft length after '@' must be a whole number >= 1, got {k!r}")
+    if base in (OWN, "dense", ""):
+        raise ValueError(f"mode {mode!r}: {base or 'an empty mode'!r} has no selector to draft with; "
+                         "write <selector>@K")
+    return base, int(k)
 
 
 class EngineError(RuntimeError):
@@ -105,6 +125,7 @@ class EngineLaunch:
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or not self.mode:
             raise ValueError(f"EngineLaunch.mode must be {OWN!r}, a selector string or a config file, got {self.mode!r}")
+        split_speculation(self.mode)
         for name in ("threads", "kv_cache_gib"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -139,11 +160,18 @@ class EngineLaunch:
             env[KV_SPACE] = str(kv)
         if self.check_state:
             env[ENV_CHECK_STATE] = "1"
-        if self.mode.endswith(_CONFIG_SUFFIXES):
-            env[ENV_CONFIG] = self.mode
-        elif self.mode != OWN:
-            env[ENV_SELECTOR] = self.mode
+        plugin = split_speculation(self.mode)[0]
+        if plugin.endswith(_CONFIG_SUFFIXES):
+            env[ENV_CONFIG] = plugin
+        elif plugin != OWN:
+            env[ENV_SELECTOR] = plugin
         return env
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        """vLLM's ``speculative_config`` for a ``<selector>@K`` mode (kvsieve's drafter, ``K`` draft
+        tokens a step), ``None`` for any other."""
+        k = split_speculation(self.mode)[1]
+        return None if k is None else {"method": "custom_class", "model": DRAFTER, "num_speculative_tokens": k}
 
 
 class EngineProcess:
@@ -235,7 +263,8 @@ def openai_server(launch: EngineLaunch, model: str | Path, log: Path, *, dtype: 
                   max_num_seqs: int, served_name: str = "served", start_timeout_s: float = 600,
                   python: str | None = None) -> Iterator[tuple[int, subprocess.Popen]]:
     """vLLM's OpenAI-compatible server for ``model`` (a checkpoint folder) on 127.0.0.1 at a free
-    port, in ``launch``'s mode (:meth:`EngineLaunch.env` with ``server=True``), eager, one worker
+    port, in ``launch``'s mode (:meth:`EngineLaunch.env` with ``server=True``; ``--speculative-config``
+    for a ``<selector>@K`` mode), eager, one worker
     (``uni``), its requests' model named ``served_name``, its output in ``log``; ready (``/health``)
     within ``start_timeout_s`` (else a ``RuntimeError`` with the end of the log). Yields ``(port,
     process)`` and stops the server's process group after."""
@@ -244,6 +273,8 @@ def openai_server(launch: EngineLaunch, model: str | Path, log: Path, *, dtype: 
            "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
            "--enforce-eager", "--max-num-seqs", str(max_num_seqs), "--distributed-executor-backend", "uni",
            "--served-model-name", served_name, "--disable-uvicorn-access-log"]
+    if (spec := launch.speculative_config()) is not None:
+        cmd += ["--speculative-config", json.dumps(spec)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=launch.env(server=True), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -6,16 +6,16 @@ by side in one run, every speculative mode's greedy tokens checked against the b
                                        [--draft quest:budget=512,page_size=16] [--k 2,4,8]
                                        [--new 64] [--reps 2] [--sparse] [--dtype float32] [--out bench_out]
 
-Runs in the vLLM virtual environment (docs/vllm.md, docs/lossless.md). One engine process per mode,
-one at a time (8 x 8K requests in fp32 take a few GiB of KV space each): ``own`` (vLLM's own
+Runs in the vLLM virtual environment (docs/vllm.md, docs/lossless.md). One engine process per mode
+and repetition, one at a time (8 x 8K requests in fp32 take a few GiB of KV space each), the modes
+alternating within each repetition so that a change of the machine's load falls on all of them: ``own`` (vLLM's own
 attention, no plug-in, no speculation: the baseline), ``<draft>@K`` for every ``--draft`` and ``--k``
 (the launcher's lossless mode, :func:`kvsieve.eval.served.launch.split_speculation`: vLLM's
 ``speculative_config`` names kvsieve's drafter, the plug-in is configured with the draft selector) and, with ``--sparse``, the draft selector
 serving every decode step (not lossless: its tokens are shown, not checked). Every engine answers the
-same measurements in the same order: for each repetition, each prompt length ``L`` and each
-concurrency ``C``: ``C`` requests added at once, request ``i`` an essay cut to ``L`` tokens starting
-at essay ``i`` (distinct prompts), greedy, ``ignore_eos``. vLLM's prefix cache is on, so a repetition
-after the first decodes without prefilling again.
+same measurements in the same order: for each prompt length ``L`` and each concurrency ``C``: ``C``
+requests added at once, request ``i`` an essay cut to ``L`` tokens starting at essay ``i`` (distinct
+prompts), greedy, ``ignore_eos``.
 
 ``decode_tok_s``: the tokens produced in the engine steps in which all ``C`` requests are past
 their prompt and none has finished, over those steps' time (the same definition for every mode; a
@@ -113,7 +113,8 @@ def worker(args: argparse.Namespace) -> None:
     conc, longest = max(args.concurrency), max(args.lengths)
     chunk = 2048
     extra = conc * -(-longest // chunk) + 1
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=longest + args.new + extra + 64, enforce_eager=True,
+    max_tokens = args.new + extra * (1 + (k or 0))  # a speculative request may make K + 1 tokens a step while
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=longest + max_tokens + 64, enforce_eager=True,
               max_num_seqs=conc, max_num_batched_tokens=chunk, block_size=args.block_size, seed=0,
               distributed_executor_backend="uni", enable_prefix_caching=True, disable_log_stats=False,
               speculative_config=EngineLaunch(args.mode).speculative_config())
@@ -127,8 +128,7 @@ def worker(args: argparse.Namespace) -> None:
         if not cmd or cmd[0] != "go":
             break
         rep, n, c = (int(x) for x in cmd[1:4])
-        # a speculative request may make K + 1 tokens a step while the others still prefill
-        params = SamplingParams(temperature=0.0, max_tokens=args.new + extra * (1 + (k or 0)), ignore_eos=True,
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,  # the others still prefill
                                 logprobs=2 if own else None)
         before = _counters(llm) if k is not None else None
         t0 = time.perf_counter()
@@ -280,14 +280,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    for mode in modes:  # one engine at a time: each holds the KV of every concurrent request
-        launch = EngineLaunch(mode, threads=args.threads, kv_cache_gib=args.kv_gib)
-        cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--model", args.model,
-               "--lengths", ",".join(map(str, args.lengths)), "--concurrency", ",".join(map(str, args.concurrency)),
-               "--new", str(args.new), "--block-size", str(args.block_size), "--dtype", args.dtype]
-        log = out / f"engine-{len(rows)}-{started.strftime('%H%M%S')}.log"
-        with EngineProcess(mode, cmd, launch.env(), log) as proc:
-            for rep in range(args.reps):
+    for rep in range(args.reps):  # the modes alternate within each repetition, one engine at a time (each
+        for mode in modes:        # holds the KV of every concurrent request): a change of load falls on all
+            launch = EngineLaunch(mode, threads=args.threads, kv_cache_gib=args.kv_gib)
+            cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--model", args.model,
+                   "--lengths", ",".join(map(str, args.lengths)), "--concurrency", ",".join(map(str, args.concurrency)),
+                   "--new", str(args.new), "--block-size", str(args.block_size), "--dtype", args.dtype]
+            log = out / f"engine-{started.strftime('%H%M%S')}-{rep}-{modes.index(mode)}.log"
+            with EngineProcess(mode, cmd, launch.env(), log) as proc:
                 for n in args.lengths:
                     for c in args.concurrency:
                         before = _load()

@@ -8,6 +8,7 @@ runs it).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import yaml
@@ -32,7 +33,10 @@ def plugin_config_file(path: Path, sparse: SparseAttentionConfig, backend: str) 
 
 def start_engine(name: str, python: str, model_dir: Path, launch: EngineLaunch, *, dtype: str, max_model_len: int,
                  max_num_seqs: int, log: Path) -> EngineProcess:
-    """One :mod:`.worker` process for ``model_dir`` in ``launch``'s mode, ready; ``log``: its stderr."""
+    """One :mod:`.worker` process for ``model_dir`` in ``launch``'s mode (a lossless ``<config>@K`` mode:
+    with vLLM's speculative decoding), ready; ``log``: its stderr."""
     cmd = [python, *_WORKER, "--model", str(model_dir), "--dtype", dtype, "--max-model-len", str(max_model_len),
            "--max-num-seqs", str(max_num_seqs)]
+    if (spec := launch.speculative_config()) is not None:
+        cmd += ["--speculative-config", json.dumps(spec)]
     return EngineProcess(name, cmd, launch.env(), log)

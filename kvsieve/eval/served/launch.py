@@ -37,10 +37,11 @@ from ...integrations.vllm.config import (ENV_BACKEND, ENV_CAPTURE, ENV_CHECK_STA
 from ..config import ConfigError
 from ..model import checkpoint_folder, models_dir
 
-__all__ = ["OWN", "DRAFTER", "ENV_PYTHON", "KV_SPACE", "EngineError", "EngineLaunch", "EngineProcess", "default_threads",
+__all__ = ["OWN", "DENSE", "DRAFTER", "ENV_PYTHON", "KV_SPACE", "EngineError", "EngineLaunch", "EngineProcess", "default_threads",
            "healthy", "model_folder", "openai_server", "split_speculation", "vllm_python"]
 
 OWN = "own"
+DENSE = "dense"  # the plug-in on, no selector
 ENV_PYTHON = "KVSIEVE_VLLM_PYTHON"
 KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 #: every setting the plug-in reads from its environment: a launched process gets its mode's alone
@@ -53,16 +54,16 @@ DRAFTER = "kvsieve.integrations.vllm.drafter.SparseDrafter"
 
 def split_speculation(mode: str) -> tuple[str, int | None]:
     """``"quest:budget=512@4"`` -> ``("quest:budget=512", 4)``; a mode without ``@`` -> ``(mode, None)``.
-    A suffix that is not a whole number >= 1, or one on ``own`` / ``dense`` (no selector to draft),
-    is refused naming the mode."""
+    A suffix that is not a whole number >= 1, or one on ``own`` (the plug-in off: no drafter), is
+    refused naming the mode; ``dense@K`` drafts with the plug-in's dense attention."""
     base, mark, k = mode.rpartition("@")
     if not mark:
         return mode, None
     if not k.isdigit() or int(k) < 1:
         raise ValueError(f"mode {mode!r}: the draft length after '@' must be a whole number >= 1, got {k!r}")
-    if base in (OWN, "dense", ""):
-        raise ValueError(f"mode {mode!r}: {base or 'an empty mode'!r} has no selector to draft with; "
-                         "write <selector>@K")
+    if base in (OWN, ""):
+        raise ValueError(f"mode {mode!r}: {base or 'an empty mode'!r} runs no plug-in to draft with; "
+                         "write <selector>@K or dense@K")
     return base, int(k)
 
 

@@ -10,6 +10,9 @@
   per-block state) that depend on the request's setting, so each setting gets its own
   ``cache_salt`` (:func:`cache_salt`) and requests share cached prompt blocks only within one
   setting; a generation-only selector writes dense prompt K/V, shared by every setting.
+* **The ``acceptance`` task** runs on lossless engines of its own, one per run and draft length,
+  the entry's config at the run's budget (:mod:`.lossless`): it measures the accepted length and the
+  lossless speed-up where they are served.
 * **Engine settings** are fixed (:func:`engine_identity`, part of every run's identity).
 * **Refused by name** (:func:`check_served`): a task that is not a generation task (``fidelity``
   reads attention inside kvsieve's session), ``check`` (the vanilla golden check of kvsieve's
@@ -42,7 +45,8 @@ TIMING_REPS = 3  # measurements per run, each beside one of vLLM's own attention
 MAX_NUM_SEQS = 4
 PLUGIN_DENSE = "dense"
 #: summary.csv columns the vLLM path adds
-SERVED_FIELDS = ("decode_speedup", "decode_tok_s", "own_decode_tok_s", "load_1m")
+SERVED_FIELDS = ("decode_speedup", "decode_tok_s", "own_decode_tok_s", "load_1m", "lossless_speedup_k2",
+                 "lossless_speedup_k4", "lossless_speedup_k8")
 
 
 def kv_cache_gib(model_config: Any, max_model_len: int) -> int:

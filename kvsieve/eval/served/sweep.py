@@ -12,7 +12,8 @@ attention decodes :data:`~.protocol.DECODE_TOKENS` tokens after the cell's first
 run's engine does with the run's setting (the prompt is in each engine's prefix cache by then); the
 speed-up is the median over those repetitions of (the run's decode tokens/s) / (vLLM's own in the
 same repetition). The dense runs are vLLM's own attention: their speed-up is 1 by definition. The
-1-minute load average before and after the timing is kept with it.
+1-minute load average before and after the timing is kept with it. The ``acceptance`` task's runs
+are lossless decoding measured in vLLM instead (:mod:`.lossless`: accepted lengths and speed-ups).
 """
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ from ..store import CONFIG, atomic_write_text, clear_run
 from ..tasks import ContinuationTask, Sample, get_task
 from .agreement import answer_text
 from .engine import plugin_config_file, start_engine
+from ..acceptance import AcceptanceTask
 from .launch import OWN, EngineError, EngineLaunch, EngineProcess, model_folder
+from .lossless import LOSSLESS_DECODE_TOKENS, lossless_run
 from .protocol import (DECODE_TOKENS, DTYPE, MAX_NUM_SEQS, TIMING_REPS, cache_salt, kv_cache_gib, process_config,
                        request_setting)
 
@@ -70,7 +73,8 @@ def _cell_prompts(sw: ServedSweep, run: RunSpec) -> list[tuple[Sample, list[int]
 
 
 def _max_model_len(sw: ServedSweep, runs: list[RunSpec]) -> int:
-    longest = max(len(ids) + max(get_task(r.task.name, r.task.params).max_new_tokens, DECODE_TOKENS)
+    longest = max(len(ids) + max(get_task(r.task.name, r.task.params).max_new_tokens,
+                                 LOSSLESS_DECODE_TOKENS if r.task.name == AcceptanceTask.name else DECODE_TOKENS)
                   for r in runs for _, ids in _cell_prompts(sw, r))
     return -(-(longest + 16) // 128) * 128
 
@@ -126,8 +130,9 @@ def _speed(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, run: RunS
             "load_1m": [round(load0, 2), round(os.getloadavg()[0], 2)]}
 
 
-def _finish(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, run: RunSpec) -> None:
-    """Generate, time and write one run; a failure is recorded in its folder (re-raised with ``fail_fast``)."""
+def _finish(sw: ServedSweep, run: RunSpec, measure: Callable[[], tuple[Progress, dict[str, Any]]]) -> None:
+    """Measure and write one run (``measure``: its rows and extra metrics); a failure is recorded in
+    its folder (re-raised with ``fail_fast``)."""
     folder = sw.out / run.folder
     clear_run(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -135,8 +140,7 @@ def _finish(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, run: Run
                                                        "identity": run_identity(sw.cfg, run)}, sort_keys=False))
     sw.bar.set_postfix_str(f"{run.task.name} L={run.length} {run.label} {run.budget.label if run.budget else ''}")
     try:
-        p = _generate(sw, own, engine, run)
-        extra = _speed(sw, own, engine, run)
+        p, extra = measure()
     except Exception as err:  # recorded in the run's folder, the sweep goes on (an engine that died fails the rest)
         record_failure(folder, sw.ids[run.folder], err, sw.log)
         if sw.fail_fast:
@@ -145,6 +149,18 @@ def _finish(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, run: Run
     extra["achieved_sparsity"] = 0.0 if run.sparse is None else None  # not measured inside vLLM
     write_run(folder, run, sw.cfg, sw.ids[run.folder], p, extra)
     sw.bar.update(len(p.rows))
+
+
+def _finish_generated(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, run: RunSpec) -> None:
+    """A generation run on ``engine``, timed beside ``own``."""
+    _finish(sw, run, lambda: (_generate(sw, own, engine, run), _speed(sw, own, engine, run)))
+
+
+def _finish_lossless(sw: ServedSweep, own: EngineProcess, run: RunSpec, runs: list[RunSpec]) -> None:
+    """An ``acceptance`` run: lossless decoding measured in vLLM (:mod:`.lossless`)."""
+    task = get_task(run.task.name, run.task.params)
+    _finish(sw, run, lambda: lossless_run(sw, own, run, _cell_prompts(sw, run), task.max_new_tokens,
+                                          _max_model_len(sw, runs)))
 
 
 def _engine(sw: ServedSweep, name: str, spec: SelectorSpec | None, runs: list[RunSpec]) -> EngineProcess:
@@ -178,13 +194,17 @@ def _start(sw: ServedSweep, name: str, spec: SelectorSpec | None, runs: list[Run
 
 def run_served(sw: ServedSweep, runs: list[RunSpec], pending: list[RunSpec]) -> None:
     """Run ``pending`` (a subset of the sweep's ``runs``, in plan order): the dense runs on vLLM's own
-    attention, then each selector entry's runs on its engine, timed beside the own engine."""
+    attention, then each selector entry's runs on its engine, timed beside the own engine; the
+    ``acceptance`` runs each on lossless engines of their own (:mod:`.lossless`)."""
     own = _start(sw, "own", None, runs, pending)
     if own is None:
         return
     try:
+        for run in (r for r in pending if r.task.name == AcceptanceTask.name):
+            _finish_lossless(sw, own, run, runs)
+        pending = [r for r in pending if r.task.name != AcceptanceTask.name]
         for run in (r for r in pending if r.selector is None):
-            _finish(sw, own, own, run)
+            _finish_generated(sw, own, own, run)
         for spec in sw.cfg.selectors:
             mine = [r for r in pending if r.selector is spec]
             engine = _start(sw, spec.label, spec, runs, mine) if mine else None
@@ -192,7 +212,7 @@ def run_served(sw: ServedSweep, runs: list[RunSpec], pending: list[RunSpec]) -> 
                 continue
             try:
                 for run in mine:
-                    _finish(sw, own, engine, run)
+                    _finish_generated(sw, own, engine, run)
             finally:
                 engine.close()
     finally:

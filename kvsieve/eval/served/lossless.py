@@ -1,0 +1,103 @@
+"""The ``acceptance`` task through vLLM (``kvsieve eval --engine vllm``): lossless decoding measured
+where it is served, beside the estimate kvsieve's own session gives.
+
+For a run (selector entry, budget, length) and each draft length ``K`` in
+:data:`~kvsieve.eval.acceptance.DRAFT_LENGTHS`, one engine: the plug-in with the entry's config at
+the run's budget (its process config: per-request settings do not reach a draft pass; a dense run:
+the plug-in's dense attention drafting, the ceiling) and vLLM's
+speculative decoding with kvsieve's drafter, ``K`` tokens a step (the launcher's ``<config>@K``
+mode, docs/lossless.md). Each prompt is generated alone (greedy, the task's ``max_new_tokens``), and
+vLLM's own spec-decode counters read before and after it give the sample's mean accepted length
+at ``K`` (tokens per verify pass, ``1 + accepted / drafts``) and, at ``K = 8``, its acceptance by
+draft position. Every sample's tokens are compared with vLLM's own attention's on the same prompt
+(``tokens_equal_own``: 1 when equal; lossless decoding gives them up to fp32 rounding ties).
+Then, :data:`~.protocol.TIMING_REPS` times, one request of the cell's first prompt decodes
+:data:`LOSSLESS_DECODE_TOKENS` tokens on vLLM's own attention and on the engine at ``K``: the run's
+``lossless_speedup_k{K}`` is the median ratio of decode tokens/s. The score is the accepted length
+at ``K = 4`` (the transformers path's), and ``decode_speedup`` the measured speed-up at ``K = 4``.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..acceptance import DRAFT_LENGTHS
+from ..run_files import Progress, prediction_row
+from ..run_plan import RunSpec
+from .engine import plugin_config_file, start_engine
+from .launch import DENSE, EngineLaunch, EngineProcess, model_folder
+from .protocol import DTYPE, MAX_NUM_SEQS, TIMING_REPS, kv_cache_gib
+
+if TYPE_CHECKING:
+    from .sweep import ServedSweep
+
+__all__ = ["LOSSLESS_DECODE_TOKENS", "SCORE_K", "lossless_run"]
+
+LOSSLESS_DECODE_TOKENS = 64  # tokens per timed request: several verify passes even at K = 8
+SCORE_K = 4
+
+
+def _engine(sw: ServedSweep, run: RunSpec, k: int, max_len: int) -> EngineProcess:
+    """The lossless engine of ``run`` at ``K = k``; a dense run drafts with the plug-in's dense
+    attention (the acceptance's ceiling)."""
+    folder = sw.out / "engines"
+    folder.mkdir(exist_ok=True)
+    if run.selector is None:
+        name, mode = f"dense-{run.length}-k{k}", DENSE
+    else:
+        name = f"{run.selector.label}-{run.budget.label}-{run.length}-k{k}"
+        mode = str(plugin_config_file(folder / f"{name}.yaml", run.selector.sparse_config(run.budget), sw.cfg.backend))
+    sw.log(f"kvsieve eval: starting vLLM engine {name!r} (lossless, plug-in: {mode}; log {folder / (name + '.log')})")
+    launch = EngineLaunch(f"{mode}@{k}", threads=sw.cfg.threads or 1,
+                          kv_cache_gib=kv_cache_gib(sw.lm.model.config, max_len))
+    return start_engine(name, sw.python, model_folder(sw.cfg.model), launch, dtype=DTYPE, max_model_len=max_len,
+                        max_num_seqs=MAX_NUM_SEQS, log=folder / f"{name}.log")
+
+
+def _tokens(engine: EngineProcess, ids: list[int], max_tokens: int) -> tuple[list[int], dict[str, Any]]:
+    reply = engine.request({"op": "generate", "prompts": [{"ids": ids, "max_tokens": max_tokens}]})
+    return reply["tokens"][0], reply.get("spec", {})
+
+
+def _rate(engine: EngineProcess, ids: list[int]) -> float:
+    return float(engine.request({"op": "time", "ids": ids, "tokens": LOSSLESS_DECODE_TOKENS})["decode_tok_s"])
+
+
+def lossless_run(sw: ServedSweep, own: EngineProcess, run: RunSpec, prompts: list[tuple[Any, list[int]]],
+                 max_new_tokens: int, max_len: int) -> tuple[Progress, dict[str, Any]]:
+    """The run's prediction rows and its extra metrics (module docstring); ``prompts``: the cell's
+    (sample, token ids); ``own``: vLLM's own attention's engine."""
+    t0 = time.perf_counter()
+    references = [_tokens(own, ids, max_new_tokens)[0] for _, ids in prompts]
+    rows: list[dict[str, Any]] = [{} for _ in prompts]
+    extra: dict[str, Any] = {}
+    load0 = os.getloadavg()[0]
+    for k in DRAFT_LENGTHS:
+        engine = _engine(sw, run, k, max_len)
+        try:
+            for row, (_, ids), ref in zip(rows, prompts, references):
+                tokens, spec = _tokens(engine, ids, max_new_tokens)
+                if not spec.get("drafts"):
+                    raise RuntimeError(f"lossless decoding at K={k}: vLLM counted no draft for a prompt of "
+                                       f"{len(ids)} tokens (is speculation on?)")
+                row[f"accepted_length_k{k}"] = 1 + spec["accepted"] / spec["drafts"]
+                if k == max(DRAFT_LENGTHS):
+                    row[f"acceptance_by_position_k{k}"] = "|".join(f"{a / spec['drafts']:.4f}" for a in spec["per_position"])
+                row["tokens_equal_own"] = min(row.get("tokens_equal_own", 1), int(tokens == ref))
+            ratios = []
+            for _ in range(TIMING_REPS):
+                base = _rate(own, prompts[0][1])
+                ratios.append(_rate(engine, prompts[0][1]) / base)
+            extra[f"lossless_speedup_k{k}"] = statistics.median(ratios)
+        finally:
+            engine.close()
+    p = Progress(seconds=time.perf_counter() - t0)
+    for (sample, ids), row in zip(prompts, rows):
+        row["score"] = row[f"accepted_length_k{SCORE_K}"]
+        p.rows.append(prediction_row(sample, len(ids), row, []))
+        p.fractions.append([])
+    extra.update(decode_speedup=extra[f"lossless_speedup_k{SCORE_K}"],
+                 load_1m=[round(load0, 2), round(os.getloadavg()[0], 2)])
+    return p, extra

@@ -1,0 +1,72 @@
+"""The ``acceptance`` task through vLLM (:mod:`kvsieve.eval.served.lossless`) without vLLM: engines
+that answer like the worker does, and the rows, speed-ups and refusals against hand-worked values
+(the real engines: tests/vllm/test_eval_served.py)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvsieve.eval.served import lossless
+from kvsieve.eval.tasks.base import Sample
+
+
+class FakeEngine:
+    """Answers ``generate`` with fixed tokens and spec counters and ``time`` with a fixed rate."""
+
+    def __init__(self, tokens, rate, spec=None):
+        self.tokens, self.rate, self.spec, self.closed = tokens, rate, spec, False
+
+    def request(self, job):
+        if job["op"] == "time":
+            return {"decode_tok_s": self.rate}
+        reply = {"tokens": [self.tokens(job["prompts"][0]["ids"])]}
+        if self.spec is not None:
+            reply["spec"] = self.spec
+        return reply
+
+    def close(self):
+        self.closed = True
+
+
+def _sweep():
+    return SimpleNamespace(cfg=SimpleNamespace(backend="torch"), log=lambda _: None)
+
+
+def _prompts():
+    return [(Sample(index=i, prompt="", answers=(), depth=None), [i + 1] * 8) for i in range(2)]
+
+
+def test_rows_carry_the_measured_accepted_lengths_and_the_run_the_speedups(monkeypatch):
+    own = FakeEngine(lambda ids: [ids[0], 7, 7], rate=10.0)
+    engines = {}
+
+    def fake_engine(sw, run, k, max_len):
+        # K drafts a step, accepting 0.5 per position on average: 1 + K/2 tokens per verify pass
+        spec = {"drafts": 10.0, "accepted": 5.0 * k, "per_position": [5.0] * k}
+        engines[k] = FakeEngine(lambda ids: [ids[0], 7, 8 if ids[0] == 2 and k == 8 else 7], rate=10.0 + k, spec=spec)
+        return engines[k]
+
+    monkeypatch.setattr(lossless, "_engine", fake_engine)
+    p, extra = lossless.lossless_run(_sweep(), own, SimpleNamespace(), _prompts(), max_new_tokens=3, max_len=64)
+    assert [r["accepted_length_k2"] for r in p.rows] == [2.0, 2.0]
+    assert [r["accepted_length_k8"] for r in p.rows] == [5.0, 5.0]
+    assert p.rows[0]["score"] == p.rows[0]["accepted_length_k4"] == 3.0
+    assert p.rows[0]["acceptance_by_position_k8"] == "|".join(["0.5000"] * 8)
+    assert [r["tokens_equal_own"] for r in p.rows] == [1, 0]  # the second prompt differs at K = 8
+    assert extra["lossless_speedup_k2"] == pytest.approx(1.2) and extra["decode_speedup"] == pytest.approx(1.4)
+    assert all(e.closed for e in engines.values())
+
+
+def test_an_engine_that_drafts_nothing_fails_the_run(monkeypatch):
+    own = FakeEngine(lambda ids: [1], rate=10.0)
+    made = []
+
+    def fake_engine(sw, run, k, max_len):
+        made.append(FakeEngine(lambda ids: [1], rate=10.0, spec={"drafts": 0.0, "accepted": 0.0, "per_position": []}))
+        return made[-1]
+
+    monkeypatch.setattr(lossless, "_engine", fake_engine)
+    with pytest.raises(RuntimeError, match="counted no draft"):
+        lossless.lossless_run(_sweep(), own, SimpleNamespace(), _prompts(), max_new_tokens=1, max_len=64)
+    assert made and made[0].closed  # the engine is closed on the way out

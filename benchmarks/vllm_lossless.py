@@ -19,7 +19,8 @@ prompts), greedy, ``ignore_eos``.
 
 ``decode_tok_s``: the tokens produced in the engine steps in which all ``C`` requests are past
 their prompt and none has finished, over those steps' time (the same definition for every mode; a
-speculative step produces 1 to ``K + 1`` tokens per request). Each request generates ``--new`` tokens
+speculative step produces 1 to ``K + 1`` tokens per request); once the first request is done the
+others are aborted. Each request generates ``--new`` tokens
 plus as many as its staggered prefill chunks take (times ``K + 1`` under speculation; the token check
 compares the tokens both runs made). For the speculative modes also: the mean accepted
 length (tokens per request per verify step, from vLLM's own spec-decode counters), acceptance by
@@ -135,38 +136,43 @@ def worker(args: argparse.Namespace) -> None:
         for i in range(c):
             engine.add_request(f"r{rep}-{n}-{c}-{i}", TokensPrompt(prompt_token_ids=prompts[n][i]), params)
         counts: dict[str, int] = {}
-        finals: dict[str, Any] = {}
+        latest: dict[str, list[int]] = {}
+        logprobs: dict[str, Any] = {}
         steady_tokens, steady_s, steady_draft_s, steady_steps = 0, 0.0, 0.0, 0
-        first_token_at = None
+        first_token_at, finished = None, False
         if timer is not None:
             timer.take()
         while engine.has_unfinished_requests():
-            steady = len(counts) == c and min(counts.values()) > 0 and len(finals) == 0
+            steady = len(counts) == c and min(counts.values()) > 0
             s0 = time.perf_counter()
             outs = engine.step()
             s1 = time.perf_counter()
             drafted = timer.take() if timer is not None else 0.0
             new = 0
             for out in outs:
-                got = len(out.outputs[0].token_ids)
-                new += got - counts.get(out.request_id, 0)
-                counts[out.request_id] = got
-                if out.finished:
-                    finals[out.request_id] = out.outputs[0]
-            if steady and len(finals) == 0:
+                latest[out.request_id] = list(out.outputs[0].token_ids)
+                if own:
+                    logprobs[out.request_id] = out.outputs[0].logprobs
+                new += len(latest[out.request_id]) - counts.get(out.request_id, 0)
+                counts[out.request_id] = len(latest[out.request_id])
+                finished = finished or out.finished
+            if finished:  # the steady window ends with the first request done; the rest are not timed
+                engine.abort_request([r for r in counts if r not in {o.request_id for o in outs if o.finished}])
+                break
+            if steady:
                 steady_tokens, steady_s, steady_draft_s, steady_steps = (
                     steady_tokens + new, steady_s + s1 - s0, steady_draft_s + drafted, steady_steps + 1)
             if first_token_at is None and len(counts) == c and min(counts.values()) > 0:
                 first_token_at = s1
         if steady_steps < 2:
             raise RuntimeError(f"only {steady_steps} steps with all {c} requests decoding; raise --new")
-        order = sorted(finals, key=lambda r: int(r.rsplit("-", 1)[1]))
+        order = sorted(latest, key=lambda r: int(r.rsplit("-", 1)[1]))
         row = {"rep": rep, "prompt_tokens": n, "concurrency": c, "ttft_all_s": round(first_token_at - t0, 3),
                "steady_steps": steady_steps, "step_ms": round(1e3 * steady_s / steady_steps, 2),
                "decode_tok_s": round(steady_tokens / steady_s, 3),
-               "tokens": [list(finals[r].token_ids) for r in order]}
+               "tokens": [latest[r] for r in order]}
         if own:
-            row["top2_gaps"] = [[_gap(lp) for lp in finals[r].logprobs] for r in order]
+            row["top2_gaps"] = [[_gap(lp) for lp in logprobs[r]] for r in order]
         if k is not None:
             row.update(draft_ms=round(1e3 * steady_draft_s / steady_steps, 2),
                        verify_ms=round(1e3 * (steady_s - steady_draft_s) / steady_steps, 2),

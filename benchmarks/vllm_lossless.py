@@ -33,7 +33,8 @@ first difference of a request is allowed only where the baseline's two top logpr
 log-softmax keeps logit differences) are within ``--tie`` (a verify pass over ``K + 1`` rows rounds
 differently from ``K + 1`` one-token steps). Any other difference makes the run exit with status 1.
 Prints the CPU line, one JSON line per measurement with the load before and after, the table; writes
-everything to ``--out/vllm_lossless-<UTC time>.json``. Compare ratios, not figures across runs.
+everything to ``--out/vllm_lossless-<UTC time>.json``, again after every measurement (a run stopped
+early keeps its finished measurements and their table). Compare ratios, not figures across runs.
 """
 from __future__ import annotations
 
@@ -286,6 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    path = out / f"vllm_lossless-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
+
+    def save() -> list[dict[str, Any]]:  # after every measurement: a run stopped early keeps what it measured
+        result = table(rows)
+        path.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "cpu": isa,
+                                    "started_utc": started.isoformat(timespec="seconds"),
+                                    "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                    "rows": rows, "table": result}, indent=1))
+        return result
     for rep in range(args.reps):  # the modes alternate within each repetition, one engine at a time (each
         for mode in modes:        # holds the KV of every concurrent request): a change of load falls on all
             launch = EngineLaunch(mode, threads=args.threads, kv_cache_gib=args.kv_gib)
@@ -303,14 +313,10 @@ def main(argv: list[str] | None = None) -> int:
                         print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "top2_gaps")}),
                               flush=True)
                         rows.append(row)
-    result = table(rows)
+                        save()
+    result = save()
     for entry in result:
         print(json.dumps(entry))
-    path = out / f"vllm_lossless-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
-    path.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "cpu": isa,
-                                "started_utc": started.isoformat(timespec="seconds"),
-                                "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                                "rows": rows, "table": result}, indent=1))
     print(f"\nwritten: {path}")
     bad = [e for e in result if str(e.get("tokens", "")).startswith("MISMATCH")]
     for e in bad:

@@ -38,6 +38,10 @@ def main() -> None:
     ap.add_argument("--refused", action="append", default=[],
                     help="a kvsieve setting sent alone (on the first prompt) before the batch; its error is recorded")
     ap.add_argument("--additional-config", default=None, help="JSON: vLLM's additional_config")
+    ap.add_argument("--speculate", type=int, default=0,
+                    help="K: vLLM speculates K tokens per step with kvsieve's drafter (docs/lossless.md)")
+    ap.add_argument("--logprobs", type=int, default=None, help="record each generated token's top logprobs")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sample, seeded per request")
     ap.add_argument("--dynamo-eager", action="store_true",
                     help="trace the model once with dynamo, run it eagerly (instead of --enforce-eager): vLLM's CPU "
                          "worker sets up pipeline stages > 0 only in the warm-up this mode runs")
@@ -56,6 +60,11 @@ def main() -> None:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.additional_config:
         extra["additional_config"] = json.loads(args.additional_config)
+    if args.speculate:
+        from kvsieve.integrations.vllm.draft_steps import DRAFTER
+
+        extra["speculative_config"] = {"method": "custom_class", "model": DRAFTER,
+                                       "num_speculative_tokens": args.speculate}
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=not args.dynamo_eager,
               max_num_seqs=4, seed=0, disable_log_stats=False, distributed_executor_backend="mp" if parallel else "uni",
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
@@ -65,7 +74,8 @@ def main() -> None:
     if args.prompt_tokens:
         ids = tok.encode(FILLER * (args.prompt_tokens // 20 + 1))[: args.prompt_tokens - 8]
         prompts.append(TokensPrompt(prompt_token_ids=ids + tok.encode(" The price of grain was")))
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
+                            logprobs=args.logprobs, seed=0 if args.temperature > 0 else None)
     refused = []
     for setting in args.refused:
         try:
@@ -87,7 +97,12 @@ def main() -> None:
     state = current_plugin_state()  # this process's (one process: no engine-core or worker process)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs],
               "prompt_lens": [len(o.prompt_token_ids) for o in outs], "generate_s": wall, "refused": refused,
-              "preemptions": sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"),
+              "preemptions": _counter(llm, "vllm:num_preemptions"),
+              "drafted": _counter(llm, "vllm:spec_decode_num_draft_tokens"),
+              "accepted": _counter(llm, "vllm:spec_decode_num_accepted_tokens"),
+              # per request and generated token: the top logprobs, {token id: logprob}
+              "logprobs": None if args.logprobs is None else [
+                  [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs],
               "native_layers": None if state is None else state.native_layers(),
               "served": None if state is None else served_line(state),
               # each attention layer's CPU kernel ISA (one process: the engine's config is this one's)
@@ -96,6 +111,10 @@ def main() -> None:
               "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f)
+
+
+def _counter(llm, name: str) -> int:  # noqa: ANN001
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: the guard is required

@@ -35,7 +35,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from ...selectors.dsa import IndexerInputs
 from ...sparse import AttentionGeometry
-from .draft_steps import OWN_STEP, record, step_kind, uses_drafter
+from .draft_steps import FIRST_DRAFT_STEP, OWN_STEP, record, step_kind, uses_drafter
 from .host import PerHeadTables
 from .request_settings import RequestSetting, row_prompt_lens, row_settings
 from .router import DUMMY_STEP, HOST_WHOLE, ONE_CALL_DECODE, refuse_step, route_call
@@ -96,13 +96,15 @@ def _host_step(md: CPUAttentionMetadata, rows: int, kind: str | None) -> VllmSte
     """The step's tables on the host. Without kvsieve's drafter (``kind`` ``None``): with each row's
     prompt length (refused by name where the batch table does not know a row) and per-request
     setting. Under it (:mod:`.draft_steps`): a step vLLM runs itself is dense, every query token a
-    context token; a draft step's every row is one generated token (its prompt ends before it)."""
+    context token; a draft step's every row is one generated token (its prompt ends before it), the
+    round's first taking the selector's Python hooks."""
     if kind is None:
         return VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens,
                                      prompt_lens=row_prompt_lens(rows), settings=row_settings(rows))
     seq_lens = md.seq_lens[:rows].cpu().numpy().astype(np.int32)
     return VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens,
-                                 prompt_lens=seq_lens if kind == OWN_STEP else seq_lens - 1, dense=kind == OWN_STEP)
+                                 prompt_lens=seq_lens if kind == OWN_STEP else seq_lens - 1, dense=kind == OWN_STEP,
+                                 hooks=kind == FIRST_DRAFT_STEP)
 
 
 class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):

@@ -11,7 +11,14 @@ Under that drafter vLLM runs two kinds of forward passes:
   query token is treated as a context token, attending densely), so the batch table that per-request
   settings ride (vLLM builds no entry-point logits processor under speculation) is not read.
 * :data:`DRAFT_STEP`: the drafter's one-token steps, every row one generated token, selected by the
-  selector as a decode step.
+  selector as a decode step. The first of a round is :data:`FIRST_DRAFT_STEP`: it runs the selector's
+  Python hooks, never the one-call decode path (:mod:`.native_decode`). The verify pass before it
+  summarized every token it wrote, the rejected ones included; ``on_append`` recomputes the page of
+  each row's new position from the cache over its valid positions, where the one-call path would
+  merge the new key into a summary still holding the rejected keys. Later draft steps append behind
+  valid positions (or start a page), which the one-call path's merge keeps exact. Rejected
+  positions past a request's length are never read: a page is recomputed (or restarted) when a
+  position in it is written again, and DSA's index keys are per position.
 
 The plug-in's metadata builder records the common attention metadata of each own step per builder
 (:func:`record`); the drafter builds its steps' metadata from those records, inside
@@ -23,15 +30,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["DRAFTER", "OWN_STEP", "DRAFT_STEP", "uses_drafter", "record", "recorded", "drafting", "step_kind"]
+__all__ = ["DRAFTER", "OWN_STEP", "DRAFT_STEP", "FIRST_DRAFT_STEP", "uses_drafter", "record", "recorded", "drafting", "step_kind"]
 
 #: the ``speculative_config.model`` naming kvsieve's drafter (``method="custom_class"``)
 DRAFTER = "kvsieve.integrations.vllm.drafter.SparseDrafter"
 OWN_STEP = "own"
 DRAFT_STEP = "draft"
+FIRST_DRAFT_STEP = "first_draft"
 
 _RECORDS: dict[int, tuple[Any, Any]] = {}  # id(builder) -> (builder, the common metadata of its last own step)
-_DRAFTING = [False]
+_DRAFTING: list[str | None] = [None]  # the kind of the draft step being run
 
 
 def uses_drafter(vllm_config: Any) -> bool:
@@ -43,7 +51,7 @@ def uses_drafter(vllm_config: Any) -> bool:
 def record(builder: Any, common: Any) -> None:
     """Keep ``common`` (vLLM's ``CommonAttentionMetadata``) as ``builder``'s last own step; nothing
     while drafting."""
-    if not _DRAFTING[0]:
+    if _DRAFTING[0] is None:
         _RECORDS[id(builder)] = (builder, common)
 
 
@@ -53,18 +61,19 @@ def recorded() -> list[tuple[Any, Any]]:
 
 
 @contextmanager
-def drafting() -> Iterator[None]:
-    """The drafter's forward passes: the plug-in's builders build :data:`DRAFT_STEP` metadata."""
-    _DRAFTING[0] = True
+def drafting(first: bool) -> Iterator[None]:
+    """One of the drafter's forward passes (``first``: the round's first): the plug-in's builders
+    build :data:`FIRST_DRAFT_STEP` or :data:`DRAFT_STEP` metadata and record nothing."""
+    _DRAFTING[0] = FIRST_DRAFT_STEP if first else DRAFT_STEP
     try:
         yield
     finally:
-        _DRAFTING[0] = False
+        _DRAFTING[0] = None
 
 
 def step_kind(speculating: bool) -> str | None:
     """The kind of the step being built: ``None`` without kvsieve's drafter (``speculating`` False),
-    else :data:`DRAFT_STEP` inside :func:`drafting`, :data:`OWN_STEP` outside."""
+    else the draft step's inside :func:`drafting`, :data:`OWN_STEP` outside."""
     if not speculating:
         return None
-    return DRAFT_STEP if _DRAFTING[0] else OWN_STEP
+    return _DRAFTING[0] or OWN_STEP

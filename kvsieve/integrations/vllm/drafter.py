@@ -111,12 +111,12 @@ class SparseDrafter:
                             max_model_len=self.max_model_len)
         rows, positions = torch.from_numpy(todo.rows), torch.from_numpy(todo.positions)
         current = torch.from_numpy(todo.tokens.copy())  # each drafting row's input of the next step
-        with drafting():
-            for j in range(int(todo.counts.max(initial=0))):
-                live = torch.from_numpy(todo.counts > j)
+        for j in range(int(todo.counts.max(initial=0))):
+            live = torch.from_numpy(todo.counts > j)
+            with drafting(first=j == 0):
                 current[live] = self._step(records, rows[live], current[live], positions[live] + j)
-                for r, t in zip(rows[live].tolist(), current[live].tolist()):
-                    drafts[r].append(t)
+            for r, t in zip(rows[live].tolist(), current[live].tolist()):
+                drafts[r].append(t)
         return drafts
 
     def _step(self, records: list[tuple[Any, Any]], rows: torch.Tensor, tokens: torch.Tensor,

@@ -102,7 +102,7 @@ class SparseDrafter:
         drafts: list[list[int]] = [[] for _ in range(b)]
         if b == 0 or not records:
             return drafts
-        for builder, common in records:
+        for _, common in records:
             if common.num_reqs != b:
                 raise RuntimeError(f"kvsieve drafter: the last step's attention metadata has {common.num_reqs} rows, "
                                    f"vLLM sampled {b}")

@@ -9,7 +9,10 @@ vLLM's own attention verifies with its rejection sampler.
   equal their recomputation from vLLM's cache after every hook, verify rows and draft steps
   included) and refuses a per-request kvsieve setting at admission; most drafts are accepted
   (vLLM's spec-decode counters), which garbage drafts would not be;
-* sampling (temperature 1, seeded): the run completes and vLLM accepts and rejects drafts;
+* sampling (temperature 1, seeded): the run completes and vLLM accepts and rejects drafts; the
+  drafter reads no sampling setting: its proposals are the argmax of the draft pass's logits
+  (:func:`test_drafter_chains_argmax_tokens_over_the_rows_it_drafts`, on a stand-in model), the
+  deterministic proposal vLLM's rejection sampler keeps exact (docs/lossless.md);
 * tensor parallelism 2 (a tiny Gemma 3 whose one KV head each rank replicates): the tokens are
   vLLM's own in one process, under the same rounding rule;
 * start-up refusals: vLLM's ngram method with a selector on, and kvsieve's drafter with the plug-in
@@ -165,3 +168,51 @@ def test_draft_counts_stop_at_the_blocks_a_request_holds():
                         [np.array([9, 20, 32, 16, 37])], [16], k=4, max_model_len=40)
     assert rows.rows.tolist() == [0, 3, 4] and rows.counts.tolist() == [4, 1, 2]
     assert rows.tokens.tolist() == [5, 9, 3] and rows.positions.tolist() == [9, 15, 37]
+
+
+def test_drafter_chains_argmax_tokens_over_the_rows_it_drafts(monkeypatch):
+    """:meth:`SparseDrafter.propose` on a stand-in model whose logits peak at ``(7 * token + position)
+    % V``: each drafting row gets its capped count of drafts, each the argmax at its position, fed
+    back as the next step's input; every step's metadata holds the drafting rows' positions, lengths
+    and slots in their own blocks."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    import vllm.forward_context
+    from kvsieve.integrations.vllm import draft_steps
+    from kvsieve.integrations.vllm.drafter import SparseDrafter
+
+    vocab, built = 101, []
+
+    class Target(torch.nn.Module):
+        def forward(self, input_ids, positions):  # noqa: ANN001, ANN201
+            return torch.stack([input_ids.double(), positions.double()], 1)
+
+        def compute_logits(self, hidden):  # noqa: ANN001, ANN201
+            peak = (7 * hidden[:, 0].long() + hidden[:, 1].long()) % vocab
+            return torch.nn.functional.one_hot(peak, vocab).float()
+
+    builder = SimpleNamespace(block_size=16, layer_names=["layer.0"],
+                              build=lambda _, common: built.append(common) or common)
+    common = SimpleNamespace(num_reqs=4, seq_lens=torch.tensor([9, 20, 30, 32]),
+                             block_table_tensor=torch.tensor([[4, 0], [5, 6], [7, 8], [2, 3]]))
+    monkeypatch.setattr(draft_steps, "_RECORDS", {1: (builder, common)})
+    monkeypatch.setattr(vllm.forward_context, "set_forward_context", lambda *a, **k: nullcontext())
+    config = SimpleNamespace(additional_config={"kvsieve": {"selector": "quest:budget=64,page_size=16"}},
+                             speculative_config=SimpleNamespace(num_speculative_tokens=3),
+                             model_config=SimpleNamespace(max_model_len=64))
+    drafter = SparseDrafter(config)
+    drafter.load_model(Target())
+    # row 0: 3 drafts from position 9 (its block holds 16 positions); row 1: a prompt chunk (nothing
+    # sampled); row 2: position 31, the last its 2 blocks hold: 1 draft; row 3: position 32 would start a
+    # third block vLLM has not allocated: none
+    drafts = drafter.propose([[11], [], [12, 13], [14]], np.array([10, 20, 32, 33]), np.zeros((4, 64)))
+    chain = [(7 * 11 + 9) % vocab]
+    for pos in (10, 11):
+        chain.append((7 * chain[-1] + pos) % vocab)
+    assert drafts == [chain, [], [(7 * 13 + 31) % vocab], []]
+    assert [c.seq_lens.tolist() for c in built] == [[10, 32], [11], [12]]
+    assert [c.slot_mapping.tolist() for c in built] == [[4 * 16 + 9, 8 * 16 + 15], [4 * 16 + 10], [4 * 16 + 11]]

@@ -9,7 +9,8 @@ vLLM's own attention verifies with its rejection sampler.
   equal their recomputation from vLLM's cache after every hook, verify rows and draft steps
   included) and refuses a per-request kvsieve setting at admission; most drafts are accepted
   (vLLM's spec-decode counters), which garbage drafts would not be;
-* sampling (temperature 1, seeded): the run completes and vLLM accepts and rejects drafts; the
+* sampling (temperature 1, seeded), DSA drafts with the state check on: the run completes and
+  vLLM accepts and rejects drafts; the
   drafter reads no sampling setting: its proposals are the argmax of the draft pass's logits
   (:func:`test_drafter_chains_argmax_tokens_over_the_rows_it_drafts`, on a stand-in model), the
   deterministic proposal vLLM's rejection sampler keeps exact (docs/lossless.md);
@@ -28,7 +29,7 @@ import pytest
 
 pytest.importorskip("vllm.platforms", reason="vLLM is not installed (it runs in its own venv, see .ci/run)")
 
-from test_engine import _engine_process, _run_engine, model_dir  # noqa: E402, F401 (fixture)
+from test_engine import _engine_process, _run_engine, model_dir, random_indexer  # noqa: E402, F401 (fixture)
 from test_parallel import SMALL, write_tiny_gemma3  # noqa: E402
 
 QUEST = "quest:budget=256,page_size=16"
@@ -66,9 +67,15 @@ def test_greedy_drafts_give_vllm_own_tokens(model_dir, tmp_path):  # noqa: F811 
             assert "not served under speculative decoding" in spec["refused"][0], spec["refused"]
 
 
-def test_sampling_with_drafts_completes_and_rejects_some(model_dir, tmp_path):  # noqa: F811 (fixture)
+def test_sampling_with_dsa_drafts_completes_and_rejects_some(model_dir, tmp_path):  # noqa: F811 (fixture)
+    """DSA drafts (a random indexer, fp32 index keys, generation phase) under sampling, with the
+    per-block state check on: every index key vLLM's own steps and the draft steps wrote is the
+    key of the K/V there (test_engine.random_indexer: the plumbing, not the indexer's quality)."""
+    config = tmp_path / "dsa.yaml"
+    config.write_text(f"selector: dsa\nparams: {{projections: {random_indexer(tmp_path / 'x.pt', 576, 30)}, "
+                      "index_topk: 128, index_k_dtype: float32}\nphases: [generation]\ncheck_state: true\n")
     spec = _run_engine(model_dir, tmp_path / "sampled.json", "--prompt-tokens", "1000", "--max-tokens", "24",
-                       "--dtype", "float32", "--temperature", "1.0", "--speculate", "3", KVSIEVE_SELECTOR=QUEST)
+                       "--dtype", "float32", "--temperature", "1.0", "--speculate", "3", KVSIEVE_CONFIG=str(config))
     assert all(len(t) == 24 for t in spec["tokens"])
     assert 0 < spec["accepted"] < spec["drafted"], (spec["drafted"], spec["accepted"])
 

@@ -10,10 +10,10 @@ vLLM's own attention verifies with its rejection sampler.
   included) and refuses a per-request kvsieve setting at admission; most drafts are accepted
   (vLLM's spec-decode counters), which garbage drafts would not be;
 * sampling (temperature 1, seeded), DSA drafts with the state check on: the run completes and
-  vLLM accepts and rejects drafts; the
-  drafter reads no sampling setting: its proposals are the argmax of the draft pass's logits
-  (:func:`test_drafter_chains_argmax_tokens_over_the_rows_it_drafts`, on a stand-in model), the
-  deterministic proposal vLLM's rejection sampler keeps exact (docs/lossless.md);
+  vLLM accepts and rejects drafts; the drafter reads no sampling setting: its proposals are the
+  argmax of the draft pass's logits (:func:`test_drafter_chains_argmax_tokens_over_the_rows_it_drafts`,
+  on a stand-in model), the deterministic proposal vLLM's rejection sampler keeps exact
+  (docs/lossless.md);
 * tensor parallelism 2 (a tiny Gemma 3 whose one KV head each rank replicates): the tokens are
   vLLM's own in one process, under the same rounding rule;
 * start-up refusals: vLLM's ngram method with a selector on, and kvsieve's drafter with the plug-in

@@ -32,6 +32,8 @@ running :func:`run_load`:
 
 :func:`mismatches` compares each request's load tokens with its alone tokens (a finished request
 all of them, an aborted one the tokens it had), a request vLLM preempted and recomputed included.
+``--speculate K`` makes vLLM speculate with kvsieve's drafter (docs/lossless.md; the selector modes:
+the selector drafts, vLLM's own attention verifies) and counts the drafted and accepted tokens.
 ``--check-state`` turns on the plug-in's per-step
 check of the selector's per-block state (``KVSIEVE_CHECK_STATE=1``, docs/vllm.md) in the selector
 modes. Prints one JSON line per mode and a table; writes everything to
@@ -160,7 +162,8 @@ def run_load(args: argparse.Namespace) -> dict:
               enforce_eager=True, seed=0, distributed_executor_backend="uni", block_size=BLOCK_SIZE,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_chunked_prefill=True, enable_prefix_caching=True, disable_log_stats=False,
-              kv_cache_memory_bytes=args.kv_blocks * BLOCK_SIZE * args.kv_bytes_per_token)
+              kv_cache_memory_bytes=args.kv_blocks * BLOCK_SIZE * args.kv_bytes_per_token,
+              speculative_config=_speculative_config(args.speculate))
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     counters = EngineCounters(scheduler.kv_cache_manager.block_pool, scheduler)
@@ -202,6 +205,9 @@ def run_load(args: argparse.Namespace) -> dict:
                "blocks_allocated": counters.allocated, "blocks_reused": counters.reused,
                "preempted_decoding": sum(n > 0 for _, n in preempted),
                "kv_blocks": int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)}
+    if args.speculate:  # the load's drafts (vLLM's spec-decode counters, before the alone runs)
+        figures.update(drafted=int(_metric(llm, "vllm:spec_decode_num_draft_tokens")),
+                       accepted=int(_metric(llm, "vllm:spec_decode_num_accepted_tokens")))
 
     alone: dict[str, list[int]] = {}
     for r in work:
@@ -221,6 +227,15 @@ def run_load(args: argparse.Namespace) -> dict:
          "load": tokens.get(r.rid, []),
          "alone": alone[r.rid], "finished": r.rid in finished, "aborted": r.rid in aborted,
          "preempted_after": [n for rid, n in preempted if rid == r.rid]} for r in work]}
+
+
+def _speculative_config(k: int) -> dict | None:
+    """vLLM speculating ``k`` tokens per step with kvsieve's drafter (docs/lossless.md); ``None`` for 0."""
+    if not k:
+        return None
+    from kvsieve.integrations.vllm.draft_steps import DRAFTER
+
+    return {"method": "custom_class", "model": DRAFTER, "num_speculative_tokens": k}
 
 
 def mismatches(result: dict) -> list[str]:
@@ -254,7 +269,7 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 WORKLOAD_ARGS = ("requests", "seed", "suffix_tokens", "max_tokens", "per_step", "abort_every", "abort_after", "max_num_seqs",
-                 "max_num_batched_tokens", "kv_blocks", "kv_bytes_per_token", "max_steps", "time_limit")
+                 "max_num_batched_tokens", "kv_blocks", "kv_bytes_per_token", "max_steps", "time_limit", "speculate")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -277,6 +292,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-steps", type=int, default=5000)
     ap.add_argument("--time-limit", type=float, default=3600.0, help="seconds for the load loop")
     ap.add_argument("--check-state", action="store_true", help="KVSIEVE_CHECK_STATE=1 in the selector modes")
+    ap.add_argument("--speculate", type=int, default=0,
+                    help="K > 0: vLLM speculates K tokens per step with kvsieve's drafter (selector modes only)")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)

@@ -6,7 +6,8 @@ plug-in is on or off as the environment says (``KVSIEVE_SELECTOR`` / ``KVSIEVE_C
 ``--settings`` gives each request a per-request kvsieve setting, ``--refused`` sends settings
 expected to be refused (each alone, before the batch) and records vLLM's error.
 Prompts: two short chat-style prompts, plus (with ``--prompt-tokens``) one long prompt of that
-many tokens cut from repeated text, so a sparse selector has more context than its budget."""
+many tokens cut from repeated text (``--long-prompts`` of them, each starting a word further into it),
+so a sparse selector has more context than its budget."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +24,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("out")
     ap.add_argument("--prompt-tokens", type=int, default=0)
+    ap.add_argument("--long-prompts", type=int, default=1, help="how many long prompts (--prompt-tokens each)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--dtype", default="bfloat16")
@@ -38,6 +40,11 @@ def main() -> None:
     ap.add_argument("--refused", action="append", default=[],
                     help="a kvsieve setting sent alone (on the first prompt) before the batch; its error is recorded")
     ap.add_argument("--additional-config", default=None, help="JSON: vLLM's additional_config")
+    ap.add_argument("--speculate", type=int, default=0,
+                    help="K: vLLM speculates K tokens per step with kvsieve's drafter (docs/lossless.md)")
+    ap.add_argument("--speculative-config", default=None, help="JSON: vLLM's speculative_config, as given")
+    ap.add_argument("--logprobs", type=int, default=None, help="record each generated token's top logprobs")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sample, seeded per request")
     ap.add_argument("--dynamo-eager", action="store_true",
                     help="trace the model once with dynamo, run it eagerly (instead of --enforce-eager): vLLM's CPU "
                          "worker sets up pipeline stages > 0 only in the warm-up this mode runs")
@@ -56,16 +63,24 @@ def main() -> None:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.additional_config:
         extra["additional_config"] = json.loads(args.additional_config)
+    if args.speculate:
+        from kvsieve.integrations.vllm.draft_steps import DRAFTER
+
+        extra["speculative_config"] = {"method": "custom_class", "model": DRAFTER,
+                                       "num_speculative_tokens": args.speculate}
+    if args.speculative_config:
+        extra["speculative_config"] = json.loads(args.speculative_config)
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=not args.dynamo_eager,
               max_num_seqs=4, seed=0, disable_log_stats=False, distributed_executor_backend="mp" if parallel else "uni",
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
               attention_config={"backend": args.attention_backend} if args.attention_backend else None, **extra)
     tok = llm.get_tokenizer()
     prompts = [TokensPrompt(prompt_token_ids=tok.encode(p)) for p in PROMPTS]
-    if args.prompt_tokens:
-        ids = tok.encode(FILLER * (args.prompt_tokens // 20 + 1))[: args.prompt_tokens - 8]
-        prompts.append(TokensPrompt(prompt_token_ids=ids + tok.encode(" The price of grain was")))
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for i in range(args.long_prompts if args.prompt_tokens else 0):  # each starts i words into the filler
+        ids = tok.encode((FILLER * (args.prompt_tokens // 20 + 1)).split(" ", i)[i])
+        prompts.append(TokensPrompt(prompt_token_ids=ids[: args.prompt_tokens - 8] + tok.encode(" The price of grain was")))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True,
+                            logprobs=args.logprobs, seed=0 if args.temperature > 0 else None)
     refused = []
     for setting in args.refused:
         try:
@@ -87,7 +102,12 @@ def main() -> None:
     state = current_plugin_state()  # this process's (one process: no engine-core or worker process)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "texts": [o.outputs[0].text for o in outs],
               "prompt_lens": [len(o.prompt_token_ids) for o in outs], "generate_s": wall, "refused": refused,
-              "preemptions": sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"),
+              "preemptions": _counter(llm, "vllm:num_preemptions"),
+              "drafted": _counter(llm, "vllm:spec_decode_num_draft_tokens"),
+              "accepted": _counter(llm, "vllm:spec_decode_num_accepted_tokens"),
+              # per request and generated token: the top logprobs, {token id: logprob}
+              "logprobs": None if args.logprobs is None else [
+                  [{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs],
               "native_layers": None if state is None else state.native_layers(),
               "served": None if state is None else served_line(state),
               # each attention layer's CPU kernel ISA (one process: the engine's config is this one's)
@@ -96,6 +116,10 @@ def main() -> None:
               "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f)
+
+
+def _counter(llm, name: str) -> int:  # noqa: ANN001
+    return sum(m.value for m in llm.get_metrics() if m.name == name)
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn: the guard is required

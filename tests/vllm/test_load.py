@@ -61,3 +61,18 @@ def test_workload_is_mixed_and_shares_prefixes():
     firsts = {tuple(r.prompt[:BLOCK_SIZE]) for r in work}
     assert len(firsts) == 3  # three families, each shared by 4 requests
     assert sum(r.abort_after is not None for r in work) == 3
+
+
+def test_under_load_with_kvsieve_drafts_every_request_equals_itself_alone(model_dir, tmp_path):  # noqa: F811
+    """vLLM speculating 3 tokens per step with kvsieve's drafter (Quest drafts, vLLM's own attention
+    verifies; docs/lossless.md) under the same load, with the per-block state check on: the same rule,
+    vLLM really preempted, aborted and drafted, and most drafts were accepted (garbage drafts would not
+    be: the CI prompts are longer than Quest's budget, so every draft step selects)."""
+    args = parser().parse_args([*CI_ARGS, "--speculate", "3"])
+    res = run_mode(str(model_dir), mode_spec("quest", tmp_path), args, tmp_path, check_state=True,
+                   timeout=ENGINE_TIMEOUT_S)
+    figures = res["figures"]
+    assert mismatches(res) == []
+    assert figures["finished"] + figures["aborts"] == args.requests
+    assert figures["preempted_decoding"] > 0 and figures["aborts"] > 0 and figures["prefix_cache_hit_tokens"] > 0
+    assert figures["accepted"] > figures["drafted"] / 2 > 0, figures

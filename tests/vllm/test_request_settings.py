@@ -93,8 +93,8 @@ def test_settings_under_a_selector_selecting_in_the_prompt_need_a_declaration(tm
 
 
 def test_worker_state_refuses_speculative_decoding_and_prompt_embeddings():
-    """vLLM builds no custom logits processor with speculative decoding, so settings could not
-    reach the layers; a prompt given as embeddings carries no token ids, so its prompt length is not
+    """vLLM's own speculative methods verify drafts in multi-token rows the selector would select
+    as prompt chunks (kvsieve's drafter is test_lossless.py's); a prompt given as embeddings carries no token ids, so its prompt length is not
     known: the worker's state refuses both at start-up, by name."""
     from types import SimpleNamespace
 
@@ -106,8 +106,8 @@ def test_worker_state_refuses_speculative_decoding_and_prompt_embeddings():
         parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
         speculative_config=None)
     assert PluginState(QUEST, vllm_config, torch.device("cpu")).plans[0] is not None
-    vllm_config.speculative_config = SimpleNamespace(method="ngram")
-    with pytest.raises(NotImplementedError, match="speculative decoding is not supported"):
+    vllm_config.speculative_config = SimpleNamespace(method="ngram", model="ngram", num_speculative_tokens=2)
+    with pytest.raises(NotImplementedError, match=r"method 'ngram' \(speculative_config.method\) is not supported"):
         PluginState(QUEST, vllm_config, torch.device("cpu"))
     vllm_config.speculative_config = None
     vllm_config.model_config.enable_prompt_embeds = True

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
@@ -34,6 +35,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from ...selectors.dsa import IndexerInputs
 from ...sparse import AttentionGeometry
+from .draft_steps import FIRST_DRAFT_STEP, OWN_STEP, record, step_kind, uses_drafter
 from .host import PerHeadTables
 from .request_settings import RequestSetting, row_prompt_lens, row_settings
 from .router import DUMMY_STEP, HOST_WHOLE, ONE_CALL_DECODE, refuse_step, route_call
@@ -67,6 +69,7 @@ class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:  # noqa: ANN001 (vLLM's signature)
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         state = current_plugin_state()
+        self.speculating = uses_drafter(vllm_config)  # under kvsieve's drafter (:mod:`.draft_steps`)
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names).values()
         self.reads_cache = state is None or any(
             _selecting_layer(layer) and not state.host_only(extract_layer_index(layer.layer_name)) for layer in layers)
@@ -80,18 +83,28 @@ class KvsieveCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False  # noqa: ANN001
               ) -> KvsieveCPUAttentionMetadata:
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        kind = step_kind(self.speculating)
+        if kind == OWN_STEP:  # the drafter builds its steps from this one (:mod:`.draft_steps`)
+            record(self, common_attn_metadata)
         step = None
         if self.reads_cache:
-            b = md.seq_lens.shape[0]
-            step = _host_step(md, b)
+            step = _host_step(md, md.seq_lens.shape[0], kind)
         return KvsieveCPUAttentionMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, step=step)
 
 
-def _host_step(md: CPUAttentionMetadata, rows: int) -> VllmStep:
-    """The step's tables on the host, with each row's prompt length (refused by name where the batch
-    table does not know a row) and per-request setting."""
+def _host_step(md: CPUAttentionMetadata, rows: int, kind: str | None) -> VllmStep:
+    """The step's tables on the host. Without kvsieve's drafter (``kind`` ``None``): with each row's
+    prompt length (refused by name where the batch table does not know a row) and per-request
+    setting. Under it (:mod:`.draft_steps`): a step vLLM runs itself is dense, every query token a
+    context token; a draft step's every row is one generated token (its prompt ends before it), the
+    round's first taking the selector's Python hooks."""
+    if kind is None:
+        return VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens,
+                                     prompt_lens=row_prompt_lens(rows), settings=row_settings(rows))
+    seq_lens = md.seq_lens[:rows].cpu().numpy().astype(np.int32)
     return VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens,
-                                 prompt_lens=row_prompt_lens(rows), settings=row_settings(rows))
+                                 prompt_lens=seq_lens if kind == OWN_STEP else seq_lens - 1, dense=kind == OWN_STEP,
+                                 hooks=kind == FIRST_DRAFT_STEP)
 
 
 class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -127,7 +140,7 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
 
         def decode_step() -> tuple[bool, tuple[RequestSetting | None, ...] | None]:
             # the builder's host copy; None: metadata vLLM built without the plug-in's builder
-            steps.append(getattr(md, "step", None) or _host_step(md, md.seq_lens.shape[0]))
+            steps.append(getattr(md, "step", None) or _host_step(md, md.seq_lens.shape[0], step_kind(state.speculating)))
             return steps[0].decode_only, steps[0].settings
 
         route = route_call(

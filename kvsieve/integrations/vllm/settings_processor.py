@@ -3,8 +3,9 @@ processor, registered under vLLM's ``vllm.logits_processors`` entry point (pypro
 changes no logit and exists for two of vLLM's calls:
 
 * ``validate_params`` (a classmethod vLLM's input processor calls on every request at admission,
-  in the API server's or the offline engine's own process): a setting the process's selector cannot
-  honour raises there, so vLLM refuses that request alone (``VLLMValidationError``, HTTP 400 on the
+  in the API server's or the offline engine's own process; also under speculative decoding, where
+  vLLM builds no entry-point logits processor, so a setting is refused there): a setting the
+  process's selector cannot honour raises there, so vLLM refuses that request alone (``VLLMValidationError``, HTTP 400 on the
   OpenAI server) before it is scheduled;
 * ``update_state(BatchUpdate)`` (in every worker process, before each step whose batch changed,
   after vLLM added, removed, condensed and reordered its persistent batch and before it builds the
@@ -19,6 +20,7 @@ V2 it refuses to start while the plug-in is enabled (the V2 batch is not followe
 """
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 
 import torch
@@ -27,6 +29,8 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as LogitsProcessorV2
 
 from .config import PluginConfig, read_plugin_config
+from .draft_checks import refuse_request_setting
+from .draft_steps import uses_drafter
 from .request_settings import EXTRA_ARGS_KEY, RequestSetting, batch_rows, parse_request_setting
 
 __all__ = ["KvsieveRequestSettings"]
@@ -43,6 +47,22 @@ def _setting(params: SamplingParams) -> RequestSetting | None:
     return parse_request_setting(extra[EXTRA_ARGS_KEY], _plugin_config()) if EXTRA_ARGS_KEY in extra else None
 
 
+def _admitting_engine_drafts() -> bool:
+    """Whether the engine admitting this request speculates with kvsieve's drafter. vLLM hands
+    ``validate_params`` the sampling parameters alone, so this reads the config of vLLM's input
+    processor up the call stack (``InputProcessor._validate_params``, vLLM 0.32); ``False`` when
+    no input processor is calling (a direct call)."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, InputProcessor):
+            return uses_drafter(caller.vllm_config)
+        frame = frame.f_back
+    return False
+
+
 class KvsieveRequestSettings(LogitsProcessor, LogitsProcessorV2):
     """Follows each request's ``extra_args["kvsieve"]`` through vLLM's persistent batch; logits pass
     unchanged (module docstring)."""
@@ -57,7 +77,11 @@ class KvsieveRequestSettings(LogitsProcessor, LogitsProcessorV2):
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         """Raise ``ValueError`` naming the field when the request's ``extra_args["kvsieve"]`` asks what
-        the process's selector cannot honour."""
+        the process's selector cannot honour, and any such setting while the engine speculates with
+        kvsieve's drafter (:func:`.draft_checks.refuse_request_setting`)."""
+        extra = sampling_params.extra_args or {}
+        if EXTRA_ARGS_KEY in extra and _admitting_engine_drafts():
+            refuse_request_setting(extra[EXTRA_ARGS_KEY])
         _setting(sampling_params)
 
     def is_argmax_invariant(self) -> bool:

@@ -14,8 +14,8 @@ vLLM imports; the callers hand in what vLLM says).
 3. When vLLM builds each attention layer: :func:`refuse_layer_features` (ALiBi, soft-capping, sinks,
    KV sharing, encoder / cross attention, a KV cache dtype other than the model's; sliding windows
    and chunked local attention on CUDA), :func:`refuse_cuda_graphs` (CUDA), then, for the first
-   layer of the process, :func:`check_engine` (context parallelism, speculative decoding, prompt
-   embeddings), :func:`lower_plans` at the model's layer count and tensor-parallel size, and
+   layer of the process, :func:`check_engine` (context parallelism, prompt embeddings),
+   :func:`.draft_checks.check_speculation` (speculative decoding), :func:`lower_plans` at the model's layer count and tensor-parallel size, and
    :func:`check_indexer_model` (a compiled model, or projections of another hidden size, for a
    selector reading the indexer); the environment's config and the entry both present are refused
    here too (:func:`.state.plugin_state`), and the state logs what it serves in one line.
@@ -162,7 +162,7 @@ def refuse_cuda_graphs(vllm_config: object) -> None:
 def check_engine(vllm_config: Any) -> None:
     """The engine-wide refusals, when the first plug-in layer is built (``vllm_config`` read through
     plain attributes: ``parallel_config.decode_context_parallel_size`` / ``prefill_context_parallel_size``,
-    ``speculative_config``, ``model_config.enable_prompt_embeds``)."""
+    ``model_config.enable_prompt_embeds``; speculative decoding: :func:`.draft_checks.check_speculation`)."""
     parallel = vllm_config.parallel_config
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel, name) > 1:
@@ -170,11 +170,6 @@ def check_engine(vllm_config: Any) -> None:
                 f"{PREFIX}: {name}={getattr(parallel, name)} is not supported: context parallelism "
                 "spreads one request's tokens over several workers' caches, and a selector here sees one "
                 "worker's cache only; use tensor or pipeline parallelism")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise NotImplementedError(
-            f"{PREFIX}: speculative decoding is not supported: vLLM then builds no custom logits "
-            "processor, so per-request kvsieve settings would not reach the layers (docs/vllm.md, per-request "
-            "settings)")
     if getattr(vllm_config.model_config, "enable_prompt_embeds", False):
         raise NotImplementedError(
             f"{PREFIX}: enable_prompt_embeds is not supported: a prompt given as embeddings reaches "

@@ -20,6 +20,8 @@ from ...metadata.foreign_paged import ForeignKVSpec, ForeignPagedKV
 from ...selectors.dsa import IndexerInputs
 from ...sparse import AttentionGeometry
 from .config import PluginConfig, WorkerRanks, read_plugin_config
+from .draft_checks import check_speculation
+from .draft_steps import uses_drafter
 from .host import HostAttention
 from .indexer_feed import IndexerFeed
 from .layer import LayerRunner, make_backend
@@ -62,6 +64,8 @@ class PluginState:
         self.num_layers = int(vllm_config.model_config.hf_config.num_hidden_layers)
         self.plans = lower_plans(config, num_layers=self.num_layers, backend_name=self.backend.name,
                                  device=device.type, tensor_parallel_size=ranks.tp_size)
+        check_speculation(vllm_config, config, self.plans, device=device.type)
+        self.speculating = uses_drafter(vllm_config)  # the selector serves kvsieve's draft passes alone
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
         self.max_num_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)

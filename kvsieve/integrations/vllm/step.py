@@ -41,13 +41,19 @@ class VllmStep:
     ``seq_lens [B]``, ``block_table [B, W]`` (int32 numpy) and ``num_tokens`` (= the last query start);
     ``prompt_lens``: int32 ``[B]``, each row's request's prompt length (module docstring);
     ``settings``: each row's per-request setting (:mod:`.request_settings`; ``None`` entries the
-    process default), or ``None`` when every row uses the process default."""
+    process default), or ``None`` when every row uses the process default; ``dense``: every row
+    attends densely, the selectors keeping their state (a step vLLM runs itself under kvsieve's
+    drafter, :mod:`.draft_steps`; :attr:`~kvsieve.metadata.AttentionMetadata.dense`); ``hooks``: the
+    selector's Python hooks run even on a decode step (no one-call path: the first draft step of a
+    round, :data:`.draft_steps.FIRST_DRAFT_STEP`)."""
 
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
     block_table: np.ndarray
     prompt_lens: np.ndarray
     settings: tuple[RequestSetting | None, ...] | None = None
+    dense: bool = False
+    hooks: bool = False
 
     def __post_init__(self) -> None:
         b = self.seq_lens.shape[0]
@@ -67,8 +73,10 @@ class VllmStep:
 
     @cached_property
     def decode_only(self) -> bool:
-        """Whether every row is one request's one new generated token (computed once per step)."""
-        return bool((np.diff(self.query_start_loc) == 1).all()) and not self.context_tokens.any()
+        """Whether every row is one request's one new generated token and the step may take the
+        one-call path (computed once per step)."""
+        one_token = bool((np.diff(self.query_start_loc) == 1).all())
+        return not (self.dense or self.hooks) and one_token and not self.context_tokens.any()
 
     @cached_property
     def positions(self) -> torch.Tensor:
@@ -76,7 +84,7 @@ class VllmStep:
         return torch.from_numpy(self.seq_lens.astype(np.int64) - 1)
 
     def same_as(self, other: VllmStep) -> bool:
-        if self.settings != other.settings:
+        if (self.settings, self.dense, self.hooks) != (other.settings, other.dense, other.hooks):
             return False
         mine = (self.query_start_loc, self.seq_lens, self.block_table, self.prompt_lens)
         theirs = (other.query_start_loc, other.seq_lens, other.block_table, other.prompt_lens)
@@ -85,11 +93,12 @@ class VllmStep:
     @classmethod
     def from_tensors(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                      num_actual_tokens: int, prompt_lens: np.ndarray,
-                     settings: tuple[RequestSetting | None, ...] | None = None) -> VllmStep:
+                     settings: tuple[RequestSetting | None, ...] | None = None, dense: bool = False,
+                     hooks: bool = False) -> VllmStep:
         b = seq_lens.shape[0]
         qsl = query_start_loc[: b + 1].cpu().numpy().astype(np.int32)
         step = cls(qsl, seq_lens.cpu().numpy().astype(np.int32), block_table[:b].cpu().numpy().astype(np.int32),
-                   prompt_lens, settings)
+                   prompt_lens, settings, dense, hooks)
         if step.num_tokens != num_actual_tokens:
             raise ValueError(f"vLLM step: query_start_loc ends at {step.num_tokens} but num_actual_tokens="
                              f"{num_actual_tokens}")
@@ -174,6 +183,7 @@ class StepTranslator:
         md.request_ids = list(range(rows.size))
         md.seq_lens = torch.from_numpy(counts.astype(np.int32))
         md.num_contexts = int(ctx_rows.size)
+        md.dense = step.dense
         md.prepare()
         self._step = step
         self._spare.extend(self._parts.values())
@@ -195,6 +205,7 @@ class StepTranslator:
             part.request_ids = md.request_ids[requests]
             part.seq_lens = md.seq_lens[requests]
             part.num_contexts = max(0, min(md.num_contexts, requests.stop) - requests.start)
+            part.dense = md.dense
             part.prepare()
             self._parts[key] = part
         return self._parts[key]

@@ -29,8 +29,7 @@ def test_the_lossless_mode_syntax_and_its_refusals():
                                            "model": "kvsieve.integrations.vllm.drafter.SparseDrafter"}
     assert launch.env(base={})["KVSIEVE_SELECTOR"] == "quest:budget=512"
     assert EngineLaunch("quest:budget=512").speculative_config() is None
-    assert split_speculation("dense@8") == ("dense", 8)
-    for bad in ("own@2", "@4", "quest:budget=512@0", "quest:budget=512@x"):
+    for bad in ("own@2", "dense@8", "@4", "quest:budget=512@0", "quest:budget=512@x"):
         with pytest.raises(ValueError, match="mode"):
             EngineLaunch(bad)
 

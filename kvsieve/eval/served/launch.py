@@ -34,10 +34,11 @@ from typing import Any
 from ...cache_dir import default_cache_dir
 from ...integrations.vllm.config import (ENV_BACKEND, ENV_CAPTURE, ENV_CHECK_STATE, ENV_CONFIG, ENV_PROMPT_SETTINGS,
                                          ENV_SELECTOR)
+from ...integrations.vllm.draft_steps import DRAFTER
 from ..config import ConfigError
 from ..model import checkpoint_folder, models_dir
 
-__all__ = ["OWN", "DENSE", "DRAFTER", "ENV_PYTHON", "KV_SPACE", "EngineError", "EngineLaunch", "EngineProcess", "default_threads",
+__all__ = ["OWN", "DENSE", "ENV_PYTHON", "KV_SPACE", "EngineError", "EngineLaunch", "EngineProcess", "default_threads",
            "healthy", "model_folder", "openai_server", "split_speculation", "vllm_python"]
 
 OWN = "own"
@@ -48,22 +49,20 @@ KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 PLUGIN_SETTINGS = (ENV_SELECTOR, ENV_CONFIG, ENV_BACKEND, ENV_CAPTURE, ENV_CHECK_STATE, ENV_PROMPT_SETTINGS)
 CHECKOUT = str(Path(__file__).resolve().parents[3])  # the folder holding this kvsieve package
 _CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
-#: kvsieve's proposer class for vLLM's ``speculative_config`` (method ``custom_class``)
-DRAFTER = "kvsieve.integrations.vllm.drafter.SparseDrafter"
 
 
 def split_speculation(mode: str) -> tuple[str, int | None]:
     """``"quest:budget=512@4"`` -> ``("quest:budget=512", 4)``; a mode without ``@`` -> ``(mode, None)``.
-    A suffix that is not a whole number >= 1, or one on ``own`` (the plug-in off: no drafter), is
-    refused naming the mode; ``dense@K`` drafts with the plug-in's dense attention."""
+    A suffix that is not a whole number >= 1, or one on ``own`` / ``dense`` (no selector to draft
+    with), is refused naming the mode."""
     base, mark, k = mode.rpartition("@")
     if not mark:
         return mode, None
     if not k.isdigit() or int(k) < 1:
         raise ValueError(f"mode {mode!r}: the draft length after '@' must be a whole number >= 1, got {k!r}")
-    if base in (OWN, ""):
-        raise ValueError(f"mode {mode!r}: {base or 'an empty mode'!r} runs no plug-in to draft with; "
-                         "write <selector>@K or dense@K")
+    if base in (OWN, DENSE, ""):
+        raise ValueError(f"mode {mode!r}: {base or 'an empty mode'!r} has no selector to draft with; "
+                         "write <selector>@K")
     return base, int(k)
 
 

@@ -3,8 +3,7 @@ where it is served, beside the estimate kvsieve's own session gives.
 
 For a run (selector entry, budget, length) and each draft length ``K`` in
 :data:`~kvsieve.eval.acceptance.DRAFT_LENGTHS`, one engine: the plug-in with the entry's config at
-the run's budget (its process config: per-request settings do not reach a draft pass; a dense run:
-the plug-in's dense attention drafting, the ceiling) and vLLM's
+the run's budget (its process config: per-request settings do not reach a draft pass) and vLLM's
 speculative decoding with kvsieve's drafter, ``K`` tokens a step (the launcher's ``<config>@K``
 mode, docs/lossless.md). Each prompt is generated alone (greedy, the task's ``max_new_tokens``), and
 vLLM's own spec-decode counters read before and after it give the sample's mean accepted length
@@ -15,6 +14,10 @@ Then, :data:`~.protocol.TIMING_REPS` times, one request of the cell's first prom
 :data:`LOSSLESS_DECODE_TOKENS` tokens on vLLM's own attention and on the engine at ``K``: the run's
 ``lossless_speedup_k{K}`` is the median ratio of decode tokens/s. The score is the accepted length
 at ``K = 4`` (the transformers path's), and ``decode_speedup`` the measured speed-up at ``K = 4``.
+
+A dense run is vLLM's own decoding, the baseline (kvsieve's drafter drafts with a selector only): its
+prompts are generated on vLLM's own attention, a score of 1 token per forward pass and a speed-up
+of 1 by definition, as for every dense run of the vLLM path.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from ..acceptance import DRAFT_LENGTHS
 from ..run_files import Progress, prediction_row
 from ..run_plan import RunSpec
 from .engine import plugin_config_file, start_engine
-from .launch import DENSE, EngineLaunch, EngineProcess, model_folder
+from .launch import EngineLaunch, EngineProcess, model_folder
 from .protocol import DTYPE, MAX_NUM_SEQS, TIMING_REPS, kv_cache_gib
 
 if TYPE_CHECKING:
@@ -40,15 +43,11 @@ SCORE_K = 4
 
 
 def _engine(sw: ServedSweep, run: RunSpec, k: int, max_len: int) -> EngineProcess:
-    """The lossless engine of ``run`` at ``K = k``; a dense run drafts with the plug-in's dense
-    attention (the acceptance's ceiling)."""
+    """The lossless engine of ``run`` (a selector's) at ``K = k``."""
     folder = sw.out / "engines"
     folder.mkdir(exist_ok=True)
-    if run.selector is None:
-        name, mode = f"dense-{run.length}-k{k}", DENSE
-    else:
-        name = f"{run.selector.label}-{run.budget.label}-{run.length}-k{k}"
-        mode = str(plugin_config_file(folder / f"{name}.yaml", run.selector.sparse_config(run.budget), sw.cfg.backend))
+    name = f"{run.selector.label}-{run.budget.label}-{run.length}-k{k}"
+    mode = str(plugin_config_file(folder / f"{name}.yaml", run.selector.sparse_config(run.budget), sw.cfg.backend))
     sw.log(f"kvsieve eval: starting vLLM engine {name!r} (lossless, plug-in: {mode}; log {folder / (name + '.log')})")
     launch = EngineLaunch(f"{mode}@{k}", threads=sw.cfg.threads or 1,
                           kv_cache_gib=kv_cache_gib(sw.lm.model.config, max_len))
@@ -74,7 +73,7 @@ def lossless_run(sw: ServedSweep, own: EngineProcess, run: RunSpec, prompts: lis
     rows: list[dict[str, Any]] = [{} for _ in prompts]
     extra: dict[str, Any] = {}
     load0 = os.getloadavg()[0]
-    for k in DRAFT_LENGTHS:
+    for k in DRAFT_LENGTHS if run.selector is not None else ():
         engine = _engine(sw, run, k, max_len)
         try:
             for row, (_, ids), ref in zip(rows, prompts, references):
@@ -95,9 +94,9 @@ def lossless_run(sw: ServedSweep, own: EngineProcess, run: RunSpec, prompts: lis
             engine.close()
     p = Progress(seconds=time.perf_counter() - t0)
     for (sample, ids), row in zip(prompts, rows):
-        row["score"] = row[f"accepted_length_k{SCORE_K}"]
+        row["score"] = row.get(f"accepted_length_k{SCORE_K}", 1.0)  # dense: no drafts, one token a pass
         p.rows.append(prediction_row(sample, len(ids), row, []))
         p.fractions.append([])
-    extra.update(decode_speedup=extra[f"lossless_speedup_k{SCORE_K}"],
+    extra.update(decode_speedup=extra.get(f"lossless_speedup_k{SCORE_K}", 1.0),
                  load_1m=[round(load0, 2), round(os.getloadavg()[0], 2)])
     return p, extra

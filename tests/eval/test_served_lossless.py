@@ -48,7 +48,7 @@ def test_rows_carry_the_measured_accepted_lengths_and_the_run_the_speedups(monke
         return engines[k]
 
     monkeypatch.setattr(lossless, "_engine", fake_engine)
-    p, extra = lossless.lossless_run(_sweep(), own, SimpleNamespace(selector=object()), _prompts(), max_new_tokens=3, max_len=64)
+    p, extra = lossless.lossless_run(_sweep(), own, SimpleNamespace(selector=object(), budget=SimpleNamespace(label='b32')), _prompts(), max_new_tokens=3, max_len=64)
     assert [r["accepted_length_k2"] for r in p.rows] == [2.0, 2.0]
     assert [r["accepted_length_k8"] for r in p.rows] == [5.0, 5.0]
     assert p.rows[0]["score"] == p.rows[0]["accepted_length_k4"] == 3.0
@@ -68,7 +68,7 @@ def test_an_engine_that_drafts_nothing_fails_the_run(monkeypatch):
 
     monkeypatch.setattr(lossless, "_engine", fake_engine)
     with pytest.raises(RuntimeError, match="counted no draft"):
-        lossless.lossless_run(_sweep(), own, SimpleNamespace(selector=object()), _prompts(), max_new_tokens=1, max_len=64)
+        lossless.lossless_run(_sweep(), own, SimpleNamespace(selector=object(), budget=SimpleNamespace(label='b32')), _prompts(), max_new_tokens=1, max_len=64)
     assert made and made[0].closed  # the engine is closed on the way out
 
 

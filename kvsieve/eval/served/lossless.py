@@ -15,7 +15,8 @@ Then, :data:`~.protocol.TIMING_REPS` times, one request of the cell's first prom
 ``lossless_speedup_k{K}`` is the median ratio of decode tokens/s. The score is the accepted length
 at ``K = 4`` (the transformers path's), and ``decode_speedup`` the measured speed-up at ``K = 4``.
 
-A dense run is vLLM's own decoding, the baseline (kvsieve's drafter drafts with a selector only): its
+A dense run (and an entry's ``{"dense": true}`` run) is vLLM's own decoding, the baseline (kvsieve's
+drafter drafts with a selector only): its
 prompts are generated on vLLM's own attention, a score of 1 token per forward pass and a speed-up
 of 1 by definition, as for every dense run of the vLLM path.
 """
@@ -31,7 +32,7 @@ from ..run_files import Progress, prediction_row
 from ..run_plan import RunSpec
 from .engine import plugin_config_file, start_engine
 from .launch import EngineLaunch, EngineProcess, model_folder
-from .protocol import DTYPE, MAX_NUM_SEQS, TIMING_REPS, kv_cache_gib
+from .protocol import DTYPE, MAX_NUM_SEQS, PLUGIN_DENSE, TIMING_REPS, kv_cache_gib
 
 if TYPE_CHECKING:
     from .sweep import ServedSweep
@@ -73,7 +74,8 @@ def lossless_run(sw: ServedSweep, own: EngineProcess, run: RunSpec, prompts: lis
     rows: list[dict[str, Any]] = [{} for _ in prompts]
     extra: dict[str, Any] = {}
     load0 = os.getloadavg()[0]
-    for k in DRAFT_LENGTHS if run.selector is not None else ():
+    drafts = run.selector is not None and run.budget.label != PLUGIN_DENSE
+    for k in DRAFT_LENGTHS if drafts else ():
         engine = _engine(sw, run, k, max_len)
         try:
             for row, (_, ids), ref in zip(rows, prompts, references):

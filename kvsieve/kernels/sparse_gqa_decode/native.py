@@ -43,8 +43,8 @@ import torch
 from ..common.native import native_library
 from .runs import TokenRuns
 
-__all__ = ["SOURCE", "MAX_D", "MAX_G", "sparse_decode_native", "sparse_decode_runs_native", "supports_native",
-           "supports_runs_native"]
+__all__ = ["SOURCE", "MAX_D", "MAX_G", "runs_call_inputs", "sparse_decode_native", "sparse_decode_runs_native",
+           "supports_native", "supports_runs_native"]
 
 SOURCE = Path(__file__).with_name("sparse_gqa_decode.c")
 MAX_D, MAX_G = 256, 16  # as in sparse_gqa_decode.c
@@ -96,6 +96,21 @@ def supports_runs_native(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> b
             and q.shape[1] // hkv <= MAX_G)
 
 
+def runs_call_inputs(k: torch.Tensor, v: torch.Tensor, runs: TokenRuns, q: torch.Tensor) -> tuple:
+    """What a native kernel over runs takes besides the views, and where it writes:
+    ``(k_off, v_off, k_ch, cnt, qf, out, lse)``: the runs' first tokens as element offsets into ``k``/``v
+    [num_blocks, Hkv, block_size, D]`` (int64 ``[R]`` each), K's channel stride where K is stored by
+    channel (``0``: rows of ``D``), the runs' counts int32 ``[R]``, q ``[N, Hq, D]`` as contiguous fp32,
+    and the empty fp32 ``out [N, Hq, D]`` and ``lse [N, Hq]``."""
+    sk, sv = k.stride(), v.stride()
+    k_off = runs.block * sk[0] + runs.head * sk[1] + runs.start * sk[2]
+    v_off = runs.block * sv[0] + runs.head * sv[1] + runs.start * sv[2]
+    k_ch = 0 if sk[3] == 1 and sk[2] == k.shape[3] else sk[3]
+    n, hq, d = q.shape
+    return (k_off, v_off, k_ch, np.ascontiguousarray(runs.cnt, dtype=np.int32), q.to(torch.float32).contiguous(),
+            torch.empty(n, hq, d, dtype=torch.float32), torch.empty(n, hq, dtype=torch.float32))
+
+
 def sparse_decode_runs_native(k: torch.Tensor, v: torch.Tensor, runs: TokenRuns, q: torch.Tensor, *, sm_scale: float
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [N, Hq, D] fp32, lse [N, Hq] fp32)`` of ``N = runs.num_rows`` decode rows ``q [N, Hq, D]``
@@ -104,16 +119,9 @@ def sparse_decode_runs_native(k: torch.Tensor, v: torch.Tensor, runs: TokenRuns,
     :func:`supports_runs_native`."""
     fn = native_library(SOURCE).kvsieve_sparse_decode_runs
     fn.argtypes, fn.restype = _RUNS_ARGTYPES, ctypes.c_int
-    sk, sv = k.stride(), v.stride()
-    k_off = runs.block * sk[0] + runs.head * sk[1] + runs.start * sk[2]
-    v_off = runs.block * sv[0] + runs.head * sv[1] + runs.start * sv[2]
-    k_ch = 0 if sk[3] == 1 and sk[2] == k.shape[3] else sk[3]
+    k_off, v_off, k_ch, cnt, qf, out, lse = runs_call_inputs(k, v, runs, q)
     n, hq, d = q.shape
     hkv = k.shape[1]
-    cnt = np.ascontiguousarray(runs.cnt, dtype=np.int32)
-    qf = q.to(torch.float32).contiguous()
-    out = torch.empty(n, hq, d, dtype=torch.float32)
-    lse = torch.empty(n, hq, dtype=torch.float32)
     rc = fn(k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16), k_ch, runs.ptr.ctypes.data, k_off.ctypes.data,
             v_off.ctypes.data, cnt.ctypes.data, n, hkv, d, qf.data_ptr(), hq // hkv, sm_scale, out.data_ptr(),
             lse.data_ptr())

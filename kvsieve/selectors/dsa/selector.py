@@ -11,7 +11,8 @@ main cache; FP8 E4M3 keys add ``dsa_index_k_scale [num_blocks, tokens_per_block]
 power-of-two scale per token). ``predict_attn`` computes the logits (Triton: ragged prefill for
 fresh prompts, paged decode otherwise; or the PyTorch references) and the top-k with the engine
 fixed at configuration time by ``kernels.topk.plan.choose_topk_engine``
-(:attr:`DSASelector.topk_engine`). A step whose every query sees at most ``index_topk`` tokens
+(:attr:`DSASelector.topk_engine`); on the CPU with bf16/fp32 keys both in one native call
+(``kernels.prompt_index``, :meth:`DSASelector._select_native`). A step whose every query sees at most ``index_topk`` tokens
 skips both and selects everything (short-sequence fast path, counted in :attr:`stats`). On a
 sliding-window layer the logits before each query's window are ``-inf`` and such positions are
 never selected (:meth:`~kvsieve.sparse.SelectorInputs.mask_outside_window`, ``clip_to_window``);
@@ -345,10 +346,9 @@ class DSASelector(SparseSelector):
         return out if self.config.top_p is None else drop_empty_columns(out)
 
     def _select_native(self, inputs: SelectorInputs, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-        """The rows' top ``index_topk`` ``[rows, index_topk]`` int32 (ascending, ``-1`` after) by one native
-        call on the CPU (:mod:`kvsieve.kernels.prompt_index`: scores over the pool in tiles of rows, a radix
-        select per row, never a ``[rows x len]`` logits matrix), or ``None`` where it does not apply: another
-        device or logits kernel than ``reference``, FP8 keys, ``top_p``, a sliding window, or no library."""
+        """The rows' top ``index_topk`` ``[rows, index_topk]`` int32 (ascending, ``-1`` after) by one CPU call
+        (:mod:`kvsieve.kernels.prompt_index`: no ``[rows x len]`` logits), or ``None`` where it does not apply:
+        a logits kernel other than ``reference``, FP8 keys, ``top_p``, a sliding window, or no library."""
         from ...kernels.prompt_index.native import prompt_index_topk_native, supports_prompt_index
 
         k_pool, s_pool = self.index_pools(inputs)

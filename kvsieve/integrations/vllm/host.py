@@ -26,6 +26,7 @@ import torch
 
 from ...kernels.common.native import native_status
 from ...kernels.head_tables.plan import head_tables
+from ...kernels.prompt_runs.native import SOURCE as PROMPT_SOURCE
 from ...kernels.prompt_runs.native import prompt_runs_native
 from ...kernels.sparse_gqa_decode.native import SOURCE, sparse_decode_runs_native, supports_runs_native
 from ...kernels.sparse_gqa_decode.runs import TokenRuns, selection_runs
@@ -113,9 +114,10 @@ def native_runs_attention(q: torch.Tensor, runs: TokenRuns, view: ForeignPagedKV
     """q ``[N, Hq, D]`` (the rows of ``runs``) -> ``[N, Hq, D]`` in q's dtype: each (row, KV head)
     attends its runs, read in place from the view's K/V of ``layer_idx`` by a native kernel: the decode
     kernel, or for ``prompt`` rows (consecutive rows of prompts, selecting mostly the same blocks) the
-    tiled prompt kernel (:mod:`kvsieve.kernels.prompt_runs`); the caller has checked
-    :func:`runs_kernel_takes`."""
+    tiled prompt kernel (:mod:`kvsieve.kernels.prompt_runs`) where its library loads; the caller has
+    checked :func:`runs_kernel_takes`."""
     k, v = view.k_cache(layer_idx), view.v_cache(layer_idx)
-    kernel = prompt_runs_native if prompt else sparse_decode_runs_native
+    tiled = prompt and native_status(PROMPT_SOURCE) == "native"
+    kernel = prompt_runs_native if tiled else sparse_decode_runs_native
     out, _ = kernel(k, v, runs, q, sm_scale=geometry.sm_scale)
     return out.to(q.dtype)

@@ -31,23 +31,46 @@ static int64_t next_block(const int64_t* cur, const int64_t* end, int R, const i
 /* Logits of n <= LANES tokens for G query heads: s[j][g] = sum over d, in order, of qh[g][d] * K_j[d],
  * token j's channel d at offs[j] + d * ch (K by channel: vLLM's CPU layout; ch = 1: rows). The tokens
  * go side by side (one fused multiply-add per head and channel for all of them), so no sum waits on
- * the one before. */
+ * the one before; G and the dtype are constants at the call (tokens_logits), so the sums stay in
+ * registers. */
 #define LANES 8
-static inline __attribute__((always_inline)) void tokens_logits(const void* k, int is_bf16, const int64_t* offs, int n,
-                                                                int64_t ch, int D, const float* qh, int G, float* s) {
-  float acc[KV_MAX_G][LANES], x[LANES] = {0};
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < LANES; ++j) acc[g][j] = 0.0f;
+typedef float f32x8 __attribute__((vector_size(32)));
+static inline __attribute__((always_inline)) void lanes_logits(const void* k, const int BF16, const int64_t* offs,
+                                                               int n, int64_t ch, int D, const float* qh, const int G,
+                                                               float* s) {
+  f32x8 acc[KV_MAX_G];
+  for (int g = 0; g < G; ++g) acc[g] = (f32x8){0};
+  int64_t o[LANES];
+  for (int j = 0; j < LANES; ++j) o[j] = offs[j < n ? j : 0];
   for (int d = 0; d < D; ++d) {
-    for (int j = 0; j < n; ++j) x[j] = load1(k, is_bf16, offs[j] + (int64_t)d * ch);
-    for (int g = 0; g < G; ++g) {
-      const float qd = qh[g * D + d];
-#pragma omp simd
-      for (int j = 0; j < LANES; ++j) acc[g][j] += qd * x[j];
-    }
+    f32x8 x;
+    const int64_t dd = (int64_t)d * ch;
+    for (int j = 0; j < LANES; ++j) x[j] = load1(k, BF16, o[j] + dd);
+    for (int g = 0; g < G; ++g) acc[g] += qh[g * D + d] * x;
   }
   for (int j = 0; j < n; ++j)
     for (int g = 0; g < G; ++g) s[j * G + g] = acc[g][j];
+}
+
+static void tokens_logits(const void* k, int is_bf16, const int64_t* offs, int n, int64_t ch, int D, const float* qh,
+                          int G, float* s) {
+#define LANES_CASE(GG)                                                         \
+  case GG:                                                                     \
+    if (is_bf16) lanes_logits(k, 1, offs, n, ch, D, qh, GG, s);                \
+    else lanes_logits(k, 0, offs, n, ch, D, qh, GG, s);                        \
+    return;
+  switch (G) {
+    LANES_CASE(1)
+    LANES_CASE(2)
+    LANES_CASE(3)
+    LANES_CASE(4)
+    LANES_CASE(6)
+    LANES_CASE(8)
+    default:
+      if (is_bf16) lanes_logits(k, 1, offs, n, ch, D, qh, G, s);
+      else lanes_logits(k, 0, offs, n, ch, D, qh, G, s);
+  }
+#undef LANES_CASE
 }
 
 /* One (tile, KV head): rows n0..n0+R-1 of head h. Returns 0, -2 when out of memory. */

@@ -55,7 +55,8 @@ def _prompt_runs(prompts, hkv, topk, bs, num_blocks, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["vllm-cpu", "HND"])
-@pytest.mark.parametrize("hkv,g,d,bs,topk", [(3, 3, 64, 32, 40), (2, 4, 128, 16, 7), (1, 1, 32, 64, 300)])
+@pytest.mark.parametrize("hkv,g,d,bs,topk", [(3, 3, 64, 32, 40), (2, 4, 128, 16, 7), (1, 1, 32, 64, 300),
+                                             (2, 5, 32, 32, 20)])
 def test_prompt_runs_matches_naive_and_decode_kernel(dtype, layout, hkv, g, d, bs, topk):
     num_blocks = 24
     k, v = _cache(layout, num_blocks, hkv, bs, d, dtype, seed=d + bs)

@@ -1,5 +1,5 @@
 """DSA's selection for many rows in one native call (``kvsieve.kernels.prompt_index``) against its
-naive twin (the reference logits and the ``torch`` top-k): two requests' prompt rows over a paged
+naive twin (a row at a time: its keys gathered, a stable sort): two requests' prompt rows over a paged
 pool of index keys, short rows (every position), bf16 and fp32 keys, more rows than one tile."""
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sparse_gqa_decode.runs import TokenRuns
+from ..common.runs import TokenRuns
 
 __all__ = ["prompt_runs_naive"]
 

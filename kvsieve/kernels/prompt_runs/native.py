@@ -27,8 +27,7 @@ import numpy as np
 import torch
 
 from ..common.native import native_library
-from ..sparse_gqa_decode.native import runs_call_inputs
-from ..sparse_gqa_decode.runs import TokenRuns
+from ..common.runs import TokenRuns, runs_call_inputs
 
 __all__ = ["SOURCE", "prompt_runs_native"]
 

@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 from ..common.native import native_library
-from .runs import TokenRuns
+from ..common.runs import TokenRuns, runs_call_inputs
 
-__all__ = ["SOURCE", "MAX_D", "MAX_G", "runs_call_inputs", "sparse_decode_native", "sparse_decode_runs_native",
+__all__ = ["SOURCE", "MAX_D", "MAX_G", "sparse_decode_native", "sparse_decode_runs_native",
            "supports_native", "supports_runs_native"]
 
 SOURCE = Path(__file__).with_name("sparse_gqa_decode.c")
@@ -94,21 +94,6 @@ def supports_runs_native(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> b
             and k.dtype in (torch.bfloat16, torch.float32) and v.stride(3) == 1 and v.stride(2) == d
             and (k_rows or k.stride(2) == 1) and q.shape[2] == d and d <= MAX_D and q.shape[1] % hkv == 0
             and q.shape[1] // hkv <= MAX_G)
-
-
-def runs_call_inputs(k: torch.Tensor, v: torch.Tensor, runs: TokenRuns, q: torch.Tensor) -> tuple:
-    """What a native kernel over runs takes besides the views, and where it writes:
-    ``(k_off, v_off, k_ch, cnt, qf, out, lse)``: the runs' first tokens as element offsets into ``k``/``v
-    [num_blocks, Hkv, block_size, D]`` (int64 ``[R]`` each), K's channel stride where K is stored by
-    channel (``0``: rows of ``D``), the runs' counts int32 ``[R]``, q ``[N, Hq, D]`` as contiguous fp32,
-    and the empty fp32 ``out [N, Hq, D]`` and ``lse [N, Hq]``."""
-    sk, sv = k.stride(), v.stride()
-    k_off = runs.block * sk[0] + runs.head * sk[1] + runs.start * sk[2]
-    v_off = runs.block * sv[0] + runs.head * sv[1] + runs.start * sv[2]
-    k_ch = 0 if sk[3] == 1 and sk[2] == k.shape[3] else sk[3]
-    n, hq, d = q.shape
-    return (k_off, v_off, k_ch, np.ascontiguousarray(runs.cnt, dtype=np.int32), q.to(torch.float32).contiguous(),
-            torch.empty(n, hq, d, dtype=torch.float32), torch.empty(n, hq, dtype=torch.float32))
 
 
 def sparse_decode_runs_native(k: torch.Tensor, v: torch.Tensor, runs: TokenRuns, q: torch.Tensor, *, sm_scale: float

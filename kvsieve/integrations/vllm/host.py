@@ -14,7 +14,8 @@ third-party token selectors; pages smaller than a cache block; a whole-block sel
 (row, KV head) selects nothing) is turned into per-(row, KV head) runs of consecutive positions
 inside one cache block, and kvsieve's native decode kernel reads them in place from the host's
 cache views (:func:`token_runs`, :func:`native_runs_attention`; K stored by channel, as in vLLM's
-CPU layout, is read channel by channel).
+CPU layout, is read channel by channel). Prompt rows that select positions (DSA in the prompt) take
+the same runs through the tiled prompt kernel, which reads each block once for a tile of rows.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import torch
 
 from ...kernels.common.native import native_status
 from ...kernels.head_tables.plan import head_tables
+from ...kernels.prompt_runs.native import SOURCE as PROMPT_SOURCE
+from ...kernels.prompt_runs.native import prompt_runs_native
 from ...kernels.sparse_gqa_decode.native import SOURCE, sparse_decode_runs_native, supports_runs_native
 from ...kernels.sparse_gqa_decode.runs import TokenRuns, selection_runs
 from ...metadata import AttentionMetadata
@@ -107,10 +110,14 @@ def runs_kernel_takes(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, geometr
 
 
 def native_runs_attention(q: torch.Tensor, runs: TokenRuns, view: ForeignPagedKV, layer_idx: int,
-                          geometry: AttentionGeometry) -> torch.Tensor:
+                          geometry: AttentionGeometry, *, prompt: bool = False) -> torch.Tensor:
     """q ``[N, Hq, D]`` (the rows of ``runs``) -> ``[N, Hq, D]`` in q's dtype: each (row, KV head)
-    attends its runs, read in place from the view's K/V of ``layer_idx`` by the native kernel; the
-    caller has checked :func:`runs_kernel_takes`."""
+    attends its runs, read in place from the view's K/V of ``layer_idx`` by a native kernel: the decode
+    kernel, or for ``prompt`` rows (consecutive rows of prompts, selecting mostly the same blocks) the
+    tiled prompt kernel (:mod:`kvsieve.kernels.prompt_runs`) where its library loads; the caller has
+    checked :func:`runs_kernel_takes`."""
     k, v = view.k_cache(layer_idx), view.v_cache(layer_idx)
-    out, _ = sparse_decode_runs_native(k, v, runs, q, sm_scale=geometry.sm_scale)
+    tiled = prompt and native_status(PROMPT_SOURCE) == "native"
+    kernel = prompt_runs_native if tiled else sparse_decode_runs_native
+    out, _ = kernel(k, v, runs, q, sm_scale=geometry.sm_scale)
     return out.to(q.dtype)

@@ -111,7 +111,7 @@ class LayerRunner:
     def _positions_on_host(self, q: torch.Tensor, step: PreparedStep, params: SparseRuntimeParams,
                            route: RowsRoute, host: HostAttention) -> AttentionResult:
         """Every phase selects positions (a prompt under DSA): the prompt rows, each with its causal
-        length, through kvsieve's native kernel on runs of the host's cache read in place
+        length, through kvsieve's native prompt kernel on runs of the host's cache read in place
         (:func:`.host.token_runs`, ``_RUN_ROWS`` rows per call to bound the runs' size), the generation
         rows as :meth:`_generation_on_host` takes them."""
         md, g = step.metadata, self.geometry
@@ -121,7 +121,7 @@ class LayerRunner:
         for r0 in range(rows.start, rows.stop, _RUN_ROWS):
             chunk = slice(r0, min(r0 + _RUN_ROWS, rows.stop))
             runs = token_runs(params, md, step.view, chunk)
-            out[chunk] = native_runs_attention(q[chunk], runs, step.view, self.layer_idx, g)
+            out[chunk] = native_runs_attention(q[chunk], runs, step.view, self.layer_idx, g, prompt=True)
             attended[chunk] = torch.from_numpy(runs.attended)
         paths = {"context": NATIVE_RUNS}
         if "generation" in route.paths:

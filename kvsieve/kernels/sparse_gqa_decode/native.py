@@ -41,10 +41,10 @@ import numpy as np
 import torch
 
 from ..common.native import native_library
-from .runs import TokenRuns
+from ..common.runs import TokenRuns, runs_call_inputs
 
-__all__ = ["SOURCE", "MAX_D", "MAX_G", "sparse_decode_native", "sparse_decode_runs_native", "supports_native",
-           "supports_runs_native"]
+__all__ = ["SOURCE", "MAX_D", "MAX_G", "sparse_decode_native", "sparse_decode_runs_native",
+           "supports_native", "supports_runs_native"]
 
 SOURCE = Path(__file__).with_name("sparse_gqa_decode.c")
 MAX_D, MAX_G = 256, 16  # as in sparse_gqa_decode.c
@@ -104,16 +104,9 @@ def sparse_decode_runs_native(k: torch.Tensor, v: torch.Tensor, runs: TokenRuns,
     :func:`supports_runs_native`."""
     fn = native_library(SOURCE).kvsieve_sparse_decode_runs
     fn.argtypes, fn.restype = _RUNS_ARGTYPES, ctypes.c_int
-    sk, sv = k.stride(), v.stride()
-    k_off = runs.block * sk[0] + runs.head * sk[1] + runs.start * sk[2]
-    v_off = runs.block * sv[0] + runs.head * sv[1] + runs.start * sv[2]
-    k_ch = 0 if sk[3] == 1 and sk[2] == k.shape[3] else sk[3]
+    k_off, v_off, k_ch, cnt, qf, out, lse = runs_call_inputs(k, v, runs, q)
     n, hq, d = q.shape
     hkv = k.shape[1]
-    cnt = np.ascontiguousarray(runs.cnt, dtype=np.int32)
-    qf = q.to(torch.float32).contiguous()
-    out = torch.empty(n, hq, d, dtype=torch.float32)
-    lse = torch.empty(n, hq, dtype=torch.float32)
     rc = fn(k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16), k_ch, runs.ptr.ctypes.data, k_off.ctypes.data,
             v_off.ctypes.data, cnt.ctypes.data, n, hkv, d, qf.data_ptr(), hq // hkv, sm_scale, out.data_ptr(),
             lse.data_ptr())

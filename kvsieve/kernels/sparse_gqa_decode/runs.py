@@ -8,40 +8,18 @@ from __future__ import annotations
 
 import ctypes
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..common.native import NativeUnavailable, native_library
+from ..common.runs import TokenRuns
 
 __all__ = ["TokenRuns", "selection_runs", "selection_runs_naive"]
 
 _SOURCE = Path(__file__).with_name("sparse_gqa_decode.c")  # the library of .native
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _ARGTYPES = [_P, _I64, _P, _I64, _I, _I, _I, _P, _I64, _I64, _P, _I, _I64, _P, _P, _P, _P, _P, _P]
-
-
-@dataclass(frozen=True)
-class TokenRuns:
-    """Runs of consecutive cache positions inside one cache block, grouped by (KV head, row):
-    the runs of row ``n`` and KV head ``h`` are ``[ptr[h * num_rows + n], ptr[h * num_rows + n + 1])``,
-    in ascending position order.
-
-    ``ptr [Hkv * num_rows + 1]`` int64; per run ``block`` (physical cache block), ``head`` (its KV
-    head), ``start`` (first token inside the block) int64 ``[R]`` and ``cnt`` (tokens) int32 ``[R]``;
-    ``attended [num_rows, Hkv]`` int64: the positions each (row, KV head) reads (the sum of its runs)."""
-
-    ptr: np.ndarray
-    block: np.ndarray
-    head: np.ndarray
-    start: np.ndarray
-    cnt: np.ndarray
-    attended: np.ndarray
-
-    @property
-    def num_rows(self) -> int:
-        return self.attended.shape[0]
 
 
 def selection_runs(indices: np.ndarray, offsets: np.ndarray, units_of: int, table: np.ndarray,

@@ -11,7 +11,8 @@ main cache; FP8 E4M3 keys add ``dsa_index_k_scale [num_blocks, tokens_per_block]
 power-of-two scale per token). ``predict_attn`` computes the logits (Triton: ragged prefill for
 fresh prompts, paged decode otherwise; or the PyTorch references) and the top-k with the engine
 fixed at configuration time by ``kernels.topk.plan.choose_topk_engine``
-(:attr:`DSASelector.topk_engine`). A step whose every query sees at most ``index_topk`` tokens
+(:attr:`DSASelector.topk_engine`); on the CPU with bf16/fp32 keys both in one native call
+(``kernels.prompt_index``, :meth:`DSASelector._select_native`). A step whose every query sees at most ``index_topk`` tokens
 skips both and selects everything (short-sequence fast path, counted in :attr:`stats`). On a
 sliding-window layer the logits before each query's window are ``-inf`` and such positions are
 never selected (:meth:`~kvsieve.sparse.SelectorInputs.mask_outside_window`, ``clip_to_window``);
@@ -328,6 +329,9 @@ class DSASelector(SparseSelector):
         from ...kernels.topk.plan import TopKWorkspace, run_topk
 
         md = inputs.metadata
+        native = self._select_native(inputs, q, w)
+        if native is not None:
+            return native
         if self._workspace is None or self._workspace.max_rows < md.max_num_tokens:
             self._workspace = TopKWorkspace(self.topk_decision, md.max_num_tokens, md.token_kv_lens.device)
         k_pool, s_pool = self.index_pools(inputs)
@@ -340,6 +344,24 @@ class DSASelector(SparseSelector):
                 picked = _top_p_tokens(picked, logits, lens[rows], self.config.top_p)
             out[rows.start - r0: rows.stop - r0] = picked
         return out if self.config.top_p is None else drop_empty_columns(out)
+
+    def _select_native(self, inputs: SelectorInputs, q: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """The rows' top ``index_topk`` ``[rows, index_topk]`` int32 (ascending, ``-1`` after) by one CPU call
+        (:mod:`kvsieve.kernels.prompt_index`: no ``[rows x len]`` logits), or ``None`` where it does not apply:
+        a logits kernel other than ``reference``, FP8 keys, ``top_p``, a sliding window, or no library."""
+        from ...kernels.prompt_index.native import prompt_index_topk_native, supports_prompt_index
+
+        k_pool, s_pool = self.index_pools(inputs)
+        if (self.logits_kernel != "reference" or s_pool is not None or self.config.top_p is not None
+                or inputs.window is not None or not supports_prompt_index(k_pool, q)):
+            return None
+        md, rows = inputs.metadata, inputs.rows
+        try:
+            return prompt_index_topk_native(k_pool, inputs.cache.block_table, md.slots[md.token_to_req_host[rows]],
+                                            inputs.token_kv_lens_host()[rows], q[rows], w[rows],
+                                            self.config.index_topk)
+        except NativeUnavailable:
+            return None
 
     def _logits_chunks(self, inputs: SelectorInputs, q: torch.Tensor, w: torch.Tensor, k_pool: torch.Tensor,
                        s_pool: torch.Tensor | None):

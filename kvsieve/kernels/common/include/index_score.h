@@ -172,6 +172,27 @@ static inline void index_prefetch(const IndexPool* pool, const int64_t* blocks, 
   }
 }
 
+/* The scores of a tile's 16 positions (cols: index_tile's) for the indexer's q [ih, id] and weights
+ * w [ih] fp32: the heads' terms added in order. */
+static inline f32x16 tile_score(const f32x16* cols, const float* q, const float* w, int ih, int id) {
+  f32x16 out_t = (f32x16){0};
+  for (int h0 = 0; h0 < ih; h0 += INDEX_HEADS_PASS) { /* a channel feeds several heads' sums at once */
+    const int nh = ih - h0 < INDEX_HEADS_PASS ? ih - h0 : INDEX_HEADS_PASS;
+    f32x16 acc[INDEX_HEADS_PASS];
+    for (int j = 0; j < INDEX_HEADS_PASS; ++j) acc[j] = (f32x16){0};
+    const float* qh = q + (int64_t)h0 * id;
+    if (nh == INDEX_HEADS_PASS) { /* a constant count: the 8 sums stay in registers */
+      for (int d = 0; d < id; ++d)
+        for (int j = 0; j < INDEX_HEADS_PASS; ++j) acc[j] += qh[(int64_t)j * id + d] * cols[d];
+    } else {
+      for (int d = 0; d < id; ++d)
+        for (int j = 0; j < nh; ++j) acc[j] += qh[(int64_t)j * id + d] * cols[d];
+    }
+    for (int j = 0; j < nh; ++j) out_t = add_relu_weighted(out_t, acc[j], w[h0 + j]); /* heads in order */
+  }
+  return out_t;
+}
+
 /* score[p] for the tiles t0 <= t < t1 of positions [0, len) (tile t: positions 16t .. 16t + 15): the
  * indexer's q [ih, id] and weights w [ih] fp32 against the pool's keys. Each tile's score is its own
  * (the tiles may be split among threads). */
@@ -195,21 +216,7 @@ static void index_scores(const IndexPool* pool, const int64_t* blocks, int64_t l
     }
 #endif
     index_tile(pool, blocks, p0, nt, cols);
-    f32x16 out_t = (f32x16){0};
-    for (int h0 = 0; h0 < ih; h0 += INDEX_HEADS_PASS) { /* a channel feeds several heads' sums at once */
-      const int nh = ih - h0 < INDEX_HEADS_PASS ? ih - h0 : INDEX_HEADS_PASS;
-      f32x16 acc[INDEX_HEADS_PASS];
-      for (int j = 0; j < INDEX_HEADS_PASS; ++j) acc[j] = (f32x16){0};
-      const float* qh = q + (int64_t)h0 * id;
-      if (nh == INDEX_HEADS_PASS) { /* a constant count: the 8 sums stay in registers */
-        for (int d = 0; d < id; ++d)
-          for (int j = 0; j < INDEX_HEADS_PASS; ++j) acc[j] += qh[(int64_t)j * id + d] * cols[d];
-      } else {
-        for (int d = 0; d < id; ++d)
-          for (int j = 0; j < nh; ++j) acc[j] += qh[(int64_t)j * id + d] * cols[d];
-      }
-      for (int j = 0; j < nh; ++j) out_t = add_relu_weighted(out_t, acc[j], w[h0 + j]); /* heads in order */
-    }
+    const f32x16 out_t = tile_score(cols, q, w, ih, id);
     memcpy(score + p0, &out_t, sizeof(float) * (size_t)nt);
   }
 }

@@ -1,6 +1,7 @@
 """The ``distill_indexer`` calibration step of the ``dsa`` selector: the indexer distilled for the model
 (:func:`.distill.distill`, options :class:`~.distill_config.DistillConfig`) on the layers the entry
-runs on; ``seq_len: 0`` trains at the sweep's longest context length. Gives ``projections`` (the
+runs on; ``seq_len: 0`` trains at the sweep's longest context length, a list of lengths (``seq_len:
+[4096, 8192, 16384]``) one indexer on windows of each. Gives ``projections`` (the
 file) and the indexer geometry ``n_heads``/``head_dim``/``rope_dim``/``rope_theta``. The file is
 kept at the harness's cache stem (``.pt``) and reused.
 """

@@ -153,6 +153,10 @@ def test_calibrate_params_take_several_lengths_and_refuse_one_the_corpus_cannot_
     with pytest.raises(ConfigError, match=r"distill: the training windows at seq_len 100000000: token_windows"):
         calibration.calibrate_selectors(cfg, tiny, lambda line: None)
     assert captured == [] and (not cache.exists() or not any(cache.iterdir()))
+    empty = load_config(preset=RECIPES, overrides=TINY + ["selectors.dsa.calibrate_params.seq_len=[]"])
+    with pytest.raises(ConfigError, match=r"DistillConfig.seq_len must be an int >= 1 or a non-empty tuple"):
+        calibration.calibrate_selectors(empty, tiny, lambda line: None)
+    assert captured == []
 
 
 def test_unknown_preset_is_refused():

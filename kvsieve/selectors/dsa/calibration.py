@@ -27,7 +27,8 @@ class DistillIndexer(CalibrationStep):
     options = dataclasses.asdict(DistillConfig()) | {"seq_len": 0}
 
     def resolve(self, options: dict[str, Any], ctx: CalibrationContext) -> dict[str, Any]:
-        return options | {"layers": ctx.layers, "seq_len": options["seq_len"] or max(ctx.lengths)}
+        seq_len = max(ctx.lengths) if options["seq_len"] == 0 else options["seq_len"]  # [] is refused, not 0
+        return options | {"layers": ctx.layers, "seq_len": seq_len}
 
     def run(self, options: dict[str, Any], ctx: CalibrationContext, stem: Path) -> dict[str, Any]:
         from .distill import distill, result_meta, rope_theta

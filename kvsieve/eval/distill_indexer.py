@@ -13,6 +13,10 @@ The projections go to one small file that the ``dsa`` selector loads (``DSAConfi
 inside a :class:`~kvsieve.integrations.transformers.KvsieveSession`.
 
     kvsieve distill-indexer --model smollm2 --out smollm2-indexer.pt --json curve.json
+
+``--seq-len`` takes one length or several (``--seq-len 4096 8192 16384``): ``--num-seqs``,
+``--heldout-seqs`` and ``--retrieval-seqs`` windows are cut at each length and one indexer is
+trained on them all; the held-out recall is printed per length.
 """
 from __future__ import annotations
 
@@ -35,13 +39,15 @@ __all__ = ["main"]
 
 
 def _print_curve(label: str, result: DistillResult) -> None:
-    print(f"indexer {label}: epoch | wall s | cpu s | KL train | KL held out | "
+    print(f"indexer {label}: epoch | wall s | cpu s | KL train | KL held out | mean over lengths: "
           + " | ".join(f"recall 1/{d}" for d in REDUCTION_FACTORS))
     for c in result.curve:
         print(f"{c.epoch} | {c.seconds:.0f} | {c.cpu_seconds:.0f} | {c.train_kl:.4f} | {c.heldout_kl:.4f} | "
               + " | ".join(f"{c.recall.get(d, math.nan):.4f}" for d in REDUCTION_FACTORS))
-    for name, ref in (("streaming (4 sinks + recent)", result.streaming), ("oracle (exact top-k of p)", result.oracle)):
-        print(f"{name} held-out recall: " + " | ".join(f"1/{d} {ref[d]:.4f}" for d in REDUCTION_FACTORS))
+    for n, by_factor in sorted(result.curve[-1].recall_by_length.items()):
+        for name, ref in (("indexer", by_factor), ("streaming (4 sinks + recent)", result.streaming_by_length[n]),
+                          ("oracle (exact top-k of p)", result.oracle_by_length[n])):
+            print(f"{name} held-out recall at {n}: " + " | ".join(f"1/{d} {ref[d]:.4f}" for d in REDUCTION_FACTORS))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="where to write the projections (torch.save file)")
     ap.add_argument("--layers", type=int, nargs="*", default=None, help="default: the full-attention layers")
     for f in dataclasses.fields(DistillConfig):
-        ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+        if f.name == "seq_len":
+            ap.add_argument("--seq-len", type=int, nargs="+", default=[f.default], metavar="TOKENS",
+                            help="window length, or several: the windows are cut at each and one indexer is "
+                                 f"trained on them all (default {f.default})")
+        else:
+            ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     ap.add_argument("--grid", nargs="*", default=[], metavar="HEADSxDIM",
                     help="also train these geometries (e.g. 4x16 16x64) on the same captured windows; their "
                          "curves go to --json under 'grid' (recall against size)")
@@ -63,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     from .model import load_model
     from .calibration import model_context
 
-    cfg = DistillConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)})
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistillConfig)}
+    cfg = DistillConfig(**options | {"seq_len": args.seq_len[0] if len(args.seq_len) == 1 else tuple(args.seq_len)})
     bad = [g for g in args.grid if not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", g)]
     if bad:
         ap.error(f"--grid: expected HEADSxDIM such as 4x16, got {bad}")

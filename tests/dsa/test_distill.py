@@ -286,7 +286,7 @@ def test_collect_keeps_each_window_and_reuses_it_only_for_the_same_model_tokens_
     cfg = DistillConfig(seq_len=96, num_seqs=2, heldout_seqs=1, rows=16)
     ctx = model_context(lm)
     first = di.collect(ctx, cfg, progress=False, captures=tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["held-0.pt", "train-0.pt", "train-1.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["held-96-0.pt", "train-96-0.pt", "train-96-1.pt"]
     plain = di.collect(ctx, cfg, progress=False)
     no_capture = dataclasses.replace(ctx, capture=refuse)
     again = di.collect(no_capture, cfg, progress=False, captures=tmp_path)

@@ -136,11 +136,27 @@ def test_windows_longer_than_the_corpus_holds_are_refused_by_name_and_caches_not
                                                         "selectors.dsa.calibrate_params.rows=96"])
     before = copy.deepcopy(cfg)
     with pytest.raises(ConfigError, match=r"selectors\.dsa\.calibrate \(distill_indexer\) failed for "
-                                          r"tiny-random-llama: "
+                                          r"tiny-random-llama: distill: the training windows at seq_len 100000000: "
                                           r"token_windows: \d+ documents give \d+ tokens; 2 windows of 100000000 need"):
         calibration.calibrate_selectors(cfg, tiny, lambda line: None)
     assert cfg == before and captured == []
     assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_calibrate_params_take_several_lengths_and_refuse_one_the_corpus_cannot_fill(cache, tiny, monkeypatch):
+    """``seq_len: [512, 100000000]`` (one indexer on windows of each length) is taken as the
+    command's ``--seq-len 512 100000000``: the length the corpus cannot fill is refused by name
+    before any window of either length is captured."""
+    captured: list[object] = []
+    monkeypatch.setattr(calibration, "capture_attention", lambda *a, **k: captured.append(a))
+    cfg = load_config(preset=RECIPES, overrides=TINY + ["selectors.dsa.calibrate_params.seq_len=[512, 100000000]"])
+    with pytest.raises(ConfigError, match=r"distill: the training windows at seq_len 100000000: token_windows"):
+        calibration.calibrate_selectors(cfg, tiny, lambda line: None)
+    assert captured == [] and (not cache.exists() or not any(cache.iterdir()))
+    empty = load_config(preset=RECIPES, overrides=TINY + ["selectors.dsa.calibrate_params.seq_len=[]"])
+    with pytest.raises(ConfigError, match=r"DistillConfig.seq_len must be an int >= 1 or a non-empty tuple"):
+        calibration.calibrate_selectors(empty, tiny, lambda line: None)
+    assert captured == []
 
 
 def test_unknown_preset_is_refused():

@@ -1,6 +1,7 @@
 """The ``distill_indexer`` calibration step of the ``dsa`` selector: the indexer distilled for the model
 (:func:`.distill.distill`, options :class:`~.distill_config.DistillConfig`) on the layers the entry
-runs on; ``seq_len: 0`` trains at the sweep's longest context length. Gives ``projections`` (the
+runs on; ``seq_len: 0`` trains at the sweep's longest context length, a list of lengths (``seq_len:
+[4096, 8192, 16384]``) one indexer on windows of each. Gives ``projections`` (the
 file) and the indexer geometry ``n_heads``/``head_dim``/``rope_dim``/``rope_theta``. The file is
 kept at the harness's cache stem (``.pt``) and reused.
 """
@@ -26,7 +27,8 @@ class DistillIndexer(CalibrationStep):
     options = dataclasses.asdict(DistillConfig()) | {"seq_len": 0}
 
     def resolve(self, options: dict[str, Any], ctx: CalibrationContext) -> dict[str, Any]:
-        return options | {"layers": ctx.layers, "seq_len": options["seq_len"] or max(ctx.lengths)}
+        seq_len = max(ctx.lengths) if options["seq_len"] == 0 else options["seq_len"]  # [] is refused, not 0
+        return options | {"layers": ctx.layers, "seq_len": seq_len}
 
     def run(self, options: dict[str, Any], ctx: CalibrationContext, stem: Path) -> dict[str, Any]:
         from .distill import distill, result_meta, rope_theta

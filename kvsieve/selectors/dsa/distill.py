@@ -3,14 +3,18 @@ one. The model is frozen; per layer an :class:`~.projections.IndexerProjections`
 layer's attention-input hidden state) is trained to minimise ``KL(p || softmax(I))``, where ``p``
 is the layer's dense attention averaged over its query heads and ``I`` the indexer logits.
 
-Training runs at the evaluation length: each window of ``seq_len`` tokens is run once through
-the frozen model, and for ``rows`` query positions sampled per window (each scored against every
+Training runs at the evaluation length, or at several (``seq_len`` a tuple: the same windows at
+each length, one indexer for all): each window of ``seq_len`` tokens is run once through the frozen
+model, and for ``rows`` query positions sampled per window (each scored against every
 key it sees) the targets ``p`` are kept with the layer's hidden states (:mod:`.distill_targets`),
 so memory grows with ``rows x seq_len``, not ``seq_len**2``. The windows come from the harness's
 corpus (:attr:`kvsieve.sparse.CalibrationContext.documents`: essays and other text) with a recorded
-train / held-out split, plus retrieval windows (:mod:`.distill_retrieval`). After every epoch the
-KL on the training and held-out windows and the held-out recall at densities 1/4, 1/16, 1/64 (the
-dense mass the indexer's top-k keeps) are recorded with the elapsed wall and CPU time.
+train / held-out split, plus retrieval windows (:mod:`.distill_retrieval`). The loss of a window is
+its KL averaged over its ``rows`` sampled rows, and every window has the same ``rows``: every
+sampled row weighs the same, whatever its window's length. After every epoch the KL on the
+training and held-out windows and the held-out recall at densities 1/4, 1/16, 1/64 (the dense mass
+the indexer's top-k keeps), per window length and their mean, are recorded with the elapsed wall
+and CPU time.
 
 Run by the ``distill_indexer`` calibration step (:mod:`.calibration`) and by ``kvsieve distill-indexer``
 (:mod:`kvsieve.eval.distill_indexer`); the model runs through the harness's capture
@@ -46,7 +50,8 @@ REDUCTION_FACTORS = (4, 16, 64)
 class Checkpoint:
     """After ``epoch`` epochs (0 = untrained), ``seconds`` wall and ``cpu_seconds`` process CPU
     since :func:`distill` began (captures included): mean KL on the training and held-out
-    windows and the held-out recall per reduction factor (:data:`REDUCTION_FACTORS`)."""
+    windows and the held-out recall per reduction factor (:data:`REDUCTION_FACTORS`): ``recall``
+    the mean over the window lengths, ``recall_by_length`` per length."""
 
     epoch: int
     seconds: float
@@ -54,6 +59,7 @@ class Checkpoint:
     train_kl: float
     heldout_kl: float
     recall: dict[int, float]  # by reduction factor
+    recall_by_length: dict[int, dict[int, float]]  # window length -> reduction factor -> recall
 
 
 @dataclass(frozen=True)
@@ -61,12 +67,15 @@ class DistillResult:
     """The trained ``projections`` per layer, the training ``curve``, the held-out recall per
     reduction factor of ``streaming`` (4 sinks + recent window, for comparison) and of the ``oracle`` (the
     exact top positions of ``p``: the ceiling of any one set of positions shared by the query heads,
-    as the indexer's is), and the document ``split``."""
+    as the indexer's is), each the mean over the window lengths and ``*_by_length`` per length, and
+    the document ``split``."""
 
     projections: dict[int, IndexerProjections]
     curve: list[Checkpoint]
     streaming: dict[int, float]
     oracle: dict[int, float]
+    streaming_by_length: dict[int, dict[int, float]]
+    oracle_by_length: dict[int, dict[int, float]]
     split: dict[str, list[str]]
 
 
@@ -118,16 +127,22 @@ def _streaming_recall(p: torch.Tensor, rows: torch.Tensor, reduction_factor: int
 
 
 def _evaluate(projs: dict[int, IndexerProjections], windows: list[WindowTargets], recall: bool
-              ) -> tuple[float, dict[int, float]]:
-    kls, kept = [], {d: [] for d in REDUCTION_FACTORS}
+              ) -> tuple[float, dict[int, dict[int, float]]]:
+    """Mean KL over ``windows`` x layers and, with ``recall``, the mean recall by window length,
+    then reduction factor."""
+    kls, kept = [], {}
     with torch.no_grad():
         for w in windows:
             for i, proj in projs.items():
                 logits = indexer_row_logits(proj, w.hidden[i], w.rows)
                 kls.append(float(row_kl(w.p[i], logits)))
                 for d in REDUCTION_FACTORS if recall else ():
-                    kept[d].append(row_recall(w.p[i], logits, w.rows, d))
-    return sum(kls) / len(kls), {d: sum(v) / len(v) for d, v in kept.items() if v}
+                    kept.setdefault(w.seq_len, {}).setdefault(d, []).append(row_recall(w.p[i], logits, w.rows, d))
+    return sum(kls) / len(kls), {n: {d: sum(v) / len(v) for d, v in by.items()} for n, by in kept.items()}
+
+
+def _mean_over_lengths(by_length: dict[int, dict[int, float]]) -> dict[int, float]:
+    return {d: sum(r[d] for r in by_length.values()) / len(by_length) for d in REDUCTION_FACTORS}
 
 
 @dataclass(frozen=True)
@@ -170,20 +185,31 @@ def collect(ctx: CalibrationContext, cfg: DistillConfig, *, progress: bool = Tru
         return WindowTargets(rows, {int(i): h for i, h in saved["hidden"].items()},
                              {int(i): p for i, p in saved["p"].items()})
 
-    def targets(windows, desc, name):  # windows: (ids [1, seq_len], rows always sampled at the end)
-        return [window(ids, sample_rows(cfg.seq_len, cfg.rows, gen, tail), captures and Path(captures) / f"{name}-{j}.pt")
-                for j, (ids, tail) in enumerate(tqdm(windows, desc=desc, disable=not progress))]
+    def targets(windows, desc, name, seq_len):  # windows: (ids [1, seq_len], rows always sampled at the end)
+        return [window(ids, sample_rows(seq_len, cfg.rows, gen, tail),
+                       captures and Path(captures) / f"{name}-{seq_len}-{j}.pt")
+                for j, (ids, tail) in enumerate(tqdm(windows, desc=f"{desc} ({seq_len})", disable=not progress))]
 
-    # every window is cut before the first capture, so a corpus too short for them is refused at
-    # once, not after the captures (an hour of CPU for Gemma 3 at 16K)
-    prose = token_windows(tokenizer, train_docs, cfg.seq_len, cfg.num_seqs)
-    held_out = token_windows(tokenizer, held_docs, cfg.seq_len, cfg.heldout_seqs)
-    # from the training essays only; every row of the question/answer tail is sampled
-    made = (retrieval_windows(tokenizer, train_docs, cfg.seq_len, cfg.retrieval_seqs, cfg.retrieval_facts, cfg.seed)
-            if cfg.retrieval_seqs else [])
-    train = targets([(ids, 1) for ids in prose], "train targets", "train")
-    held = targets([(ids, 1) for ids in held_out], "held out", "held")
-    train += targets([(w.ids, cfg.seq_len - w.tail_start) for w in made], "retrieval targets", "retrieval")
+    # every window of every length is cut before the first capture, so a corpus too short for them
+    # is refused at once (naming the length), not after the captures (an hour of CPU for Gemma 3 at 16K)
+    cut = {}
+    for n in cfg.lengths:
+        kind = "training"
+        try:
+            prose = token_windows(tokenizer, train_docs, n, cfg.num_seqs)
+            kind = "held-out"
+            held_out = token_windows(tokenizer, held_docs, n, cfg.heldout_seqs)
+            kind = "retrieval"  # from the training essays only; every row of the question/answer tail is sampled
+            made = (retrieval_windows(tokenizer, train_docs, n, cfg.retrieval_seqs, cfg.retrieval_facts, cfg.seed)
+                    if cfg.retrieval_seqs else [])
+        except ValueError as e:
+            raise ValueError(f"distill: the {kind} windows at seq_len {n}: {e}") from e
+        cut[n] = prose, held_out, made
+    train, held = [], []
+    for n, (prose, held_out, made) in cut.items():
+        train += targets([(ids, 1) for ids in prose], "train targets", "train", n)
+        held += targets([(ids, 1) for ids in held_out], "held out", "held", n)
+        train += targets([(w.ids, n - w.tail_start) for w in made], "retrieval targets", "retrieval", n)
     text = getattr(model.config, "text_config", model.config)
     split = {"train": [f"{d.source}/{d.name}" for d in train_docs], "held_out": [f"{d.source}/{d.name}" for d in held_docs]}
     return Corpus(train, held, layers, text.hidden_size, rope_theta(text), split, start)
@@ -201,8 +227,9 @@ def fit(corpus: Corpus, cfg: DistillConfig, *, progress: bool = True) -> Distill
 
     def checkpoint(epoch: int) -> Checkpoint:
         train_kl, _ = _evaluate(projs, corpus.train, recall=False)
-        held_kl, recall = _evaluate(projs, corpus.held, recall=True)
-        return Checkpoint(epoch, time.perf_counter() - t0, time.process_time() - c0, train_kl, held_kl, recall)
+        held_kl, by_length = _evaluate(projs, corpus.held, recall=True)
+        return Checkpoint(epoch, time.perf_counter() - t0, time.process_time() - c0, train_kl, held_kl,
+                          _mean_over_lengths(by_length), by_length)
 
     curve = [checkpoint(0)]
     bar = tqdm(range(1, cfg.epochs + 1), desc="distill", disable=not progress)
@@ -218,10 +245,15 @@ def fit(corpus: Corpus, cfg: DistillConfig, *, progress: bool = True) -> Distill
         bar.set_postfix(kl=f"{curve[-1].train_kl:.3f}/{curve[-1].heldout_kl:.3f}")
     for proj in projs.values():
         proj.eval()
-    held = [(w.p[i], w.rows) for w in corpus.held for i in corpus.layers]
-    streaming = {d: sum(_streaming_recall(p, rows, d) for p, rows in held) / len(held) for d in REDUCTION_FACTORS}
-    oracle = {d: sum(row_recall(p, p.float(), rows, d) for p, rows in held) / len(held) for d in REDUCTION_FACTORS}
-    return DistillResult(projs, curve, streaming, oracle, corpus.split)
+    streaming, oracle = {}, {}
+    for n in sorted({w.seq_len for w in corpus.held}):
+        held = [(w.p[i], w.rows) for w in corpus.held if w.seq_len == n for i in corpus.layers]
+        streaming[n] = {d: sum(_streaming_recall(p, rows, d) for p, rows in held) / len(held)
+                        for d in REDUCTION_FACTORS}
+        oracle[n] = {d: sum(row_recall(p, p.float(), rows, d) for p, rows in held) / len(held)
+                     for d in REDUCTION_FACTORS}
+    return DistillResult(projs, curve, _mean_over_lengths(streaming), _mean_over_lengths(oracle), streaming, oracle,
+                         corpus.split)
 
 
 def distill(ctx: CalibrationContext, cfg: DistillConfig, *, progress: bool = True) -> DistillResult:
@@ -236,4 +268,5 @@ def result_meta(result: DistillResult, cfg: DistillConfig, model_name: str) -> d
     size = sum(prm.numel() for proj in result.projections.values() for prm in proj.parameters())
     return {"model": model_name, **dataclasses.asdict(cfg), "layers": sorted(result.projections), "parameters": size,
             "curve": [dataclasses.asdict(c) for c in result.curve], "streaming": result.streaming,
-            "oracle": result.oracle, "split": result.split}
+            "oracle": result.oracle, "streaming_by_length": result.streaming_by_length,
+            "oracle_by_length": result.oracle_by_length, "split": result.split}

@@ -30,6 +30,11 @@ class WindowTargets:
     hidden: dict[int, torch.Tensor]
     p: dict[int, torch.Tensor]
 
+    @property
+    def seq_len(self) -> int:
+        """The window's length ``S``."""
+        return next(iter(self.p.values())).shape[1]
+
 
 def trainable_layers(model_config: Any, layers: list[int] | None) -> list[int]:
     """``layers`` (default: the full-attention layers) after refusing any sliding-window layer:

@@ -55,6 +55,7 @@ def test_rows_carry_the_measured_accepted_lengths_and_the_run_the_speedups(monke
     assert p.rows[0]["acceptance_by_position_k8"] == "|".join(["0.5000"] * 8)
     assert [r["tokens_equal_own"] for r in p.rows] == [1, 0]  # the second prompt differs at K = 8
     assert extra["lossless_speedup_k2"] == pytest.approx(1.2) and extra["decode_speedup"] == pytest.approx(1.4)
+    assert extra["decode_tok_s"] == 14.0 and extra["own_decode_tok_s"] == 10.0
     assert all(e.closed for e in engines.values())
 
 
@@ -78,4 +79,5 @@ def test_a_dense_run_is_vllm_own_decoding_without_an_engine_of_its_own(monkeypat
     p, extra = lossless.lossless_run(_sweep(), own, SimpleNamespace(selector=None), _prompts(), max_new_tokens=2,
                                      max_len=64)
     assert [r["score"] for r in p.rows] == [1.0, 1.0] and extra["decode_speedup"] == 1.0
+    assert extra["decode_tok_s"] == extra["own_decode_tok_s"] == 10.0
     assert not any(k.startswith("accepted_length") for r in p.rows for k in r)

@@ -13,7 +13,8 @@ draft position. Every sample's tokens are compared with vLLM's own attention's o
 Then, :data:`~.protocol.TIMING_REPS` times, one request of the cell's first prompt decodes
 :data:`LOSSLESS_DECODE_TOKENS` tokens on vLLM's own attention and on the engine at ``K``: the run's
 ``lossless_speedup_k{K}`` is the median ratio of decode tokens/s. The score is the accepted length
-at ``K = 4`` (the transformers path's), and ``decode_speedup`` the measured speed-up at ``K = 4``.
+at ``K = 4`` (the transformers path's), and ``decode_speedup`` the measured speed-up at ``K = 4``
+(``decode_tok_s`` / ``own_decode_tok_s`` its medians).
 
 A dense run (and an entry's ``{"dense": true}`` run) is vLLM's own decoding, the baseline (kvsieve's
 drafter drafts with a selector only): its
@@ -87,14 +88,19 @@ def lossless_run(sw: ServedSweep, own: EngineProcess, run: RunSpec, prompts: lis
                 if k == max(DRAFT_LENGTHS):
                     row[f"acceptance_by_position_k{k}"] = "|".join(f"{a / spec['drafts']:.4f}" for a in spec["per_position"])
                 row["tokens_equal_own"] = min(row.get("tokens_equal_own", 1), int(tokens == ref))
-            ratios = []
+            base, mine = [], []
             for _ in range(TIMING_REPS):
-                base = _rate(own, prompts[0][1])
-                ratios.append(_rate(engine, prompts[0][1]) / base)
-            extra[f"lossless_speedup_k{k}"] = statistics.median(ratios)
+                base.append(_rate(own, prompts[0][1]))
+                mine.append(_rate(engine, prompts[0][1]))
+            extra[f"lossless_speedup_k{k}"] = statistics.median(m / b for m, b in zip(mine, base))
+            if k == SCORE_K:
+                extra.update(decode_tok_s=statistics.median(mine), own_decode_tok_s=statistics.median(base))
         finally:
             engine.close()
     p = Progress(seconds=time.perf_counter() - t0)
+    if not drafts:  # vLLM's own decoding: its rate is the run's and the baseline's
+        rate = statistics.median(_rate(own, prompts[0][1]) for _ in range(TIMING_REPS))
+        extra.update(decode_tok_s=rate, own_decode_tok_s=rate)
     for (sample, ids), row in zip(prompts, rows):
         row["score"] = row.get(f"accepted_length_k{SCORE_K}", 1.0)  # dense: no drafts, one token a pass
         p.rows.append(prediction_row(sample, len(ids), row, []))

@@ -29,26 +29,25 @@ class FakeEngine:
         self.closed = True
 
 
-def _sweep():
-    return SimpleNamespace(cfg=SimpleNamespace(backend="torch"), log=lambda _: None)
+def _run():
+    return SimpleNamespace(selector=object(), budget=SimpleNamespace(label="b32"))
 
 
 def _prompts():
     return [(Sample(index=i, prompt="", answers=(), depth=None), [i + 1] * 8) for i in range(2)]
 
 
-def test_rows_carry_the_measured_accepted_lengths_and_the_run_the_speedups(monkeypatch):
+def test_rows_carry_the_measured_accepted_lengths_and_the_run_the_speedups():
     own = FakeEngine(lambda ids: [ids[0], 7, 7], rate=10.0)
     engines = {}
 
-    def fake_engine(sw, run, k, max_len):
+    def fake_engine(k):
         # K drafts a step, accepting 0.5 per position on average: 1 + K/2 tokens per verify pass
         spec = {"drafts": 10.0, "accepted": 5.0 * k, "per_position": [5.0] * k}
         engines[k] = FakeEngine(lambda ids: [ids[0], 7, 8 if ids[0] == 2 and k == 8 else 7], rate=10.0 + k, spec=spec)
         return engines[k]
 
-    monkeypatch.setattr(lossless, "_engine", fake_engine)
-    p, extra = lossless.lossless_run(_sweep(), own, SimpleNamespace(selector=object(), budget=SimpleNamespace(label='b32')), _prompts(), max_new_tokens=3, max_len=64)
+    p, extra = lossless.lossless_run(fake_engine, own, _run(), _prompts(), max_new_tokens=3)
     assert [r["accepted_length_k2"] for r in p.rows] == [2.0, 2.0]
     assert [r["accepted_length_k8"] for r in p.rows] == [5.0, 5.0]
     assert p.rows[0]["score"] == p.rows[0]["accepted_length_k4"] == 3.0
@@ -59,25 +58,23 @@ def test_rows_carry_the_measured_accepted_lengths_and_the_run_the_speedups(monke
     assert all(e.closed for e in engines.values())
 
 
-def test_an_engine_that_drafts_nothing_fails_the_run(monkeypatch):
+def test_an_engine_that_drafts_nothing_fails_the_run():
     own = FakeEngine(lambda ids: [1], rate=10.0)
     made = []
 
-    def fake_engine(sw, run, k, max_len):
+    def fake_engine(k):
         made.append(FakeEngine(lambda ids: [1], rate=10.0, spec={"drafts": 0.0, "accepted": 0.0, "per_position": []}))
         return made[-1]
 
-    monkeypatch.setattr(lossless, "_engine", fake_engine)
     with pytest.raises(RuntimeError, match="counted no draft"):
-        lossless.lossless_run(_sweep(), own, SimpleNamespace(selector=object(), budget=SimpleNamespace(label='b32')), _prompts(), max_new_tokens=1, max_len=64)
+        lossless.lossless_run(fake_engine, own, _run(), _prompts(), max_new_tokens=1)
     assert made and made[0].closed  # the engine is closed on the way out
 
 
-def test_a_dense_run_is_vllm_own_decoding_without_an_engine_of_its_own(monkeypatch):
+def test_a_dense_run_is_vllm_own_decoding_without_an_engine_of_its_own():
     own = FakeEngine(lambda ids: [ids[0], 7], rate=10.0)
-    monkeypatch.setattr(lossless, "_engine", lambda *a: pytest.fail("a dense run starts no lossless engine"))
-    p, extra = lossless.lossless_run(_sweep(), own, SimpleNamespace(selector=None), _prompts(), max_new_tokens=2,
-                                     max_len=64)
+    p, extra = lossless.lossless_run(lambda k: pytest.fail("a dense run starts no lossless engine"), own,
+                                     SimpleNamespace(selector=None), _prompts(), max_new_tokens=2)
     assert [r["score"] for r in p.rows] == [1.0, 1.0] and extra["decode_speedup"] == 1.0
     assert extra["decode_tok_s"] == extra["own_decode_tok_s"] == 10.0
     assert not any(k.startswith("accepted_length") for r in p.rows for k in r)

@@ -233,7 +233,7 @@ def test_lossless_page_examples_run_as_written() -> None:
     import re
 
     text = (Path(__file__).parents[2] / "docs" / "lossless.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "from vllm" not in b]  # vLLM's: tests/vllm
     assert len(blocks) == 2 and "speculate=4" in blocks[0]
     scope: dict = {}
     for code in blocks:

@@ -94,7 +94,7 @@ def test_settings_under_a_selector_selecting_in_the_prompt_need_a_declaration(tm
 
 def test_worker_state_refuses_speculative_decoding_and_prompt_embeddings():
     """vLLM's own speculative methods verify drafts in multi-token rows the selector would select
-    as prompt chunks (kvsieve's drafter is test_lossless.py's); a prompt given as embeddings carries no token ids, so its prompt length is not
+    as prompt chunks (kvsieve's drafter is test_drafter.py's); a prompt given as embeddings carries no token ids, so its prompt length is not
     known: the worker's state refuses both at start-up, by name."""
     from types import SimpleNamespace
 

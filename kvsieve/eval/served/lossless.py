@@ -26,35 +26,19 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from ..acceptance import DRAFT_LENGTHS
 from ..run_files import Progress, prediction_row
 from ..run_plan import RunSpec
-from .engine import plugin_config_file, start_engine
-from .launch import EngineLaunch, EngineProcess, model_folder
-from .protocol import DTYPE, MAX_NUM_SEQS, PLUGIN_DENSE, TIMING_REPS, kv_cache_gib
-
-if TYPE_CHECKING:
-    from .sweep import ServedSweep
+from .launch import EngineProcess
+from .protocol import PLUGIN_DENSE, TIMING_REPS
 
 __all__ = ["LOSSLESS_DECODE_TOKENS", "SCORE_K", "lossless_run"]
 
 LOSSLESS_DECODE_TOKENS = 64  # tokens per timed request: several verify passes even at K = 8
 SCORE_K = 4
-
-
-def _engine(sw: ServedSweep, run: RunSpec, k: int, max_len: int) -> EngineProcess:
-    """The lossless engine of ``run`` (a selector's) at ``K = k``."""
-    folder = sw.out / "engines"
-    folder.mkdir(exist_ok=True)
-    name = f"{run.selector.label}-{run.budget.label}-{run.length}-k{k}"
-    mode = str(plugin_config_file(folder / f"{name}.yaml", run.selector.sparse_config(run.budget), sw.cfg.backend))
-    sw.log(f"kvsieve eval: starting vLLM engine {name!r} (lossless, plug-in: {mode}; log {folder / (name + '.log')})")
-    launch = EngineLaunch(f"{mode}@{k}", threads=sw.cfg.threads or 1,
-                          kv_cache_gib=kv_cache_gib(sw.lm.model.config, max_len))
-    return start_engine(name, sw.python, model_folder(sw.cfg.model), launch, dtype=DTYPE, max_model_len=max_len,
-                        max_num_seqs=MAX_NUM_SEQS, log=folder / f"{name}.log")
 
 
 def _tokens(engine: EngineProcess, ids: list[int], max_tokens: int) -> tuple[list[int], dict[str, Any]]:
@@ -66,10 +50,11 @@ def _rate(engine: EngineProcess, ids: list[int]) -> float:
     return float(engine.request({"op": "time", "ids": ids, "tokens": LOSSLESS_DECODE_TOKENS})["decode_tok_s"])
 
 
-def lossless_run(sw: ServedSweep, own: EngineProcess, run: RunSpec, prompts: list[tuple[Any, list[int]]],
-                 max_new_tokens: int, max_len: int) -> tuple[Progress, dict[str, Any]]:
-    """The run's prediction rows and its extra metrics (module docstring); ``prompts``: the cell's
-    (sample, token ids); ``own``: vLLM's own attention's engine."""
+def lossless_run(start: Callable[[int], EngineProcess], own: EngineProcess, run: RunSpec,
+                 prompts: list[tuple[Any, list[int]]], max_new_tokens: int) -> tuple[Progress, dict[str, Any]]:
+    """The run's prediction rows and its extra metrics (module docstring); ``start(k)``: the run's
+    lossless engine at ``K = k``, started (closed here); ``own``: vLLM's own attention's engine;
+    ``prompts``: the cell's (sample, token ids)."""
     t0 = time.perf_counter()
     references = [_tokens(own, ids, max_new_tokens)[0] for _, ids in prompts]
     rows: list[dict[str, Any]] = [{} for _ in prompts]
@@ -77,7 +62,7 @@ def lossless_run(sw: ServedSweep, own: EngineProcess, run: RunSpec, prompts: lis
     load0 = os.getloadavg()[0]
     drafts = run.selector is not None and run.budget.label != PLUGIN_DENSE
     for k in DRAFT_LENGTHS if drafts else ():
-        engine = _engine(sw, run, k, max_len)
+        engine = start(k)
         try:
             for row, (_, ids), ref in zip(rows, prompts, references):
                 tokens, spec = _tokens(engine, ids, max_new_tokens)

@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from ..acceptance import AcceptanceTask
 from ..config import EvalConfig, SelectorSpec
 from ..model import LoadedModel
 from ..run_files import Progress, prediction_row, record_failure, write_run
@@ -35,7 +36,6 @@ from ..store import CONFIG, atomic_write_text, clear_run
 from ..tasks import ContinuationTask, Sample, get_task
 from .agreement import answer_text
 from .engine import plugin_config_file, start_engine
-from ..acceptance import AcceptanceTask
 from .launch import OWN, EngineError, EngineLaunch, EngineProcess, model_folder
 from .lossless import LOSSLESS_DECODE_TOKENS, lossless_run
 from .protocol import (DECODE_TOKENS, DTYPE, MAX_NUM_SEQS, TIMING_REPS, cache_salt, kv_cache_gib, process_config,
@@ -156,11 +156,24 @@ def _finish_generated(sw: ServedSweep, own: EngineProcess, engine: EngineProcess
     _finish(sw, run, lambda: (_generate(sw, own, engine, run), _speed(sw, own, engine, run)))
 
 
+def _lossless_engine(sw: ServedSweep, run: RunSpec, k: int, max_len: int) -> EngineProcess:
+    """The lossless engine of ``run`` (a selector's) at ``K = k``."""
+    folder = sw.out / "engines"
+    folder.mkdir(exist_ok=True)
+    name = f"{run.selector.label}-{run.budget.label}-{run.length}-k{k}"
+    mode = str(plugin_config_file(folder / f"{name}.yaml", run.selector.sparse_config(run.budget), sw.cfg.backend))
+    sw.log(f"kvsieve eval: starting vLLM engine {name!r} (lossless, plug-in: {mode}; log {folder / (name + '.log')})")
+    launch = EngineLaunch(f"{mode}@{k}", threads=sw.cfg.threads or 1,
+                          kv_cache_gib=kv_cache_gib(sw.lm.model.config, max_len))
+    return start_engine(name, sw.python, model_folder(sw.cfg.model), launch, dtype=DTYPE, max_model_len=max_len,
+                        max_num_seqs=MAX_NUM_SEQS, log=folder / f"{name}.log")
+
+
 def _finish_lossless(sw: ServedSweep, own: EngineProcess, run: RunSpec, runs: list[RunSpec]) -> None:
     """An ``acceptance`` run: lossless decoding measured in vLLM (:mod:`.lossless`)."""
-    task = get_task(run.task.name, run.task.params)
-    _finish(sw, run, lambda: lossless_run(sw, own, run, _cell_prompts(sw, run), task.max_new_tokens,
-                                          _max_model_len(sw, runs)))
+    task, max_len = get_task(run.task.name, run.task.params), _max_model_len(sw, runs)
+    _finish(sw, run, lambda: lossless_run(lambda k: _lossless_engine(sw, run, k, max_len), own, run,
+                                          _cell_prompts(sw, run), task.max_new_tokens))
 
 
 def _engine(sw: ServedSweep, name: str, spec: SelectorSpec | None, runs: list[RunSpec]) -> EngineProcess:

@@ -51,12 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 from benchmarks._timing import cpu_isa  # noqa: E402
 from kvsieve.eval.served.launch import OWN, EngineLaunch, EngineProcess, model_folder, split_speculation  # noqa: E402
+from kvsieve.eval.served.worker import spec_counters, spec_delta  # noqa: E402
 
 TIE = 1e-3  # the transformers half's rounding rule (kvsieve.integrations.transformers.speculate.TIE_TOLERANCE)
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens")
-PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
 
 class ProposeTimer:
     """Seconds spent in the drafter's ``propose`` since the last :meth:`take` (wraps the class's method)."""
@@ -79,26 +76,14 @@ class ProposeTimer:
         return seconds
 
 
-def _counters(llm: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {name: 0.0 for name in SPEC_COUNTERS}
-    for m in llm.get_metrics():
-        if m.name in SPEC_COUNTERS:
-            out[m.name] += float(m.value)
-        elif m.name == PER_POSITION:
-            out[PER_POSITION] = [float(v) for v in m.values]
-    return out
-
-
-def spec_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """Mean accepted length and acceptance by draft position between two counter readings."""
-    drafts = after["vllm:spec_decode_num_drafts"] - before["vllm:spec_decode_num_drafts"]
-    accepted = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
+def spec_summary(delta: dict[str, Any]) -> dict[str, Any]:
+    """Mean accepted length and acceptance by draft position from the spec-decode counters' increase
+    over a measurement (:func:`kvsieve.eval.served.worker.spec_delta`)."""
+    drafts = delta["drafts"]
     if drafts <= 0:
         return {"drafts": 0}
-    pos_before = before.get(PER_POSITION) or [0.0] * len(after.get(PER_POSITION, []))
-    by_pos = [round((a - b) / drafts, 3) for a, b in zip(after.get(PER_POSITION, []), pos_before)]
-    return {"drafts": int(drafts), "mean_accepted_length": round(1 + accepted / drafts, 3),
-            "acceptance_by_position": by_pos}
+    return {"drafts": int(drafts), "mean_accepted_length": round(1 + delta["accepted"] / drafts, 3),
+            "acceptance_by_position": [round(a / drafts, 3) for a in delta["per_position"]]}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -132,7 +117,7 @@ def worker(args: argparse.Namespace) -> None:
         rep, n, c = (int(x) for x in cmd[1:4])
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,  # the others still prefill
                                 logprobs=2 if own else None)
-        before = _counters(llm) if k is not None else None
+        before = spec_counters(llm) if k is not None else None
         t0 = time.perf_counter()
         for i in range(c):
             engine.add_request(f"r{rep}-{n}-{c}-{i}", TokensPrompt(prompt_token_ids=prompts[n][i]), params)
@@ -177,7 +162,7 @@ def worker(args: argparse.Namespace) -> None:
         if k is not None:
             row.update(draft_ms=round(1e3 * steady_draft_s / steady_steps, 2),
                        verify_ms=round(1e3 * (steady_s - steady_draft_s) / steady_steps, 2),
-                       **spec_summary(before, _counters(llm)))
+                       **spec_summary(spec_delta(before, spec_counters(llm))))
         print("RESULT " + json.dumps(row), flush=True)
 
 

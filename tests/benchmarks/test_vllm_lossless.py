@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # the benchmarks package lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.vllm_lossless import OWN, PER_POSITION, ProposeTimer, check_tokens, main, spec_summary, table  # noqa: E402
+from benchmarks.vllm_lossless import OWN, ProposeTimer, check_tokens, main, spec_summary, table  # noqa: E402
 from kvsieve.eval.served.launch import EngineLaunch, split_speculation  # noqa: E402
+from kvsieve.eval.served.worker import spec_delta  # noqa: E402
 
 
 def _base(tokens, gaps, rep=0, step_ms=100.0, tok_s=10.0):
@@ -47,14 +48,12 @@ def test_a_difference_fails_unless_the_baseline_was_a_rounding_tie():
 
 
 def test_spec_summary_from_counter_differences():
-    before = {"vllm:spec_decode_num_drafts": 10.0, "vllm:spec_decode_num_draft_tokens": 40.0,
-              "vllm:spec_decode_num_accepted_tokens": 20.0, PER_POSITION: [8.0, 6.0, 4.0, 2.0]}
-    after = {"vllm:spec_decode_num_drafts": 30.0, "vllm:spec_decode_num_draft_tokens": 120.0,
-             "vllm:spec_decode_num_accepted_tokens": 70.0, PER_POSITION: [26.0, 20.0, 14.0, 10.0]}
-    got = spec_summary(before, after)
+    before = {"drafts": 10.0, "accepted": 20.0, "per_position": [8.0, 6.0, 4.0, 2.0]}
+    after = {"drafts": 30.0, "accepted": 70.0, "per_position": [26.0, 20.0, 14.0, 10.0]}
+    got = spec_summary(spec_delta(before, after))
     assert got["drafts"] == 20 and got["mean_accepted_length"] == pytest.approx(1 + 50 / 20)
     assert got["acceptance_by_position"] == [0.9, 0.7, 0.5, 0.4]
-    assert spec_summary(after, after) == {"drafts": 0}
+    assert spec_summary(spec_delta(after, after)) == {"drafts": 0}
 
 
 def test_table_ratios_cost_model_and_a_mismatch_flagged():

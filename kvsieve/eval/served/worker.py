@@ -31,7 +31,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "spec_counters", "spec_delta"]
 
 REPLY = "REPLY "
 
@@ -45,7 +45,7 @@ def _params(SamplingParams: Any, max_tokens: int, setting: dict[str, Any] | None
                           extra_args=None if setting is None else {"kvsieve": setting})
 
 
-def _spec_counters(llm: Any) -> dict[str, Any]:
+def spec_counters(llm: Any) -> dict[str, Any]:
     """vLLM's spec-decode counters now (drafts, accepted draft tokens, accepted per draft position)."""
     got: dict[str, Any] = {"drafts": 0.0, "accepted": 0.0, "per_position": []}
     for m in llm.get_metrics():
@@ -62,15 +62,20 @@ def _generate(llm: Any, classes: tuple[Any, Any], job: dict[str, Any], speculati
     tokens_prompt, sampling_params = classes
     prompts = [_prompt(tokens_prompt, p["ids"], p.get("salt")) for p in job["prompts"]]
     params = [_params(sampling_params, p["max_tokens"], p.get("setting")) for p in job["prompts"]]
-    before = _spec_counters(llm) if speculative else None
+    before = spec_counters(llm) if speculative else None
     outs = llm.generate(prompts, params, use_tqdm=False)
     reply: dict[str, Any] = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
     if before is not None:
-        after = _spec_counters(llm)
-        reply["spec"] = {"drafts": after["drafts"] - before["drafts"], "accepted": after["accepted"] - before["accepted"],
-                         "per_position": [a - b for a, b in zip(after["per_position"],
-                                                                before["per_position"] or [0.0] * len(after["per_position"]))]}
+        reply["spec"] = spec_delta(before, spec_counters(llm))
     return reply
+
+
+def spec_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The increase of :func:`spec_counters` between two readings (a position first counted after
+    ``before`` counts from 0)."""
+    base = before["per_position"] or [0.0] * len(after["per_position"])
+    return {"drafts": after["drafts"] - before["drafts"], "accepted": after["accepted"] - before["accepted"],
+            "per_position": [a - b for a, b in zip(after["per_position"], base)]}
 
 
 def _time(llm: Any, classes: tuple[Any, Any], job: dict[str, Any], n: int) -> dict[str, Any]:

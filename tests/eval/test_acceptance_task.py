@@ -40,6 +40,28 @@ def test_acceptance_sweep_reports_accepted_lengths_per_selector_budget_and_lengt
     assert "acceptance: speculate: selector(s) ['snapkv'] evict prompt tokens" in error
 
 
+def test_draft_lengths_choose_the_rows_lengths_and_the_longest_drafts(tiny) -> None:
+    ids = torch.tensor([tiny.tokenizer.encode("The printing press changed how ideas travelled. " * 5)])
+    cfg = SparseAttentionConfig("quest", {"budget": 16, "page_size": 16})
+    with KvsieveSession(tiny.model, cfg) as session:
+        row = AcceptanceTask(draft_lengths=[4]).run(session, session.prefill(ids), ids, None, None, tiny.tokenizer)
+    assert sorted(row) == ["acceptance_by_position_k4", "accepted_length_k4", "score"]
+    assert len(row["acceptance_by_position_k4"].split("|")) == 4 and row["score"] == row["accepted_length_k4"]
+
+
+@pytest.mark.parametrize("lengths", [[2, 8], [3, 4], [4, 4], "4", [True, 4], []])
+def test_draft_lengths_the_summary_cannot_hold_are_refused_at_plan_time(tmp_path, lengths) -> None:
+    from kvsieve.eval.config import ConfigError
+
+    raw = {"model": "tiny-random", "output_dir": str(tmp_path),
+           "tasks": {"acceptance": {"lengths": [160], "params": {"draft_lengths": lengths}}},
+           "selectors": {"quest": {"budgets": [16], "params": {"page_size": 16}}}}
+    with pytest.raises(ConfigError, match=r"tasks\.acceptance\.params: draft_lengths must be distinct values of "
+                                          r"\[2, 4, 8\] including 4"):
+        from_dict(raw)
+    assert not (tmp_path / "summary.csv").exists()
+
+
 def test_capped_rounds_accept_at_most_k() -> None:
     stats = AcceptanceStats(8, (1, 0, 2, 0, 0, 1, 0, 0, 3))
     assert _capped(stats, 2).histogram == (1, 0, 6)

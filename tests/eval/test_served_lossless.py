@@ -29,8 +29,9 @@ class FakeEngine:
         self.closed = True
 
 
-def _run():
-    return SimpleNamespace(selector=object(), budget=SimpleNamespace(label="b32"))
+def _run(**params):
+    return SimpleNamespace(selector=object(), budget=SimpleNamespace(label="b32"),
+                           task=SimpleNamespace(name="acceptance", params=params))
 
 
 def _prompts():
@@ -56,6 +57,22 @@ def test_rows_carry_the_measured_accepted_lengths_and_the_run_the_speedups():
     assert extra["lossless_speedup_k2"] == pytest.approx(1.2) and extra["decode_speedup"] == pytest.approx(1.4)
     assert extra["decode_tok_s"] == 14.0 and extra["own_decode_tok_s"] == 10.0
     assert all(e.closed for e in engines.values())
+
+
+def test_the_tasks_draft_lengths_choose_the_engines():
+    own = FakeEngine(lambda ids: [ids[0], 7], rate=10.0)
+    started = []
+
+    def fake_engine(k):
+        started.append(k)
+        return FakeEngine(lambda ids: [ids[0], 7], rate=12.0, spec={"drafts": 4.0, "accepted": 4.0, "per_position": [2.0] * k})
+
+    p, extra = lossless.lossless_run(fake_engine, own, _run(draft_lengths=[4]), _prompts(), max_new_tokens=2)
+    assert started == [4]
+    assert p.rows[0]["score"] == p.rows[0]["accepted_length_k4"] == 2.0
+    assert p.rows[0]["acceptance_by_position_k4"] == "|".join(["0.5000"] * 4)
+    assert not any(key.endswith(("_k2", "_k8")) for key in [*p.rows[0], *extra])
+    assert extra["decode_speedup"] == pytest.approx(1.2)
 
 
 def test_an_engine_that_drafts_nothing_fails_the_run():

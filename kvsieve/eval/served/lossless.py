@@ -2,13 +2,13 @@
 where it is served, beside the estimate kvsieve's own session gives.
 
 For a run (selector entry, budget, length) and each draft length ``K`` in
-:data:`~kvsieve.eval.acceptance.DRAFT_LENGTHS`, one engine: the plug-in with the entry's config at
+the task's ``draft_lengths`` (default :data:`~kvsieve.eval.acceptance.DRAFT_LENGTHS`), one engine: the plug-in with the entry's config at
 the run's budget (its process config: per-request settings do not reach a draft pass) and vLLM's
 speculative decoding with kvsieve's drafter, ``K`` tokens a step (the launcher's ``<config>@K``
 mode, docs/lossless.md). Each prompt is generated alone (greedy, the task's ``max_new_tokens``), and
 vLLM's own spec-decode counters read before and after it give the sample's mean accepted length
-at ``K`` (tokens per verify pass, ``1 + accepted / drafts``) and, at ``K = 8``, its acceptance by
-draft position. Every sample's tokens are compared with vLLM's own attention's on the same prompt
+at ``K`` (tokens per verify pass, ``1 + accepted / drafts``) and, at the longest ``K``, its
+acceptance by draft position. Every sample's tokens are compared with vLLM's own attention's on the same prompt
 (``tokens_equal_own``: 1 when equal; lossless decoding gives them up to fp32 rounding ties).
 Then, :data:`~.protocol.TIMING_REPS` times, one request of the cell's first prompt decodes
 :data:`LOSSLESS_DECODE_TOKENS` tokens on vLLM's own attention and on the engine at ``K``: the run's
@@ -29,16 +29,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..acceptance import DRAFT_LENGTHS
+from ..acceptance import SCORE_K
+from ..tasks import get_task
 from ..run_files import Progress, prediction_row
 from ..run_plan import RunSpec
 from .launch import EngineProcess
 from .protocol import PLUGIN_DENSE, TIMING_REPS
 
-__all__ = ["LOSSLESS_DECODE_TOKENS", "SCORE_K", "lossless_run"]
+__all__ = ["LOSSLESS_DECODE_TOKENS", "lossless_run"]
 
 LOSSLESS_DECODE_TOKENS = 64  # tokens per timed request: several verify passes even at K = 8
-SCORE_K = 4
 
 
 def _tokens(engine: EngineProcess, ids: list[int], max_tokens: int) -> tuple[list[int], dict[str, Any]]:
@@ -61,7 +61,8 @@ def lossless_run(start: Callable[[int], EngineProcess], own: EngineProcess, run:
     extra: dict[str, Any] = {}
     load0 = os.getloadavg()[0]
     drafts = run.selector is not None and run.budget.label != PLUGIN_DENSE
-    for k in DRAFT_LENGTHS if drafts else ():
+    lengths = get_task(run.task.name, run.task.params).draft_lengths if drafts else ()
+    for k in lengths:
         engine = start(k)
         try:
             for row, (_, ids), ref in zip(rows, prompts, references):
@@ -70,7 +71,7 @@ def lossless_run(start: Callable[[int], EngineProcess], own: EngineProcess, run:
                     raise RuntimeError(f"lossless decoding at K={k}: vLLM counted no draft for a prompt of "
                                        f"{len(ids)} tokens (is speculation on?)")
                 row[f"accepted_length_k{k}"] = 1 + spec["accepted"] / spec["drafts"]
-                if k == max(DRAFT_LENGTHS):
+                if k == lengths[-1]:
                     row[f"acceptance_by_position_k{k}"] = "|".join(f"{a / spec['drafts']:.4f}" for a in spec["per_position"])
                 row["tokens_equal_own"] = min(row.get("tokens_equal_own", 1), int(tokens == ref))
             base, mine = [], []

@@ -53,7 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
 
 from benchmarks._timing import cpu_isa, load_averages  # noqa: E402
-from kvsieve.eval.served.launch import OWN, EngineLaunch, default_threads, model_folder  # noqa: E402
+from kvsieve.eval.served.launch import OWN, EngineLaunch, default_threads, drafter_config, model_folder  # noqa: E402
 
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
 NUM_LAYERS, HIDDEN = 30, 576  # SmolLM2-135M
@@ -163,7 +163,7 @@ def run_load(args: argparse.Namespace) -> dict:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_chunked_prefill=True, enable_prefix_caching=True, disable_log_stats=False,
               kv_cache_memory_bytes=args.kv_blocks * BLOCK_SIZE * args.kv_bytes_per_token,
-              speculative_config=_speculative_config(args.speculate))
+              speculative_config=drafter_config(args.speculate) if args.speculate else None)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     counters = EngineCounters(scheduler.kv_cache_manager.block_pool, scheduler)
@@ -227,15 +227,6 @@ def run_load(args: argparse.Namespace) -> dict:
          "load": tokens.get(r.rid, []),
          "alone": alone[r.rid], "finished": r.rid in finished, "aborted": r.rid in aborted,
          "preempted_after": [n for rid, n in preempted if rid == r.rid]} for r in work]}
-
-
-def _speculative_config(k: int) -> dict | None:
-    """vLLM speculating ``k`` tokens per step with kvsieve's drafter (docs/lossless.md); ``None`` for 0."""
-    if not k:
-        return None
-    from kvsieve.integrations.vllm.draft_steps import DRAFTER
-
-    return {"method": "custom_class", "model": DRAFTER, "num_speculative_tokens": k}
 
 
 def mismatches(result: dict) -> list[str]:

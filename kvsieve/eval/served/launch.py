@@ -39,6 +39,7 @@ from ..config import ConfigError
 from ..model import checkpoint_folder, models_dir
 
 __all__ = ["OWN", "DENSE", "ENV_PYTHON", "KV_SPACE", "EngineError", "EngineLaunch", "EngineProcess", "default_threads",
+           "drafter_config",
            "healthy", "model_folder", "openai_server", "split_speculation", "vllm_python"]
 
 OWN = "own"
@@ -64,6 +65,11 @@ def split_speculation(mode: str) -> tuple[str, int | None]:
         raise ValueError(f"mode {mode!r}: {base or 'an empty mode'!r} has no selector to draft with; "
                          "write <selector>@K")
     return base, int(k)
+
+
+def drafter_config(k: int) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` naming kvsieve's drafter, ``k`` draft tokens a step (docs/lossless.md)."""
+    return {"method": "custom_class", "model": DRAFTER, "num_speculative_tokens": k}
 
 
 class EngineError(RuntimeError):
@@ -171,7 +177,7 @@ class EngineLaunch:
         """vLLM's ``speculative_config`` for a ``<selector>@K`` mode (kvsieve's drafter, ``K`` draft
         tokens a step), ``None`` for any other."""
         k = split_speculation(self.mode)[1]
-        return None if k is None else {"method": "custom_class", "model": DRAFTER, "num_speculative_tokens": k}
+        return None if k is None else drafter_config(k)
 
 
 class EngineProcess:

@@ -14,15 +14,15 @@ attention, no plug-in, no speculation: the baseline), ``<draft>@K`` for every ``
 ``speculative_config`` names kvsieve's drafter, the plug-in is configured with the draft selector) and, with ``--sparse``, the draft selector
 serving every decode step (not lossless: its tokens are shown, not checked). Every engine answers the
 same measurements in the same order: for each prompt length ``L`` and each concurrency ``C``: ``C``
-requests added at once, request ``i`` an essay cut to ``L`` tokens starting at essay ``i`` (distinct
-prompts), greedy, ``ignore_eos``.
+requests, request ``i`` an essay cut to ``L`` tokens starting at essay ``i`` (distinct prompts),
+greedy, ``ignore_eos``, ``--new`` tokens each. The prompts are first put in vLLM's prefix cache
+(each once, one token generated; ``prefill_s``, untimed otherwise), then the measured requests are
+added at once: they find their prompts cached and start decoding together.
 
 ``decode_tok_s``: the tokens produced in the engine steps in which all ``C`` requests are past
 their prompt and none has finished, over those steps' time (the same definition for every mode; a
 speculative step produces 1 to ``K + 1`` tokens per request); once the first request is done the
-others are aborted. Each request generates ``--new`` tokens
-plus as many as its staggered prefill chunks take (times ``K + 1`` under speculation; the token check
-compares the tokens both runs made). For the speculative modes also: the mean accepted
+others are aborted (the token check compares the tokens both runs made). For the speculative modes also: the mean accepted
 length (tokens per request per verify step, from vLLM's own spec-decode counters), acceptance by
 draft position, the drafter's time per step (``SparseDrafter.propose``, timed in the engine process)
 and the rest of the step (``verify_ms``: vLLM's dense pass over the ``K + 1`` rows, sampling,
@@ -98,11 +98,8 @@ def worker(args: argparse.Namespace) -> None:
         from kvsieve.integrations.vllm.drafter import SparseDrafter
         timer = ProposeTimer(SparseDrafter)
     conc, longest = max(args.concurrency), max(args.lengths)
-    chunk = 2048
-    extra = conc * -(-longest // chunk) + 1
-    max_tokens = args.new + extra * (1 + (k or 0))  # a speculative request may make K + 1 tokens a step while
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=longest + max_tokens + 64, enforce_eager=True,
-              max_num_seqs=conc, max_num_batched_tokens=chunk, block_size=args.block_size, seed=0,
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=longest + args.new + 64, enforce_eager=True,
+              max_num_seqs=conc, max_num_batched_tokens=2048, block_size=args.block_size, seed=0,
               distributed_executor_backend="uni", enable_prefix_caching=True, disable_log_stats=False,
               speculative_config=EngineLaunch(args.mode).speculative_config())
     tok = llm.get_tokenizer()
@@ -115,17 +112,22 @@ def worker(args: argparse.Namespace) -> None:
         if not cmd or cmd[0] != "go":
             break
         rep, n, c = (int(x) for x in cmd[1:4])
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,  # the others still prefill
-                                logprobs=2 if own else None)
+        params = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True, logprobs=2 if own else None)
+        t0 = time.perf_counter()  # the prompts into the prefix cache, untimed: the timed requests start decoding together
+        for i in range(c):
+            engine.add_request(f"w{rep}-{n}-{c}-{i}", TokensPrompt(prompt_token_ids=prompts[n][i]),
+                               SamplingParams(temperature=0.0, max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
+        prefill_s = time.perf_counter() - t0
         before = spec_counters(llm) if k is not None else None
-        t0 = time.perf_counter()
         for i in range(c):
             engine.add_request(f"r{rep}-{n}-{c}-{i}", TokensPrompt(prompt_token_ids=prompts[n][i]), params)
         counts: dict[str, int] = {}
         latest: dict[str, list[int]] = {}
         logprobs: dict[str, Any] = {}
         steady_tokens, steady_s, steady_draft_s, steady_steps = 0, 0.0, 0.0, 0
-        first_token_at, finished = None, False
+        finished = False
         if timer is not None:
             timer.take()
         while engine.has_unfinished_requests():
@@ -148,12 +150,10 @@ def worker(args: argparse.Namespace) -> None:
             if steady:
                 steady_tokens, steady_s, steady_draft_s, steady_steps = (
                     steady_tokens + new, steady_s + s1 - s0, steady_draft_s + drafted, steady_steps + 1)
-            if first_token_at is None and len(counts) == c and min(counts.values()) > 0:
-                first_token_at = s1
         if steady_steps < 2:
             raise RuntimeError(f"only {steady_steps} steps with all {c} requests decoding; raise --new")
         order = sorted(latest, key=lambda r: int(r.rsplit("-", 1)[1]))
-        row = {"rep": rep, "prompt_tokens": n, "concurrency": c, "ttft_all_s": round(first_token_at - t0, 3),
+        row = {"rep": rep, "prompt_tokens": n, "concurrency": c, "prefill_s": round(prefill_s, 3),
                "steady_steps": steady_steps, "step_ms": round(1e3 * steady_s / steady_steps, 2),
                "decode_tok_s": round(steady_tokens / steady_s, 3),
                "tokens": [latest[r] for r in order]}

@@ -16,19 +16,12 @@ inside one cache block, and kvsieve's native decode kernel reads them in place f
 cache views (:func:`token_runs`, :func:`native_runs_attention`; K stored by channel, as in vLLM's
 CPU layout, is read channel by channel). Prompt rows that select positions (DSA in the prompt) take
 the same runs through the tiled prompt kernel, which reads each block once for a tile of rows.
-
-A verify pass of lossless decoding (a dense step under kvsieve's drafter whose requests have at most
-:data:`VERIFY_MAX_TOKENS` query tokens each: ``K + 1`` verified positions, or one) takes that tiled
-kernel too, each row over its causal positions (:func:`verify_pass`, :func:`causal_attention`): the
-``K + 1`` rows of a request share every block of its context, so the tile reads the context once
-where the host's kernel reads it once per query row (``K + 1`` times; docs/lossless.md, "In vLLM").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from ...kernels.common.native import native_status
@@ -36,16 +29,13 @@ from ...kernels.head_tables.plan import head_tables
 from ...kernels.prompt_runs.native import SOURCE as PROMPT_SOURCE
 from ...kernels.prompt_runs.native import prompt_runs_native
 from ...kernels.sparse_gqa_decode.native import SOURCE, sparse_decode_runs_native, supports_runs_native
-from ...kernels.sparse_gqa_decode.runs import TokenRuns, causal_runs, selection_runs
+from ...kernels.sparse_gqa_decode.runs import TokenRuns, selection_runs
 from ...metadata import AttentionMetadata
 from ...metadata.foreign_paged import ForeignPagedKV
 from ...sparse import AttentionGeometry, SparseRuntimeParams
 
-__all__ = ["VERIFY_MAX_TOKENS", "HostAttention", "PerHeadTables", "causal_attention", "native_runs_attention",
-           "per_head_block_tables", "runs_kernel_takes", "token_runs", "verify_pass"]
-
-#: the most query tokens of a request in a verify pass (vLLM's ``num_speculative_tokens`` <= 128, plus one)
-VERIFY_MAX_TOKENS = 129
+__all__ = ["HostAttention", "PerHeadTables", "native_runs_attention", "per_head_block_tables", "runs_kernel_takes",
+           "token_runs"]
 
 
 class HostAttention(Protocol):
@@ -131,24 +121,3 @@ def native_runs_attention(q: torch.Tensor, runs: TokenRuns, view: ForeignPagedKV
     kernel = prompt_runs_native if tiled else sparse_decode_runs_native
     out, _ = kernel(k, v, runs, q, sm_scale=geometry.sm_scale)
     return out.to(q.dtype)
-
-
-def verify_pass(md: AttentionMetadata, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
-                geometry: AttentionGeometry) -> bool:
-    """Whether a step's dense attention takes :func:`causal_attention`: a dense step (``md.dense``, a
-    step vLLM runs itself under kvsieve's drafter) whose requests have at most
-    :data:`VERIFY_MAX_TOKENS` query tokens each (a prompt chunk keeps the host's own kernel), over
-    views ``k``/``v`` the native runs kernel takes (:func:`runs_kernel_takes`) with the tiled
-    prompt kernel's library there."""
-    return (md.dense and md.num_seqs > 0 and int(np.diff(md.query_start_host).max()) <= VERIFY_MAX_TOKENS
-            and runs_kernel_takes(k, v, q, geometry) and native_status(PROMPT_SOURCE) == "native")
-
-
-def causal_attention(q: torch.Tensor, md: AttentionMetadata, view: ForeignPagedKV, layer_idx: int,
-                     geometry: AttentionGeometry) -> torch.Tensor:
-    """q ``[T, Hq, D]`` (the step's rows, kvsieve order) -> ``[T, Hq, D]`` in q's dtype: each row's
-    dense causal attention (positions ``[0, position + 1)`` of its request, this step's K/V already in
-    the cache) by the tiled prompt kernel over :func:`~kvsieve.kernels.sparse_gqa_decode.runs.causal_runs`."""
-    runs = causal_runs(view.block_table[md.slots[md.token_to_req_host]], md.positions_host + 1,
-                       view.tokens_per_block, geometry.num_kv_heads)
-    return native_runs_attention(q, runs, view, layer_idx, geometry, prompt=True)

@@ -15,7 +15,7 @@ import numpy as np
 from ..common.native import NativeUnavailable, native_library
 from ..common.runs import TokenRuns
 
-__all__ = ["TokenRuns", "causal_runs", "selection_runs", "selection_runs_naive"]
+__all__ = ["TokenRuns", "selection_runs", "selection_runs_naive"]
 
 _SOURCE = Path(__file__).with_name("sparse_gqa_decode.c")  # the library of .native
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -88,24 +88,3 @@ def selection_runs_naive(indices: np.ndarray, offsets: np.ndarray, units_of: int
     attended = np.bincount(group, weights=run_cnt, minlength=hkv * rows).astype(np.int64).reshape(hkv, rows).T
     return TokenRuns(ptr=ptr, block=table[run_row, blk[first]].astype(np.int64), head=run_head,
                      start=pos[first] % block_size, cnt=run_cnt.astype(np.int32), attended=np.ascontiguousarray(attended))
-
-
-def causal_runs(table: np.ndarray, kv_lens: np.ndarray, block_size: int, num_kv_heads: int) -> TokenRuns:
-    """Dense causal rows as runs: row ``n`` attends positions ``[0, kv_lens[n])`` of its blocks
-    ``table [num_rows, >= blocks]`` (int, physical cache blocks of ``block_size`` tokens), one run per
-    block (the last one partial), the same for every KV head. The runs :func:`selection_runs_naive`
-    builds from a selection of every position, without one entry per position."""
-    rows = kv_lens.size
-    lens = kv_lens.astype(np.int64)
-    nb = -(-lens // block_size)  # [rows] blocks per row
-    first = np.cumsum(nb) - nb
-    row = np.repeat(np.arange(rows), nb)
-    b = np.arange(int(nb.sum())) - np.repeat(first, nb)  # the run's block index in its row
-    block = table[row, b].astype(np.int64)
-    cnt = np.minimum(lens[row] - b * block_size, block_size).astype(np.int32)
-    ptr = np.zeros(num_kv_heads * rows + 1, dtype=np.int64)
-    np.cumsum(np.tile(nb, num_kv_heads), out=ptr[1:])
-    return TokenRuns(ptr=ptr, block=np.tile(block, num_kv_heads),
-                     head=np.repeat(np.arange(num_kv_heads, dtype=np.int64), block.size),
-                     start=np.zeros(block.size * num_kv_heads, dtype=np.int64), cnt=np.tile(cnt, num_kv_heads),
-                     attended=np.repeat(lens[:, None], num_kv_heads, axis=1))

@@ -52,8 +52,8 @@ class AcceptanceTask(Task):
 
     def check_options(self) -> None:
         ks = self.params["draft_lengths"]
-        if (not isinstance(ks, (list, tuple)) or len(set(ks)) != len(ks) or SCORE_K not in ks
-                or any(isinstance(k, bool) or k not in DRAFT_LENGTHS for k in ks)):
+        if (not isinstance(ks, (list, tuple)) or any(isinstance(k, bool) or k not in DRAFT_LENGTHS for k in ks)
+                or len(set(ks)) != len(ks) or SCORE_K not in ks):
             raise ValueError(f"draft_lengths must be distinct values of {list(DRAFT_LENGTHS)} including {SCORE_K} "
                              f"(the score's K), got {ks!r}")
 

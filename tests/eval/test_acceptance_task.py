@@ -49,7 +49,7 @@ def test_draft_lengths_choose_the_rows_lengths_and_the_longest_drafts(tiny) -> N
     assert len(row["acceptance_by_position_k4"].split("|")) == 4 and row["score"] == row["accepted_length_k4"]
 
 
-@pytest.mark.parametrize("lengths", [[2, 8], [3, 4], [4, 4], "4", [True, 4], []])
+@pytest.mark.parametrize("lengths", [[2, 8], [3, 4], [4, 4], "4", [True, 4], [], [[4], 4]])
 def test_draft_lengths_the_summary_cannot_hold_are_refused_at_plan_time(tmp_path, lengths) -> None:
     from kvsieve.eval.config import ConfigError
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvsieve.eval.acceptance import AcceptanceTask
 from kvsieve.eval.served import lossless
 from kvsieve.eval.tasks.base import Sample
 
@@ -29,9 +30,8 @@ class FakeEngine:
         self.closed = True
 
 
-def _run(**params):
-    return SimpleNamespace(selector=object(), budget=SimpleNamespace(label="b32"),
-                           task=SimpleNamespace(name="acceptance", params=params))
+def _run():
+    return SimpleNamespace(selector=object(), budget=SimpleNamespace(label="b32"))
 
 
 def _prompts():
@@ -48,7 +48,7 @@ def test_rows_carry_the_measured_accepted_lengths_and_the_run_the_speedups():
         engines[k] = FakeEngine(lambda ids: [ids[0], 7, 8 if ids[0] == 2 and k == 8 else 7], rate=10.0 + k, spec=spec)
         return engines[k]
 
-    p, extra = lossless.lossless_run(fake_engine, own, _run(), _prompts(), max_new_tokens=3)
+    p, extra = lossless.lossless_run(fake_engine, own, _run(), _prompts(), AcceptanceTask())
     assert [r["accepted_length_k2"] for r in p.rows] == [2.0, 2.0]
     assert [r["accepted_length_k8"] for r in p.rows] == [5.0, 5.0]
     assert p.rows[0]["score"] == p.rows[0]["accepted_length_k4"] == 3.0
@@ -67,7 +67,8 @@ def test_the_tasks_draft_lengths_choose_the_engines():
         started.append(k)
         return FakeEngine(lambda ids: [ids[0], 7], rate=12.0, spec={"drafts": 4.0, "accepted": 4.0, "per_position": [2.0] * k})
 
-    p, extra = lossless.lossless_run(fake_engine, own, _run(draft_lengths=[4]), _prompts(), max_new_tokens=2)
+    p, extra = lossless.lossless_run(fake_engine, own, _run(), _prompts(),
+                                     AcceptanceTask(draft_lengths=[4]))
     assert started == [4]
     assert p.rows[0]["score"] == p.rows[0]["accepted_length_k4"] == 2.0
     assert p.rows[0]["acceptance_by_position_k4"] == "|".join(["0.5000"] * 4)
@@ -84,14 +85,14 @@ def test_an_engine_that_drafts_nothing_fails_the_run():
         return made[-1]
 
     with pytest.raises(RuntimeError, match="counted no draft"):
-        lossless.lossless_run(fake_engine, own, _run(), _prompts(), max_new_tokens=1)
+        lossless.lossless_run(fake_engine, own, _run(), _prompts(), AcceptanceTask())
     assert made and made[0].closed  # the engine is closed on the way out
 
 
 def test_a_dense_run_is_vllm_own_decoding_without_an_engine_of_its_own():
     own = FakeEngine(lambda ids: [ids[0], 7], rate=10.0)
     p, extra = lossless.lossless_run(lambda k: pytest.fail("a dense run starts no lossless engine"), own,
-                                     SimpleNamespace(selector=None), _prompts(), max_new_tokens=2)
+                                     SimpleNamespace(selector=None), _prompts(), AcceptanceTask())
     assert [r["score"] for r in p.rows] == [1.0, 1.0] and extra["decode_speedup"] == 1.0
     assert extra["decode_tok_s"] == extra["own_decode_tok_s"] == 10.0
     assert not any(k.startswith("accepted_length") for r in p.rows for k in r)

@@ -29,8 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..acceptance import SCORE_K
-from ..tasks import get_task
+from ..acceptance import SCORE_K, AcceptanceTask
 from ..run_files import Progress, prediction_row
 from ..run_plan import RunSpec
 from .launch import EngineProcess
@@ -51,17 +50,19 @@ def _rate(engine: EngineProcess, ids: list[int]) -> float:
 
 
 def lossless_run(start: Callable[[int], EngineProcess], own: EngineProcess, run: RunSpec,
-                 prompts: list[tuple[Any, list[int]]], max_new_tokens: int) -> tuple[Progress, dict[str, Any]]:
+                 prompts: list[tuple[Any, list[int]]], task: AcceptanceTask) -> tuple[Progress, dict[str, Any]]:
     """The run's prediction rows and its extra metrics (module docstring); ``start(k)``: the run's
     lossless engine at ``K = k``, started (closed here); ``own``: vLLM's own attention's engine;
-    ``prompts``: the cell's (sample, token ids)."""
+    ``prompts``: the cell's (sample, token ids); ``task``: the run's task (its ``max_new_tokens`` and
+    ``draft_lengths``)."""
     t0 = time.perf_counter()
+    max_new_tokens = task.max_new_tokens
     references = [_tokens(own, ids, max_new_tokens)[0] for _, ids in prompts]
     rows: list[dict[str, Any]] = [{} for _ in prompts]
     extra: dict[str, Any] = {}
     load0 = os.getloadavg()[0]
     drafts = run.selector is not None and run.budget.label != PLUGIN_DENSE
-    lengths = get_task(run.task.name, run.task.params).draft_lengths if drafts else ()
+    lengths = task.draft_lengths if drafts else ()
     for k in lengths:
         engine = start(k)
         try:

@@ -173,7 +173,7 @@ def _finish_lossless(sw: ServedSweep, own: EngineProcess, run: RunSpec, runs: li
     """An ``acceptance`` run: lossless decoding measured in vLLM (:mod:`.lossless`)."""
     task, max_len = get_task(run.task.name, run.task.params), _max_model_len(sw, runs)
     _finish(sw, run, lambda: lossless_run(lambda k: _lossless_engine(sw, run, k, max_len), own, run,
-                                          _cell_prompts(sw, run), task.max_new_tokens))
+                                          _cell_prompts(sw, run), task))
 
 
 def _engine(sw: ServedSweep, name: str, spec: SelectorSpec | None, runs: list[RunSpec]) -> EngineProcess:

@@ -358,7 +358,7 @@ class DSASelector(SparseSelector):
         md, rows = inputs.metadata, inputs.rows
         try:
             return prompt_index_topk_native(k_pool, inputs.cache.block_table, md.slots[md.token_to_req_host[rows]],
-                                            md.token_kv_lens[rows].cpu().numpy(), q[rows], w[rows],
+                                            inputs.token_kv_lens_host()[rows], q[rows], w[rows],
                                             self.config.index_topk)
         except NativeUnavailable:
             return None

@@ -97,14 +97,14 @@ def _host_step(md: CPUAttentionMetadata, rows: int, kind: str | None) -> VllmSte
     prompt length (refused by name where the batch table does not know a row) and per-request
     setting. Under it (:mod:`.draft_steps`): a step vLLM runs itself is dense, every query token a
     context token; a draft step's every row is one generated token (its prompt ends before it), the
-    round's first taking the selector's Python hooks."""
+    round's first recomputing each row's newest page before it selects (:mod:`.draft_steps`)."""
     if kind is None:
         return VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens,
                                      prompt_lens=row_prompt_lens(rows), settings=row_settings(rows))
     seq_lens = md.seq_lens[:rows].cpu().numpy().astype(np.int32)
     return VllmStep.from_tensors(md.query_start_loc, md.seq_lens, md.block_table, md.num_actual_tokens,
                                  prompt_lens=seq_lens if kind == OWN_STEP else seq_lens - 1, dense=kind == OWN_STEP,
-                                 hooks=kind == FIRST_DRAFT_STEP)
+                                 refresh_pages=kind == FIRST_DRAFT_STEP)
 
 
 class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -157,6 +157,8 @@ class KvsieveCPUAttentionImpl(CPUAttentionBackendImpl):
             hidden = state.feed.take(layer_idx, n, query.shape[0])
         if route.path == ONE_CALL_DECODE:
             model_inputs = None if hidden is None else IndexerInputs(hidden=hidden)
+            if step.refresh_pages:
+                route.one_call.refresh_pages(step.block_table, step.seq_lens)
             route.one_call.run(step.block_table, step.seq_lens, step.positions, query[:n],
                                output[:n].view(n, self.num_heads, self.head_size), model_inputs)
             if state.state_check is not None:  # debug: the pools the one call left, checked

@@ -11,12 +11,12 @@ Under that drafter vLLM runs two kinds of forward passes:
   query token is treated as a context token, attending densely), so the batch table that per-request
   settings ride (vLLM builds no entry-point logits processor under speculation) is not read.
 * :data:`DRAFT_STEP`: the drafter's one-token steps, every row one generated token, selected by the
-  selector as a decode step. The first of a round is :data:`FIRST_DRAFT_STEP`: it runs the selector's
-  Python hooks, never the one-call decode path (:mod:`.native_decode`). The verify pass before it
-  summarized every token it wrote, the rejected ones included; ``on_append`` recomputes the page of
-  each row's new position from the cache over its valid positions, where the one-call path would
-  merge the new key into a summary still holding the rejected keys. Later draft steps append behind
-  valid positions (or start a page), which the one-call path's merge keeps exact. Rejected
+  selector as a decode step. The first of a round is :data:`FIRST_DRAFT_STEP`: the verify pass before
+  it summarized every token it wrote, the rejected ones included, so the page of each row's new
+  position is recomputed from the cache over its valid positions before the step selects (the
+  one-call decode path, :mod:`.native_decode`, by ``refresh_pages``; the selector's Python hooks by
+  ``on_append``), where merging the new key into the stored summary would keep the rejected keys.
+  Later draft steps append behind valid positions (or start a page), which the merge keeps exact. Rejected
   positions past a request's length are never read: a page is recomputed (or restarted) when a
   position in it is written again, and DSA's index keys are per position.
 

@@ -16,14 +16,23 @@ inside one cache block, and kvsieve's native decode kernel reads them in place f
 cache views (:func:`token_runs`, :func:`native_runs_attention`; K stored by channel, as in vLLM's
 CPU layout, is read channel by channel). Prompt rows that select positions (DSA in the prompt) take
 the same runs through the tiled prompt kernel, which reads each block once for a tile of rows.
+
+A verify pass of lossless decoding (a dense step under kvsieve's drafter whose requests have at most
+:data:`VERIFY_MAX_TOKENS` query tokens each: ``K + 1`` verified positions, or one) takes kvsieve's
+causal-rows kernel (:func:`verify_pass`, :func:`causal_attention`): a request's rows are folded into
+one query group, so its context is read once, where the host's CPU kernel reads it once per query row
+(``K + 1`` times; docs/lossless.md, "In vLLM").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from ...kernels.causal_rows.native import SOURCE as CAUSAL_SOURCE
+from ...kernels.causal_rows.native import causal_rows_native, supports_causal_rows
 from ...kernels.common.native import native_status
 from ...kernels.head_tables.plan import head_tables
 from ...kernels.prompt_runs.native import SOURCE as PROMPT_SOURCE
@@ -34,8 +43,11 @@ from ...metadata import AttentionMetadata
 from ...metadata.foreign_paged import ForeignPagedKV
 from ...sparse import AttentionGeometry, SparseRuntimeParams
 
-__all__ = ["HostAttention", "PerHeadTables", "native_runs_attention", "per_head_block_tables", "runs_kernel_takes",
-           "token_runs"]
+__all__ = ["VERIFY_MAX_TOKENS", "HostAttention", "PerHeadTables", "causal_attention", "native_runs_attention",
+           "per_head_block_tables", "runs_kernel_takes", "token_runs", "verify_pass"]
+
+#: the most query tokens of a request in a verify pass (vLLM's ``num_speculative_tokens`` <= 128, plus one)
+VERIFY_MAX_TOKENS = 129
 
 
 class HostAttention(Protocol):
@@ -120,4 +132,26 @@ def native_runs_attention(q: torch.Tensor, runs: TokenRuns, view: ForeignPagedKV
     tiled = prompt and native_status(PROMPT_SOURCE) == "native"
     kernel = prompt_runs_native if tiled else sparse_decode_runs_native
     out, _ = kernel(k, v, runs, q, sm_scale=geometry.sm_scale)
+    return out.to(q.dtype)
+
+
+def verify_pass(md: AttentionMetadata, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+                geometry: AttentionGeometry) -> bool:
+    """Whether a step's dense attention takes :func:`causal_attention`: a dense step (``md.dense``, a
+    step vLLM runs itself under kvsieve's drafter) whose requests have at most
+    :data:`VERIFY_MAX_TOKENS` query tokens each (a prompt chunk keeps the host's own kernel), a GQA
+    layer over views ``k``/``v`` the causal-rows kernel takes, with its library there."""
+    return (md.dense and md.num_seqs > 0 and int(np.diff(md.query_start_host).max()) <= VERIFY_MAX_TOKENS
+            and geometry.kind == "gqa" and geometry.value_dim == geometry.head_dim
+            and supports_causal_rows(k, v, q) and native_status(CAUSAL_SOURCE) == "native")
+
+
+def causal_attention(q: torch.Tensor, md: AttentionMetadata, view: ForeignPagedKV, layer_idx: int,
+                     geometry: AttentionGeometry) -> torch.Tensor:
+    """q ``[T, Hq, D]`` (the step's rows, kvsieve order: each request's rows together, its last
+    positions) -> ``[T, Hq, D]`` in q's dtype: each row's dense causal attention (positions ``[0,
+    position + 1)`` of its request, this step's K/V already in the cache) by the causal-rows kernel
+    (:mod:`kvsieve.kernels.causal_rows`), which reads each request's blocks once for all its rows."""
+    out, _ = causal_rows_native(view.k_cache(layer_idx), view.v_cache(layer_idx), view.block_table[md.slots],
+                                md.query_start_host, md.kv_lens_host, q, sm_scale=geometry.sm_scale)
     return out.to(q.dtype)

@@ -24,9 +24,10 @@ from ...sparse.backends.sdpa import causal_sdpa
 from ...sparse.selector_step import check_model_inputs, run_selector, selector_inputs
 from .config import WorkerRanks
 from .golden_capture import GoldenCapture
-from .host import HostAttention, native_runs_attention, runs_kernel_takes, token_runs
+from .host import HostAttention, causal_attention, native_runs_attention, runs_kernel_takes, token_runs, verify_pass
 from .request_settings import RequestSetting
-from .router import BACKEND, HOST_DENSE, HOST_PAGED, NATIVE_RUNS, SDPA_DENSE, RowsRoute, route_rows
+from .router import (BACKEND, CAUSAL_ROWS, HOST_DENSE, HOST_PAGED, NATIVE_RUNS, SDPA_DENSE, RowsRoute,
+                     route_rows)
 from .setting_groups import RequestsMetadata, select_by_setting
 from .state_check import StateCheck
 from .step import PreparedStep
@@ -86,6 +87,10 @@ class LayerRunner:
         ctx, gen = paths.get("context"), paths.get("generation")
         if host is not None and set(paths.values()) <= {HOST_DENSE}:  # the host's own attention, whole
             attended = md.token_kv_lens.to(torch.int64)[:, None].expand(-1, g.num_kv_heads)
+            view, i = step.view, self.layer_idx
+            if verify_pass(md, view.k_cache(i), view.v_cache(i), q, g):  # each context read once, not per row
+                return AttentionResult(causal_attention(q, md, view, i, g), None, attended,
+                                       dict.fromkeys(paths, CAUSAL_ROWS))
             return AttentionResult(step.to_kvsieve(host.dense()), None, attended, dict(paths))
         if ctx == SDPA_DENSE:
             return self._dense_context_first(q, step, params)

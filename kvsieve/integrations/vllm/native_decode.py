@@ -24,6 +24,7 @@ from ...kernels.common.native import NativeUnavailable
 from ...kernels.decode_layer.device import decode_layer_device
 from ...kernels.decode_layer.native import DecodeLayerCall, supports_decode_layer
 from ...kernels.decode_layer.plan import DecodeProgram, IndexerStep
+from ...kernels.page_minmax.plan import page_minmax
 from ...metadata.foreign_paged import ForeignPagedKV
 from ...sparse import AttentionGeometry, LayerPlan
 
@@ -58,6 +59,23 @@ class NativeDecodeLayer(_OneCallLayer):
         the selector reads per step (its type, this layer's, vLLM's row order). Writes ``out``;
         returns ``attended [N, Hkv]`` int64."""
         return self.call.run(table, kv_lens, q, out, self._step_inputs(model_inputs, positions))
+
+    def refresh_pages(self, table: np.ndarray, kv_lens: np.ndarray) -> None:
+        """Recompute each row's newest page summary from the cache over its positions up to its new
+        token's (``kv_lens - 1``, already written), for a program that keeps page summaries (``pool``;
+        others keep nothing a later position could have touched). A verify pass summarized every
+        position it wrote, the rejected ones too: a summary recomputed over the valid positions is
+        the one the Python hooks keep, and the call's update then adds the new key to it again
+        (min/max: no change). ``table [N, W]`` / ``kv_lens [N]`` int32 as :meth:`run`'s."""
+        program = self.call.program
+        if program.pool is None:
+            return
+        bs = self.call.k.shape[2]
+        pos = kv_lens.astype(np.int64) - 1
+        within = pos % bs
+        starts = within - within % program.page_size
+        page_minmax(self.call.k, table[np.arange(pos.size), pos // bs].astype(np.int64), starts, within - starts + 1,
+                    program.pool)
 
 
 class DeviceDecodeLayer(_OneCallLayer):

@@ -22,13 +22,13 @@ After the selector, per phase present (:func:`route_rows`; the host's kernels ex
 * :data:`NATIVE_RUNS`: any other position selection (generation rows; prompt rows when every phase
   present selects positions), by kvsieve's native kernel on per-(row, KV head) runs of the host's
   cache read in place (:func:`.host.token_runs`).
+* :data:`CAUSAL_ROWS`: a verify pass of lossless decoding (a dense step under kvsieve's drafter, a few
+  query tokens a request), by kvsieve's causal-rows kernel, each request's context read once for all
+  its rows (:func:`.host.verify_pass`; decided in :class:`.layer.LayerRunner` where the step is
+  :data:`HOST_DENSE` whole).
 * :data:`SDPA_DENSE`: dense prompt rows without the host's kernels: SDPA over a block-wise gather
   (:func:`.layer.dense_context_rows`).
 * :data:`BACKEND`: the kvsieve backend (its own path names appear in the capture's ``paths``).
-
-A new kind of step (verify rows of several query tokens per request, for speculative decoding)
-adds a name here and a branch to each function, and whatever it needs per step to
-:class:`.step.PreparedStep`.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from .request_settings import RequestSetting
 from .setting_groups import one_setting
 
 __all__ = ["DUMMY_STEP", "HOST_WHOLE", "ONE_CALL_DECODE", "SELECTED", "HOST_DENSE", "HOST_PAGED", "NATIVE_RUNS",
-           "SDPA_DENSE", "BACKEND", "CallRoute", "RowsRoute", "route_call", "route_rows", "refuse_step"]
+           "CAUSAL_ROWS", "SDPA_DENSE", "BACKEND", "CallRoute", "RowsRoute", "route_call", "route_rows", "refuse_step"]
 
 DUMMY_STEP = "dummy_step"
 HOST_WHOLE = "host_whole"
@@ -53,6 +53,7 @@ SELECTED = "selected"
 HOST_DENSE = "host_dense"
 HOST_PAGED = "host_paged"
 NATIVE_RUNS = "native_runs"
+CAUSAL_ROWS = "causal_rows"
 SDPA_DENSE = "sdpa_dense"
 BACKEND = "backend"
 

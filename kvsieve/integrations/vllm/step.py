@@ -43,9 +43,11 @@ class VllmStep:
     ``settings``: each row's per-request setting (:mod:`.request_settings`; ``None`` entries the
     process default), or ``None`` when every row uses the process default; ``dense``: every row
     attends densely, the selectors keeping their state (a step vLLM runs itself under kvsieve's
-    drafter, :mod:`.draft_steps`; :attr:`~kvsieve.metadata.AttentionMetadata.dense`); ``hooks``: the
-    selector's Python hooks run even on a decode step (no one-call path: the first draft step of a
-    round, :data:`.draft_steps.FIRST_DRAFT_STEP`)."""
+    drafter, :mod:`.draft_steps`; :attr:`~kvsieve.metadata.AttentionMetadata.dense`); ``refresh_pages``:
+    each row's newest page summary may hold keys of positions past the row (the first draft step of a
+    round, :data:`.draft_steps.FIRST_DRAFT_STEP`): the one-call path recomputes it from the cache
+    first (:meth:`.native_decode.NativeDecodeLayer.refresh_pages`); the selector's Python hooks do so
+    anyway."""
 
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
@@ -53,7 +55,7 @@ class VllmStep:
     prompt_lens: np.ndarray
     settings: tuple[RequestSetting | None, ...] | None = None
     dense: bool = False
-    hooks: bool = False
+    refresh_pages: bool = False
 
     def __post_init__(self) -> None:
         b = self.seq_lens.shape[0]
@@ -76,7 +78,7 @@ class VllmStep:
         """Whether every row is one request's one new generated token and the step may take the
         one-call path (computed once per step)."""
         one_token = bool((np.diff(self.query_start_loc) == 1).all())
-        return not (self.dense or self.hooks) and one_token and not self.context_tokens.any()
+        return not self.dense and one_token and not self.context_tokens.any()
 
     @cached_property
     def positions(self) -> torch.Tensor:
@@ -84,7 +86,7 @@ class VllmStep:
         return torch.from_numpy(self.seq_lens.astype(np.int64) - 1)
 
     def same_as(self, other: VllmStep) -> bool:
-        if (self.settings, self.dense, self.hooks) != (other.settings, other.dense, other.hooks):
+        if (self.settings, self.dense, self.refresh_pages) != (other.settings, other.dense, other.refresh_pages):
             return False
         mine = (self.query_start_loc, self.seq_lens, self.block_table, self.prompt_lens)
         theirs = (other.query_start_loc, other.seq_lens, other.block_table, other.prompt_lens)
@@ -94,11 +96,11 @@ class VllmStep:
     def from_tensors(cls, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                      num_actual_tokens: int, prompt_lens: np.ndarray,
                      settings: tuple[RequestSetting | None, ...] | None = None, dense: bool = False,
-                     hooks: bool = False) -> VllmStep:
+                     refresh_pages: bool = False) -> VllmStep:
         b = seq_lens.shape[0]
         qsl = query_start_loc[: b + 1].cpu().numpy().astype(np.int32)
         step = cls(qsl, seq_lens.cpu().numpy().astype(np.int32), block_table[:b].cpu().numpy().astype(np.int32),
-                   prompt_lens, settings, dense, hooks)
+                   prompt_lens, settings, dense, refresh_pages)
         if step.num_tokens != num_actual_tokens:
             raise ValueError(f"vLLM step: query_start_loc ends at {step.num_tokens} but num_actual_tokens="
                              f"{num_actual_tokens}")

@@ -1,0 +1,311 @@
+/* Attention of each request's last query rows over its paged KV cache, each row causal (the
+ * contract: native.py). A request's R rows and its G query heads per KV head are one group of
+ * H = R * G folded query heads: every cache block is read once for all of them (a verify pass of K + 1
+ * rows reads the context once, not K + 1 times), and row i of R sees the first kv_len - R + i + 1
+ * positions (the later positions of the tile are masked for it). Per (request, KV head, group of rows,
+ * part of the blocks) a task keeps an online softmax over tiles of CR_TILE tokens: the logits of the
+ * tile for all H heads (K stored by channel: 16 tokens x 4 heads of sums in registers while the
+ * channels pass; K by rows: one dot product per token and head), the softmax update, then the weighted
+ * V rows (32 channels of a head in registers while the tokens pass). When the requests x KV heads are
+ * fewer than twice the threads, each one's blocks are cut into parts merged afterwards by their
+ * log-sum-exp (flash-decoding's split).
+ * Built with -O3 -march=native -fopenmp -fno-math-errno -ffp-contract=fast: the loops marked `omp simd`
+ * are vectorized, a product added to a sum is one fused multiply-add, nothing else is reassociated. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec_math.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define CR_MAX_H 32 /* folded query heads (rows x group) of one task */
+#define CR_TILE 64 /* tokens scored before their softmax update */
+#define HB 4 /* query heads whose logits share a pass over the channels */
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+/* 8 consecutive elements as fp32. */
+static inline __attribute__((always_inline)) f32x8 load8(const void* p, const int BF16, int64_t off) {
+  f32x8 x;
+  if (BF16) {
+    u16x8 h;
+    memcpy(&h, (const uint16_t*)p + off, sizeof(h));
+    u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+    memcpy(&x, &w, sizeof(x));
+  } else {
+    memcpy(&x, (const float*)p + off, sizeof(x));
+  }
+  return x;
+}
+
+static inline float load1(const void* p, int bf16, int64_t off) {
+  return bf16 ? bf16_to_f32(((const uint16_t*)p)[off]) : ((const float*)p)[off];
+}
+
+/* The cache and the call's shapes. K element (block b, head h, token t, channel d) at b * k_blk +
+ * h * k_head + t * k_tok + d * k_ch (K by channel: k_tok = 1; by rows: k_ch = 1); V's at b * v_blk +
+ * h * v_head + t * v_tok + d. */
+typedef struct {
+  const void *k, *v;
+  int is_bf16;
+  int64_t k_blk, k_head, k_tok, k_ch, v_blk, v_head, v_tok;
+  int block_size, hkv, D, G;
+  float sm_scale;
+} Cache;
+
+/* One task: KV head h, folded heads q [H][D] (fp32, rows r0.. of the request, G heads each; H padded to
+ * a multiple of HB with zero rows), row j's length lens[j / G] (positions attended); the blocks
+ * [b0, b1) of the request's table row. Writes out [H][D] and lse [H] of this part (a head that sees
+ * no position of it: out 0, lse +inf). */
+static void task_attend(const Cache* c, const int32_t* table, int h, const float* q, int H, const int64_t* lens,
+                        int64_t b0, int64_t b1, float* out, float* lse) {
+  const int D = c->D, G = c->G, bs = c->block_size, BF16 = c->is_bf16;
+  float acc[CR_MAX_H][KV_MAX_D], m[CR_MAX_H], l[CR_MAX_H], s[CR_MAX_H][CR_TILE];
+  int64_t maxlen = 0;
+  for (int j = 0; j < H; ++j) {
+    m[j] = -INFINITY;
+    l[j] = 0.0f;
+    memset(acc[j], 0, sizeof(float) * D);
+    if (lens[j / G] > maxlen) maxlen = lens[j / G];
+  }
+  for (int64_t bi = b0; bi < b1; ++bi) {
+    const int64_t blk = table[bi], first = bi * bs;
+    const int64_t kb = blk * c->k_blk + h * c->k_head, vb = blk * c->v_blk + h * c->v_head;
+    const int valid = (int)(maxlen - first < bs ? maxlen - first : bs);
+    for (int t0 = 0; t0 < valid; t0 += CR_TILE) {
+      const int T = valid - t0 < CR_TILE ? valid - t0 : CR_TILE;
+      const int64_t pos0 = first + t0;
+      if (c->k_tok == 1) { /* K by channel: 16 tokens x HB heads of sums in registers */
+        const int Tr = (T + 15) / 16 * 16; /* read whole vectors: the block holds them (bs % 16 == 0) */
+        for (int g0 = 0; g0 < H; g0 += HB) {
+          const float* q0 = q + (int64_t)g0 * D;
+          for (int j = 0; j < Tr; j += 16) {
+            f32x8 a[HB][2];
+            for (int g = 0; g < HB; ++g) a[g][0] = a[g][1] = (f32x8){0};
+            for (int d = 0; d < D; ++d) {
+              const int64_t o = kb + (int64_t)d * c->k_ch + t0 + j;
+              const f32x8 x0 = load8(c->k, BF16, o), x1 = load8(c->k, BF16, o + 8);
+              for (int g = 0; g < HB; ++g) {
+                const float qd = q0[g * D + d];
+                a[g][0] += qd * x0;
+                a[g][1] += qd * x1;
+              }
+            }
+            for (int g = 0; g < HB && g0 + g < H; ++g) {
+              memcpy(s[g0 + g] + j, &a[g][0], sizeof(f32x8));
+              memcpy(s[g0 + g] + j + 8, &a[g][1], sizeof(f32x8));
+            }
+          }
+        }
+      } else { /* K by rows */
+        for (int t = 0; t < T; ++t) {
+          const int64_t o = kb + (int64_t)(t0 + t) * c->k_tok;
+          for (int g = 0; g < H; ++g) {
+            const float* qg = q + (int64_t)g * D;
+            float x = 0.0f;
+            for (int d = 0; d < D; ++d) x += qg[d] * load1(c->k, BF16, o + (int64_t)d * c->k_ch);
+            s[g][t] = x;
+          }
+        }
+      }
+      for (int g = 0; g < H; ++g) { /* mask past the row's length, then the softmax update */
+        const int64_t see = lens[g / G] - pos0; /* tokens of the tile this row sees */
+        const int n = see < T ? (see > 0 ? (int)see : 0) : T;
+        float* sg = s[g];
+        if (n == 0) continue; /* the weighted V rows below take none of this tile */
+        /* the scaled logits and their max, 8 at a time; lanes past n are -inf */
+        const vm_i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+        const vm_f32x8 ninf = (vm_f32x8){0} - INFINITY;
+        vm_f32x8 vmax = ninf;
+        for (int t = 0; t < n; t += 8) {
+          vm_f32x8 x;
+          memcpy(&x, sg + t, sizeof(x));
+          x *= c->sm_scale;
+          const vm_i32x8 in = lane + t < n;
+          x = (vm_f32x8)((in & (vm_i32x8)x) | (~in & (vm_i32x8)ninf));
+          memcpy(sg + t, &x, sizeof(x));
+          const vm_i32x8 up = x > vmax;
+          vmax = (vm_f32x8)((up & (vm_i32x8)x) | (~up & (vm_i32x8)vmax));
+        }
+        float mx = m[g];
+        for (int j = 0; j < 8; ++j) mx = vmax[j] > mx ? vmax[j] : mx;
+        const float corr = m[g] == -INFINITY ? 0.0f : exp_nonpositive(m[g] - mx);
+        vm_f32x8 vsum = (vm_f32x8){0};
+        for (int t = 0; t < n; t += 8) {
+          vm_f32x8 x;
+          memcpy(&x, sg + t, sizeof(x));
+          const vm_i32x8 in = lane + t < n;
+          x = (vm_f32x8)(in & (vm_i32x8)exp8_nonpositive(x - mx));
+          memcpy(sg + t, &x, sizeof(x));
+          vsum += x;
+        }
+        float sum = 0.0f;
+        for (int j = 0; j < 8; ++j) sum += vsum[j];
+        l[g] = l[g] * corr + sum;
+        m[g] = mx;
+        float* ag = acc[g];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) ag[d] *= corr;
+      }
+      for (int g = 0; g < H; ++g) { /* the weighted V rows: 32 channels of the head in registers */
+        const int64_t see = lens[g / G] - pos0;
+        const int n = see < T ? (int)see : T;
+        const float* pg = s[g];
+        float* ag = acc[g];
+        int d0 = 0;
+        for (; d0 + 32 <= D; d0 += 32) {
+          f32x8 a0, a1, a2, a3;
+          memcpy(&a0, ag + d0, 32);
+          memcpy(&a1, ag + d0 + 8, 32);
+          memcpy(&a2, ag + d0 + 16, 32);
+          memcpy(&a3, ag + d0 + 24, 32);
+          for (int t = 0; t < n; ++t) {
+            const int64_t o = vb + (int64_t)(t0 + t) * c->v_tok + d0;
+            const float p = pg[t];
+            a0 += p * load8(c->v, BF16, o);
+            a1 += p * load8(c->v, BF16, o + 8);
+            a2 += p * load8(c->v, BF16, o + 16);
+            a3 += p * load8(c->v, BF16, o + 24);
+          }
+          memcpy(ag + d0, &a0, 32);
+          memcpy(ag + d0 + 8, &a1, 32);
+          memcpy(ag + d0 + 16, &a2, 32);
+          memcpy(ag + d0 + 24, &a3, 32);
+        }
+        for (; d0 < D; d0 += 8) {
+          f32x8 a0;
+          memcpy(&a0, ag + d0, 32);
+          for (int t = 0; t < n; ++t) a0 += pg[t] * load8(c->v, BF16, vb + (int64_t)(t0 + t) * c->v_tok + d0);
+          memcpy(ag + d0, &a0, 32);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < H; ++g) {
+    float* og = out + (int64_t)g * D;
+    if (l[g] == 0.0f) {
+      for (int d = 0; d < D; ++d) og[d] = 0.0f;
+      lse[g] = INFINITY;
+      continue;
+    }
+    const float inv = 1.0f / l[g];
+#pragma omp simd
+    for (int d = 0; d < D; ++d) og[d] = acc[g][d] * inv;
+    lse[g] = m[g] + logf(l[g]);
+  }
+}
+
+/* A task of the call: request r, KV head h, its rows [r0, r0 + R), the part of its blocks [b0, b1),
+ * its scratch at `at` (rows x G heads of out and lse). */
+typedef struct {
+  int64_t r, r0, b0, b1, at;
+  int h, R;
+} Task;
+
+/* q [N, hkv * G, D] fp32 (request r's rows [qo[r], qo[r + 1]), its last positions); kv_lens [n_req] (int64:
+ * positions cached, this step's rows included); table [n_req] rows of table_stride int32 block ids;
+ * out [N, hkv * G, D], lse [N, hkv * G] fp32. threads: the OpenMP threads (0: the runtime's default).
+ * Returns 0; -1 for a shape past KV_MAX_D, a group past CR_MAX_H, D % 8 != 0, K by channel with
+ * block_size % 16 != 0, or a request with more rows than positions; -2 when out of memory. */
+int kvsieve_causal_rows(const void* k, const void* v, int is_bf16, int64_t k_blk, int64_t k_head, int64_t k_tok,
+                        int64_t k_ch, int64_t v_blk, int64_t v_head, int64_t v_tok, int block_size,
+                        const int32_t* table, int64_t table_stride, const int64_t* qo, const int64_t* kv_lens,
+                        int64_t n_req, int hkv, int D, const float* q, int G, float sm_scale, int threads,
+                        float* out, float* lse) {
+  if (D > KV_MAX_D || D < 8 || D % 8 != 0 || G < 1 || G > CR_MAX_H || block_size < 1) return -1;
+  if (k_tok == 1 && block_size % 16 != 0) return -1;
+  const Cache c = {k, v, is_bf16, k_blk, k_head, k_tok, k_ch, v_blk, v_head, v_tok, block_size, hkv, D, G, sm_scale};
+  const int rows_max = CR_MAX_H / G; /* rows of a request in one task */
+  int64_t items = 0;
+  for (int64_t r = 0; r < n_req; ++r) {
+    const int64_t R = qo[r + 1] - qo[r];
+    if (R > kv_lens[r]) return -1;
+    items += hkv * ((R + rows_max - 1) / rows_max);
+  }
+  int nt = threads > 0 ? threads : 1;
+#ifdef _OPENMP
+  if (threads <= 0) nt = omp_get_max_threads();
+#endif
+  const int64_t want = items > 0 && items < 2 * nt ? (2 * nt + items - 1) / items : 1; /* parts per item */
+  Task* tasks = (Task*)malloc(sizeof(Task) * (size_t)(items * want + 1));
+  if (tasks == NULL) return -2;
+  int64_t n_tasks = 0, scratch = 0;
+  for (int64_t r = 0; r < n_req; ++r) {
+    const int64_t nb = (kv_lens[r] + block_size - 1) / block_size, parts = want < nb ? want : (nb > 0 ? nb : 1);
+    for (int h = 0; h < hkv; ++h)
+      for (int64_t r0 = qo[r]; r0 < qo[r + 1]; r0 += rows_max) {
+        const int R = (int)(qo[r + 1] - r0 < rows_max ? qo[r + 1] - r0 : rows_max);
+        for (int64_t p = 0; p < parts; ++p) {
+          tasks[n_tasks++] = (Task){r, r0, nb * p / parts, nb * (p + 1) / parts, scratch, h, R};
+          scratch += (int64_t)R * G;
+        }
+      }
+  }
+  float* s_out = (float*)malloc(sizeof(float) * (size_t)(scratch * D + 1));
+  float* s_lse = (float*)malloc(sizeof(float) * (size_t)(scratch + 1));
+  if (s_out == NULL || s_lse == NULL) {
+    free(tasks);
+    free(s_out);
+    free(s_lse);
+    return -2;
+  }
+  const int64_t hq = (int64_t)hkv * G;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+  for (int64_t i = 0; i < n_tasks; ++i) {
+    const Task t = tasks[i];
+    float qp[(CR_MAX_H + HB) * KV_MAX_D]; /* the folded heads, D apart, zero rows up to a multiple of HB */
+    int64_t lens[CR_MAX_H];
+    const int H = t.R * G, Hp = (H + HB - 1) / HB * HB;
+    const int64_t first = kv_lens[t.r] - (qo[t.r + 1] - qo[t.r]); /* positions before the request's rows */
+    for (int j = 0; j < t.R; ++j) {
+      lens[j] = first + (t.r0 - qo[t.r]) + j + 1;
+      memcpy(qp + (int64_t)j * G * D, q + ((t.r0 + j) * hq + (int64_t)t.h * G) * D, sizeof(float) * G * D);
+    }
+    memset(qp + (int64_t)H * D, 0, sizeof(float) * (Hp - H) * D);
+    task_attend(&c, table + t.r * table_stride, t.h, qp, H, lens, t.b0, t.b1, s_out + t.at * D, s_lse + t.at);
+  }
+  /* merge each item's parts (consecutive tasks) into out and lse by their log-sum-exp */
+  for (int64_t i = 0; i < n_tasks;) {
+    int64_t e = i + 1;
+    while (e < n_tasks && tasks[e].r == tasks[i].r && tasks[e].h == tasks[i].h && tasks[e].r0 == tasks[i].r0) ++e;
+    const Task t = tasks[i];
+    for (int j = 0; j < t.R * G; ++j) {
+      const int64_t row = t.r0 + j / G, head = (int64_t)t.h * G + j % G;
+      float* o = out + (row * hq + head) * D;
+      float top = -INFINITY;
+      for (int64_t p = i; p < e; ++p) {
+        const float x = s_lse[tasks[p].at + j];
+        if (x != INFINITY && x > top) top = x;
+      }
+      for (int d = 0; d < D; ++d) o[d] = 0.0f;
+      if (top == -INFINITY) {
+        lse[row * hq + head] = INFINITY;
+        continue;
+      }
+      float sum = 0.0f;
+      for (int64_t p = i; p < e; ++p) {
+        const float x = s_lse[tasks[p].at + j];
+        if (x == INFINITY) continue;
+        const float w = expf(x - top);
+        const float* src = s_out + (tasks[p].at + j) * D;
+        sum += w;
+#pragma omp simd
+        for (int d = 0; d < D; ++d) o[d] += w * src[d];
+      }
+      const float inv = 1.0f / sum;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) o[d] *= inv;
+      lse[row * hq + head] = top + logf(sum);
+    }
+    i = e;
+  }
+  free(tasks);
+  free(s_out);
+  free(s_lse);
+  return 0;
+}

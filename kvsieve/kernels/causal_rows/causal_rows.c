@@ -4,9 +4,10 @@
  * rows reads the context once, not K + 1 times), and row i of R sees the first kv_len - R + i + 1
  * positions (the later positions of the tile are masked for it). Per (request, KV head, group of rows,
  * part of the blocks) a task keeps an online softmax over tiles of CR_TILE tokens: the logits of the
- * tile for all H heads (K stored by channel: 16 tokens x 4 heads of sums in registers while the
- * channels pass; K by rows: one dot product per token and head), the softmax update, then the weighted
- * V rows (32 channels of a head in registers while the tokens pass). When the requests x KV heads are
+ * tile for all H heads (K stored by channel: 16 tokens x 3 or 4 heads of sums in registers while the
+ * channels pass, the next block's K and V requested meanwhile; K by rows: one dot product per token
+ * and head), the softmax update, then the weighted V rows (32 channels of a head in registers while
+ * the tokens pass). When the requests x KV heads are
  * fewer than twice the threads, each one's blocks are cut into parts merged afterwards by their
  * log-sum-exp (flash-decoding's split).
  * Built with -O3 -march=native -fopenmp -fno-math-errno -ffp-contract=fast: the loops marked `omp simd`
@@ -23,7 +24,7 @@
 
 #define CR_MAX_H 32 /* folded query heads (rows x group) of one task */
 #define CR_TILE 64 /* tokens scored before their softmax update */
-#define HB 4 /* query heads whose logits share a pass over the channels */
+#define HB 4 /* the folded heads are padded with zero rows to a multiple of this */
 
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
@@ -58,6 +59,49 @@ typedef struct {
   float sm_scale;
 } Cache;
 
+/* The logits of the tokens [t0, t0 + Tr) of a block whose K (by channel) starts at kb, for the folded
+ * heads [g0, g0 + NB) of q [.][D] (rows past H zero): 16 tokens x NB heads of sums in registers while
+ * the channels pass, stored to s[g][t - t0] for g < H. pk >= 0: the same tile's K lines of the next
+ * block (at pk) and the lines of its V rows from pv are requested into the L2 meanwhile, one each
+ * per channel step: a task reads its blocks once, cold. BF16 and NB are constants at the calls. */
+static inline __attribute__((always_inline)) void logits_by_channel(const Cache* c, const int BF16, const int NB,
+                                                                    int64_t kb, int t0, int Tr, const float* q, int g0,
+                                                                    int H, int64_t pk, int64_t pv,
+                                                                    float s[][CR_TILE]) {
+  const int D = c->D, es = BF16 ? 2 : 4;
+  const float* q0 = q + (int64_t)g0 * D;
+  int line = 0;
+  for (int j = 0; j < Tr; j += 16) {
+    /* named sums, not an array: GCC kept an array's sums on the stack, a store per product */
+    f32x8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+    for (int d = 0; d < D; ++d) {
+      const int64_t o = kb + (int64_t)d * c->k_ch + t0 + j;
+      const f32x8 x0 = load8(c->k, BF16, o), x1 = load8(c->k, BF16, o + 8);
+      if (pk >= 0) {
+        __builtin_prefetch((const char*)c->k + (pk + (int64_t)d * c->k_ch + t0 + j) * es, 0, 2);
+        __builtin_prefetch((const char*)c->v + pv * es + (int64_t)(line++) * 64, 0, 2);
+      }
+      const float q0d = q0[d], q1d = q0[D + d], q2d = q0[2 * D + d];
+      a00 += q0d * x0;
+      a01 += q0d * x1;
+      a10 += q1d * x0;
+      a11 += q1d * x1;
+      a20 += q2d * x0;
+      a21 += q2d * x1;
+      if (NB == 4) {
+        const float q3d = q0[3 * D + d];
+        a30 += q3d * x0;
+        a31 += q3d * x1;
+      }
+    }
+    const f32x8 sums[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+    for (int g = 0; g < NB && g0 + g < H; ++g) {
+      memcpy(s[g0 + g] + j, &sums[g][0], sizeof(f32x8));
+      memcpy(s[g0 + g] + j + 8, &sums[g][1], sizeof(f32x8));
+    }
+  }
+}
+
 /* One task: KV head h, folded heads q [H][D] (fp32, rows r0.. of the request, G heads each; H padded to
  * a multiple of HB with zero rows), row j's length lens[j / G] (positions attended); the blocks
  * [b0, b1) of the request's table row. Writes out [H][D] and lse [H] of this part (a head that sees
@@ -76,31 +120,22 @@ static void task_attend(const Cache* c, const int32_t* table, int h, const float
   for (int64_t bi = b0; bi < b1; ++bi) {
     const int64_t blk = table[bi], first = bi * bs;
     const int64_t kb = blk * c->k_blk + h * c->k_head, vb = blk * c->v_blk + h * c->v_head;
+    const int64_t nxt = bi + 1 < b1 ? table[bi + 1] : -1; /* the next block: its K/V requested meanwhile */
+    const int64_t next_kb = nxt < 0 ? -1 : nxt * c->k_blk + h * c->k_head;
+    const int64_t next_vb = nxt < 0 ? -1 : nxt * c->v_blk + h * c->v_head;
     const int valid = (int)(maxlen - first < bs ? maxlen - first : bs);
     for (int t0 = 0; t0 < valid; t0 += CR_TILE) {
       const int T = valid - t0 < CR_TILE ? valid - t0 : CR_TILE;
       const int64_t pos0 = first + t0;
-      if (c->k_tok == 1) { /* K by channel: 16 tokens x HB heads of sums in registers */
+      if (c->k_tok == 1) { /* K by channel */
         const int Tr = (T + 15) / 16 * 16; /* read whole vectors: the block holds them (bs % 16 == 0) */
-        for (int g0 = 0; g0 < H; g0 += HB) {
-          const float* q0 = q + (int64_t)g0 * D;
-          for (int j = 0; j < Tr; j += 16) {
-            f32x8 a[HB][2];
-            for (int g = 0; g < HB; ++g) a[g][0] = a[g][1] = (f32x8){0};
-            for (int d = 0; d < D; ++d) {
-              const int64_t o = kb + (int64_t)d * c->k_ch + t0 + j;
-              const f32x8 x0 = load8(c->k, BF16, o), x1 = load8(c->k, BF16, o + 8);
-              for (int g = 0; g < HB; ++g) {
-                const float qd = q0[g * D + d];
-                a[g][0] += qd * x0;
-                a[g][1] += qd * x1;
-              }
-            }
-            for (int g = 0; g < HB && g0 + g < H; ++g) {
-              memcpy(s[g0 + g] + j, &a[g][0], sizeof(f32x8));
-              memcpy(s[g0 + g] + j + 8, &a[g][1], sizeof(f32x8));
-            }
-          }
+        const int nb = (H + 2) / 3 <= (H + 3) / 4 ? 3 : 4; /* heads a pass: the fewer passes, 3 at a tie */
+        for (int g0 = 0; g0 < H; g0 += nb) {
+          const int64_t pk = g0 == 0 ? next_kb : -1, pv = g0 == 0 ? next_vb + (int64_t)t0 * c->v_tok : -1;
+          if (nb == 4 && BF16) logits_by_channel(c, 1, 4, kb, t0, Tr, q, g0, H, pk, pv, s);
+          else if (nb == 4) logits_by_channel(c, 0, 4, kb, t0, Tr, q, g0, H, pk, pv, s);
+          else if (BF16) logits_by_channel(c, 1, 3, kb, t0, Tr, q, g0, H, pk, pv, s);
+          else logits_by_channel(c, 0, 3, kb, t0, Tr, q, g0, H, pk, pv, s);
         }
       } else { /* K by rows */
         for (int t = 0; t < T; ++t) {

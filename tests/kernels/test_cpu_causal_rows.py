@@ -106,3 +106,26 @@ def test_inputs_the_kernel_does_not_take_are_refused_by_supports(case):
     if case == "dtypes_differ":
         v = v.to(torch.bfloat16)
     assert not supports_causal_rows(k, v, torch.zeros(2, g, d))
+
+
+def test_calls_the_kernel_cannot_honour_are_refused_by_name_with_nothing_computed():
+    """A table narrower than a request's positions, rows not matching ``qo_indptr``, an indptr of the
+    wrong length, threads below 1: each a ``ValueError`` naming it (the kernel never reads past the
+    table row it is given)."""
+    hkv, g, d, bs = 1, 2, 16, 16
+    table = np.arange(4, dtype=np.int32)[None]  # 4 blocks: 64 positions
+    k, v = _cache("vllm-cpu", 8, hkv, bs, d, torch.float32, [64], table, 4)
+    q = torch.randn(2, hkv * g, d)
+    qo = np.array([0, 2])
+    with pytest.raises(ValueError, match="block_table has 4 blocks a row, fewer than kv_lens \\[65\\] need"):
+        causal_rows_native(k, v, table, qo, np.array([65]), q, sm_scale=0.25)
+    with pytest.raises(ValueError, match="q has 2 rows, qo_indptr ends at 3"):
+        causal_rows_native(k, v, table, np.array([0, 3]), np.array([64]), q, sm_scale=0.25)
+    with pytest.raises(ValueError, match="qo_indptr has 3 entries for 1 requests"):
+        causal_rows_native(k, v, table, np.array([0, 1, 2]), np.array([64]), q, sm_scale=0.25)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        causal_rows_native(k, v, table, qo, np.array([64]), q, sm_scale=0.25, threads=0)
+    with pytest.raises(ValueError, match="block_table must be \\[n_req >= 1, blocks\\]"):
+        causal_rows_native(k, v, table[0], qo, np.array([64]), q, sm_scale=0.25)
+    out, _ = causal_rows_native(k, v, table, qo, np.array([64]), q, sm_scale=0.25)  # the same call, in bounds
+    assert torch.isfinite(out).all()

@@ -145,6 +145,8 @@ def test_refused_inputs_name_the_problem():
     with pytest.raises(ValueError, match="needs pool"):
         DecodeProgram("pages", units=2, unit=16, mode="bound", page_size=16)
     pool = torch.zeros(BLOCKS, HKV, 2, 2, D)
+    with pytest.raises(ValueError, match="'blocks_bound' needs page_size >= 1"):
+        DecodeProgram("blocks_bound", units=2, unit=16, pool=pool)
     for kind, mode in (("pages", None), ("pages", "max"), ("blocks_exact", "sign"), ("streaming", "bound")):
         with pytest.raises(ValueError, match=f"decode program '{kind}' takes mode"):
             DecodeProgram(kind, units=2, unit=16, mode=mode, pool=pool, page_size=16)

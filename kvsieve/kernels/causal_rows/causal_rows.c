@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vec_math.h"
+#include "attend_runs.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -42,10 +42,6 @@ static inline __attribute__((always_inline)) f32x8 load8(const void* p, const in
     memcpy(&x, (const float*)p + off, sizeof(x));
   }
   return x;
-}
-
-static inline float load1(const void* p, int bf16, int64_t off) {
-  return bf16 ? bf16_to_f32(((const uint16_t*)p)[off]) : ((const float*)p)[off];
 }
 
 /* The cache and the call's shapes. K element (block b, head h, token t, channel d) at b * k_blk +
@@ -137,13 +133,14 @@ static void task_attend(const Cache* c, const int32_t* table, int h, const float
           else if (BF16) logits_by_channel(c, 1, 3, kb, t0, Tr, q, g0, H, pk, pv, s);
           else logits_by_channel(c, 0, 3, kb, t0, Tr, q, g0, H, pk, pv, s);
         }
-      } else { /* K by rows */
+      } else { /* K by rows (channels contiguous: k_ch = 1) */
+        float row[KV_MAX_D];
         for (int t = 0; t < T; ++t) {
-          const int64_t o = kb + (int64_t)(t0 + t) * c->k_tok;
+          load_row(c->k, BF16, kb + (int64_t)(t0 + t) * c->k_tok, D, row);
           for (int g = 0; g < H; ++g) {
             const float* qg = q + (int64_t)g * D;
             float x = 0.0f;
-            for (int d = 0; d < D; ++d) x += qg[d] * load1(c->k, BF16, o + (int64_t)d * c->k_ch);
+            for (int d = 0; d < D; ++d) x += qg[d] * row[d];
             s[g][t] = x;
           }
         }
@@ -246,20 +243,23 @@ typedef struct {
  * positions cached, this step's rows included); table [n_req] rows of table_stride int32 block ids;
  * out [N, hkv * G, D], lse [N, hkv * G] fp32. threads: the OpenMP threads (0: the runtime's default).
  * Returns 0; -1 for a shape past KV_MAX_D, a group past CR_MAX_H, D % 8 != 0, K by channel with
- * block_size % 16 != 0, or a request with more rows than positions; -2 when out of memory. */
+ * block_size % 16 != 0, K by rows with channels not contiguous, or a request with fewer than 0 or
+ * more rows than positions; -2 when out of memory; -3 when a request's positions need more blocks than a table row
+ * holds. Nothing is written unless it returns 0. */
 int kvsieve_causal_rows(const void* k, const void* v, int is_bf16, int64_t k_blk, int64_t k_head, int64_t k_tok,
                         int64_t k_ch, int64_t v_blk, int64_t v_head, int64_t v_tok, int block_size,
                         const int32_t* table, int64_t table_stride, const int64_t* qo, const int64_t* kv_lens,
                         int64_t n_req, int hkv, int D, const float* q, int G, float sm_scale, int threads,
                         float* out, float* lse) {
   if (D > KV_MAX_D || D < 8 || D % 8 != 0 || G < 1 || G > CR_MAX_H || block_size < 1) return -1;
-  if (k_tok == 1 && block_size % 16 != 0) return -1;
+  if ((k_tok == 1 && block_size % 16 != 0) || (k_tok != 1 && k_ch != 1)) return -1;
   const Cache c = {k, v, is_bf16, k_blk, k_head, k_tok, k_ch, v_blk, v_head, v_tok, block_size, hkv, D, G, sm_scale};
   const int rows_max = CR_MAX_H / G; /* rows of a request in one task */
   int64_t items = 0;
   for (int64_t r = 0; r < n_req; ++r) {
     const int64_t R = qo[r + 1] - qo[r];
-    if (R > kv_lens[r]) return -1;
+    if (R < 0 || R > kv_lens[r]) return -1;
+    if ((kv_lens[r] + block_size - 1) / block_size > table_stride) return -3;
     items += hkv * ((R + rows_max - 1) / rows_max);
   }
   int nt = threads > 0 ? threads : 1;
@@ -304,38 +304,23 @@ int kvsieve_causal_rows(const void* k, const void* v, int is_bf16, int64_t k_blk
     memset(qp + (int64_t)H * D, 0, sizeof(float) * (Hp - H) * D);
     task_attend(&c, table + t.r * table_stride, t.h, qp, H, lens, t.b0, t.b1, s_out + t.at * D, s_lse + t.at);
   }
-  /* merge each item's parts (consecutive tasks) into out and lse by their log-sum-exp */
+  /* each item's parts (consecutive tasks, their scratch consecutive: part p of an item at its first
+   * part's + p * R * G heads) merged by their log-sum-exp (one part: copied), then its rows written */
+  float merged[CR_MAX_H * KV_MAX_D], merged_lse[CR_MAX_H];
   for (int64_t i = 0; i < n_tasks;) {
     int64_t e = i + 1;
     while (e < n_tasks && tasks[e].r == tasks[i].r && tasks[e].h == tasks[i].h && tasks[e].r0 == tasks[i].r0) ++e;
     const Task t = tasks[i];
-    for (int j = 0; j < t.R * G; ++j) {
-      const int64_t row = t.r0 + j / G, head = (int64_t)t.h * G + j % G;
-      float* o = out + (row * hq + head) * D;
-      float top = -INFINITY;
-      for (int64_t p = i; p < e; ++p) {
-        const float x = s_lse[tasks[p].at + j];
-        if (x != INFINITY && x > top) top = x;
-      }
-      for (int d = 0; d < D; ++d) o[d] = 0.0f;
-      if (top == -INFINITY) {
-        lse[row * hq + head] = INFINITY;
-        continue;
-      }
-      float sum = 0.0f;
-      for (int64_t p = i; p < e; ++p) {
-        const float x = s_lse[tasks[p].at + j];
-        if (x == INFINITY) continue;
-        const float w = expf(x - top);
-        const float* src = s_out + (tasks[p].at + j) * D;
-        sum += w;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) o[d] += w * src[d];
-      }
-      const float inv = 1.0f / sum;
-#pragma omp simd
-      for (int d = 0; d < D; ++d) o[d] *= inv;
-      lse[row * hq + head] = top + logf(sum);
+    const float *o = s_out + t.at * D, *o_lse = s_lse + t.at;
+    if (e - i > 1) {
+      merge_parts(o, o_lse, (int)(e - i), t.R * G, D, merged, merged_lse);
+      o = merged;
+      o_lse = merged_lse;
+    }
+    for (int j = 0; j < t.R; ++j) {
+      const int64_t at = (t.r0 + j) * hq + (int64_t)t.h * G;
+      memcpy(out + at * D, o + (int64_t)j * G * D, sizeof(float) * G * D);
+      memcpy(lse + at, o_lse + j * G, sizeof(float) * G);
     }
     i = e;
   }

@@ -56,13 +56,24 @@ def causal_rows_native(k: torch.Tensor, v: torch.Tensor, block_table: np.ndarray
                        kv_lens: np.ndarray, q: torch.Tensor, *, sm_scale: float, threads: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [N, Hq, D] fp32, lse [N, Hq] fp32)`` (module docstring); ``threads``: OpenMP threads
-    (``None``: torch's count). Raises ``NativeUnavailable`` when the library is not there; the caller
-    has checked :func:`supports_causal_rows`."""
+    (``None``: torch's count). Raises ``NativeUnavailable`` when the library is not there and
+    ``ValueError`` (nothing computed) for threads below 1, ``q`` rows other than ``qo_indptr``'s or a
+    block table narrower than ``kv_lens`` need; the caller has checked :func:`supports_causal_rows`."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"causal_rows_native: threads must be >= 1 (or None for torch's count), got {threads}")
+    if len(qo_indptr) != len(kv_lens) + 1:
+        raise ValueError(f"causal_rows_native: qo_indptr has {len(qo_indptr)} entries for {len(kv_lens)} requests "
+                         f"(expected one more)")
+    if q.shape[0] != int(qo_indptr[-1]):
+        raise ValueError(f"causal_rows_native: q has {q.shape[0]} rows, qo_indptr ends at {int(qo_indptr[-1])}")
     fn = native_library(SOURCE).kvsieve_causal_rows
     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
     n, hq, d = q.shape
     hkv, bs = k.shape[1], k.shape[2]
     table = np.ascontiguousarray(block_table, dtype=np.int32)
+    if table.ndim != 2 or table.shape[0] < len(kv_lens):
+        raise ValueError(f"causal_rows_native: block_table must be [n_req >= {len(kv_lens)}, blocks], "
+                         f"got shape {table.shape}")
     qo = np.ascontiguousarray(qo_indptr, dtype=np.int64)
     lens = np.ascontiguousarray(kv_lens, dtype=np.int64)
     qf = q.to(torch.float32).contiguous()
@@ -70,9 +81,12 @@ def causal_rows_native(k: torch.Tensor, v: torch.Tensor, block_table: np.ndarray
     lse = torch.empty(n, hq, dtype=torch.float32)
     sk, sv = k.stride(), v.stride()
     rc = fn(k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16), sk[0], sk[1], sk[2], sk[3], sv[0], sv[1],
-            sv[2], bs, table.ctypes.data, table.shape[1] if table.ndim == 2 else 0, qo.ctypes.data, lens.ctypes.data,
+            sv[2], bs, table.ctypes.data, table.shape[1], qo.ctypes.data, lens.ctypes.data,
             lens.size, hkv, d, qf.data_ptr(), hq // hkv, sm_scale, threads or torch.get_num_threads(),
             out.data_ptr(), lse.data_ptr())
+    if rc == -3:
+        raise ValueError(f"causal_rows_native: block_table has {table.shape[1]} blocks a row, fewer than kv_lens "
+                         f"{lens.tolist()} need at {bs} positions a block")
     if rc != 0:
         raise RuntimeError(f"kvsieve_causal_rows returned {rc} (D={d}, G={hq // hkv}, block_size={bs})")
     return out, lse

@@ -383,7 +383,7 @@ static void attend_head(const DecodeLayerArgs* a, int64_t n, int h, int64_t len,
     float merged[KV_MAX_G * KV_MAX_D];
     const float* o = s->part_o;
     if (s->parts > 1) {
-      merge_parts(s->part_o, s->part_lse, s->parts, G, D, merged);
+      merge_parts(s->part_o, s->part_lse, s->parts, G, D, merged, NULL);
       o = merged;
     }
     int64_t dst = n * a->out_stride + (int64_t)h * G * D;

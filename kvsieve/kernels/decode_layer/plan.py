@@ -46,6 +46,8 @@ class DecodeProgram:
         needs = {"pages": "pool", "blocks_bound": "pool", "indexer": "index_keys"}.get(self.kind)
         if needs is not None and getattr(self, needs) is None:
             raise ValueError(f"decode program {self.kind!r} needs {needs}")
+        if needs == "pool" and self.page_size < 1:
+            raise ValueError(f"decode program {self.kind!r} needs page_size >= 1 (its pool's pages), got {self.page_size}")
 
 
 @dataclass(frozen=True)

@@ -334,8 +334,9 @@ static int cut_runs(const int32_t* cnt, const RunSpans* spans, int64_t n_runs, i
 /* Parts of one head's runs attended apart (out [n][G * D], lse [n][G]: head_attend's) merged into
  * the head's output o [G * D], as one softmax over all their tokens (flash-decoding's split): each
  * part weighted by exp(lse - the largest lse). A part that attends nothing (lse +inf) weighs
- * nothing; o is 0 when none attends anything, NaN when a part's lse is NaN. */
-static void merge_parts(const float* out, const float* lse, int n, int G, int D, float* o) {
+ * nothing; o is 0 when none attends anything, NaN when a part's lse is NaN. o_lse [G] (or NULL): the
+ * merged log-sum-exp (+inf when none attends anything, NaN with a NaN part). */
+static void merge_parts(const float* out, const float* lse, int n, int G, int D, float* o, float* o_lse) {
   for (int g = 0; g < G; ++g) {
     float top = -INFINITY, sum = 0.0f;
     int nan = 0;
@@ -346,7 +347,10 @@ static void merge_parts(const float* out, const float* lse, int n, int G, int D,
     }
     float* og = o + (int64_t)g * D;
     for (int d = 0; d < D; ++d) og[d] = nan ? NAN : 0.0f;
-    if (nan || top == -INFINITY) continue;
+    if (nan || top == -INFINITY) {
+      if (o_lse != NULL) o_lse[g] = nan ? NAN : INFINITY;
+      continue;
+    }
     for (int i = 0; i < n; ++i) {
       const float x = lse[i * G + g];
       if (x == INFINITY) continue;
@@ -359,6 +363,7 @@ static void merge_parts(const float* out, const float* lse, int n, int G, int D,
     const float inv = 1.0f / sum;
 #pragma omp simd
     for (int d = 0; d < D; ++d) og[d] *= inv;
+    if (o_lse != NULL) o_lse[g] = top + logf(sum);
   }
 }
 

@@ -23,7 +23,7 @@
 #endif
 
 #define CR_MAX_H 32 /* folded query heads (rows x group) of one task */
-#define CR_TILE 64 /* tokens scored before their softmax update */
+#define CR_TILE 128 /* tokens scored before their softmax update */
 #define HB 4 /* the folded heads are padded with zero rows to a multiple of this */
 
 typedef float f32x8 __attribute__((vector_size(32)));
@@ -52,50 +52,134 @@ typedef struct {
   int is_bf16;
   int64_t k_blk, k_head, k_tok, k_ch, v_blk, v_head, v_tok;
   int block_size, hkv, D, G;
-  float sm_scale;
 } Cache;
 
-/* The logits of the tokens [t0, t0 + Tr) of a block whose K (by channel) starts at kb, for the folded
- * heads [g0, g0 + NB) of q [.][D] (rows past H zero): 16 tokens x NB heads of sums in registers while
- * the channels pass, stored to s[g][t - t0] for g < H. pk >= 0: the same tile's K lines of the next
- * block (at pk) and the lines of its V rows from pv are requested into the L2 meanwhile, one each
- * per channel step: a task reads its blocks once, cold. BF16 and NB are constants at the calls. */
+/* Lane-wise maximum. */
+static inline f32x8 max8(f32x8 a, f32x8 b) {
+  const u32x8 up = (u32x8)(a > b);
+  return (f32x8)((up & (u32x8)a) | (~up & (u32x8)b));
+}
+
+/* The logits of the tokens [t0, t0 + Tr) of a block whose K (by channel) starts at kb, for the H folded
+ * heads of q [.][D] (rows past H zero, to a multiple of NB): for each 16 tokens, NB heads at a time
+ * with their 16 x NB sums in registers while the channels pass (the 16 tokens' K stays in L1 for all
+ * the heads), stored to s[g][t - t0] and their lane-wise maximum to top[g]. pk >= 0: the same tile's K
+ * lines of the next block (at pk) and the lines of its V rows from pv are requested into the L2
+ * meanwhile, one each per channel step: a task reads its blocks once, cold. BF16 and NB are constants
+ * at the calls. */
 static inline __attribute__((always_inline)) void logits_by_channel(const Cache* c, const int BF16, const int NB,
-                                                                    int64_t kb, int t0, int Tr, const float* q, int g0,
-                                                                    int H, int64_t pk, int64_t pv,
-                                                                    float s[][CR_TILE]) {
+                                                                    int64_t kb, int t0, int Tr, const float* q, int H,
+                                                                    int64_t pk, int64_t pv, float s[][CR_TILE],
+                                                                    f32x8* top) {
   const int D = c->D, es = BF16 ? 2 : 4;
-  const float* q0 = q + (int64_t)g0 * D;
   int line = 0;
   for (int j = 0; j < Tr; j += 16) {
-    /* named sums, not an array: GCC kept an array's sums on the stack, a store per product */
-    f32x8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
-    for (int d = 0; d < D; ++d) {
-      const int64_t o = kb + (int64_t)d * c->k_ch + t0 + j;
-      const f32x8 x0 = load8(c->k, BF16, o), x1 = load8(c->k, BF16, o + 8);
-      if (pk >= 0) {
-        __builtin_prefetch((const char*)c->k + (pk + (int64_t)d * c->k_ch + t0 + j) * es, 0, 2);
-        __builtin_prefetch((const char*)c->v + pv * es + (int64_t)(line++) * 64, 0, 2);
+    for (int g0 = 0; g0 < H; g0 += NB) {
+      const float* q0 = q + (int64_t)g0 * D;
+      const int fetch = pk >= 0 && g0 == 0;
+      /* named sums, not an array: GCC kept an array's sums on the stack, a store per product */
+      f32x8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+      for (int d = 0; d < D; ++d) {
+        const int64_t o = kb + (int64_t)d * c->k_ch + t0 + j;
+        const f32x8 x0 = load8(c->k, BF16, o), x1 = load8(c->k, BF16, o + 8);
+        if (fetch) {
+          __builtin_prefetch((const char*)c->k + (pk + (int64_t)d * c->k_ch + t0 + j) * es, 0, 2);
+          __builtin_prefetch((const char*)c->v + pv * es + (int64_t)(line++) * 64, 0, 2);
+        }
+        const float q0d = q0[d], q1d = q0[D + d], q2d = q0[2 * D + d];
+        a00 += q0d * x0;
+        a01 += q0d * x1;
+        a10 += q1d * x0;
+        a11 += q1d * x1;
+        a20 += q2d * x0;
+        a21 += q2d * x1;
+        if (NB == 4) {
+          const float q3d = q0[3 * D + d];
+          a30 += q3d * x0;
+          a31 += q3d * x1;
+        }
       }
-      const float q0d = q0[d], q1d = q0[D + d], q2d = q0[2 * D + d];
-      a00 += q0d * x0;
-      a01 += q0d * x1;
-      a10 += q1d * x0;
-      a11 += q1d * x1;
-      a20 += q2d * x0;
-      a21 += q2d * x1;
-      if (NB == 4) {
-        const float q3d = q0[3 * D + d];
-        a30 += q3d * x0;
-        a31 += q3d * x1;
+      const f32x8 sums[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+      for (int g = 0; g < NB && g0 + g < H; ++g) {
+        memcpy(s[g0 + g] + j, &sums[g][0], sizeof(f32x8));
+        memcpy(s[g0 + g] + j + 8, &sums[g][1], sizeof(f32x8));
+        top[g0 + g] = max8(top[g0 + g], max8(sums[g][0], sums[g][1]));
       }
-    }
-    const f32x8 sums[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
-    for (int g = 0; g < NB && g0 + g < H; ++g) {
-      memcpy(s[g0 + g] + j, &sums[g][0], sizeof(f32x8));
-      memcpy(s[g0 + g] + j + 8, &sums[g][1], sizeof(f32x8));
     }
   }
+}
+
+/* Tokens of a tile of T that a row seeing `see` more positions from the tile's first attends. */
+static inline int tile_rows(int64_t see, int T) { return see < T ? (see > 0 ? (int)see : 0) : T; }
+
+/* acc_a [D] += sum_t pa[t] V[t] for the tokens [t0, t0 + n) of the block whose V starts at vb, and
+ * acc_b with pb when NH == 2: 32 channels of each head in registers while the tokens pass, each V line
+ * loaded once for both heads. BF16 and NH are constants at the calls. */
+static inline __attribute__((always_inline)) void weigh_v_nh(const Cache* c, const int BF16, const int NH, int64_t vb,
+                                                             int t0, int n, const float* pa, const float* pb,
+                                                             float* acc_a, float* acc_b) {
+  const int D = c->D;
+  int d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) {
+    f32x8 a0, a1, a2, a3, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    memcpy(&a0, acc_a + d0, 32);
+    memcpy(&a1, acc_a + d0 + 8, 32);
+    memcpy(&a2, acc_a + d0 + 16, 32);
+    memcpy(&a3, acc_a + d0 + 24, 32);
+    if (NH == 2) {
+      memcpy(&b0, acc_b + d0, 32);
+      memcpy(&b1, acc_b + d0 + 8, 32);
+      memcpy(&b2, acc_b + d0 + 16, 32);
+      memcpy(&b3, acc_b + d0 + 24, 32);
+    }
+    for (int t = 0; t < n; ++t) {
+      const int64_t o = vb + (int64_t)(t0 + t) * c->v_tok + d0;
+      const f32x8 x0 = load8(c->v, BF16, o), x1 = load8(c->v, BF16, o + 8), x2 = load8(c->v, BF16, o + 16),
+                  x3 = load8(c->v, BF16, o + 24);
+      const float p = pa[t];
+      a0 += p * x0;
+      a1 += p * x1;
+      a2 += p * x2;
+      a3 += p * x3;
+      if (NH == 2) {
+        const float w = pb[t];
+        b0 += w * x0;
+        b1 += w * x1;
+        b2 += w * x2;
+        b3 += w * x3;
+      }
+    }
+    memcpy(acc_a + d0, &a0, 32);
+    memcpy(acc_a + d0 + 8, &a1, 32);
+    memcpy(acc_a + d0 + 16, &a2, 32);
+    memcpy(acc_a + d0 + 24, &a3, 32);
+    if (NH == 2) {
+      memcpy(acc_b + d0, &b0, 32);
+      memcpy(acc_b + d0 + 8, &b1, 32);
+      memcpy(acc_b + d0 + 16, &b2, 32);
+      memcpy(acc_b + d0 + 24, &b3, 32);
+    }
+  }
+  for (; d0 < D; d0 += 8) { /* D % 32 channels left: 8 at a time */
+    f32x8 a0, b0 = {0};
+    memcpy(&a0, acc_a + d0, 32);
+    if (NH == 2) memcpy(&b0, acc_b + d0, 32);
+    for (int t = 0; t < n; ++t) {
+      const f32x8 x = load8(c->v, BF16, vb + (int64_t)(t0 + t) * c->v_tok + d0);
+      a0 += pa[t] * x;
+      if (NH == 2) b0 += pb[t] * x;
+    }
+    memcpy(acc_a + d0, &a0, 32);
+    if (NH == 2) memcpy(acc_b + d0, &b0, 32);
+  }
+}
+
+static void weigh_v(const Cache* c, int BF16, int NH, int64_t vb, int t0, int n, const float* pa, const float* pb,
+                    float* acc_a, float* acc_b) {
+  if (BF16 && NH == 2) weigh_v_nh(c, 1, 2, vb, t0, n, pa, pb, acc_a, acc_b);
+  else if (BF16) weigh_v_nh(c, 1, 1, vb, t0, n, pa, pb, acc_a, acc_b);
+  else if (NH == 2) weigh_v_nh(c, 0, 2, vb, t0, n, pa, pb, acc_a, acc_b);
+  else weigh_v_nh(c, 0, 1, vb, t0, n, pa, pb, acc_a, acc_b);
 }
 
 /* One task: KV head h, folded heads q [H][D] (fp32, rows r0.. of the request, G heads each; H padded to
@@ -106,6 +190,7 @@ static void task_attend(const Cache* c, const int32_t* table, int h, const float
                         int64_t b0, int64_t b1, float* out, float* lse) {
   const int D = c->D, G = c->G, bs = c->block_size, BF16 = c->is_bf16;
   float acc[CR_MAX_H][KV_MAX_D], m[CR_MAX_H], l[CR_MAX_H], s[CR_MAX_H][CR_TILE];
+  f32x8 top[CR_MAX_H];
   int64_t maxlen = 0;
   for (int j = 0; j < H; ++j) {
     m[j] = -INFINITY;
@@ -123,16 +208,16 @@ static void task_attend(const Cache* c, const int32_t* table, int h, const float
     for (int t0 = 0; t0 < valid; t0 += CR_TILE) {
       const int T = valid - t0 < CR_TILE ? valid - t0 : CR_TILE;
       const int64_t pos0 = first + t0;
+      int Tr = 0; /* > 0: top[g] holds the maximum of the tile's Tr logits of head g (K by channel) */
       if (c->k_tok == 1) { /* K by channel */
-        const int Tr = (T + 15) / 16 * 16; /* read whole vectors: the block holds them (bs % 16 == 0) */
+        for (int g = 0; g < H; ++g) top[g] = (f32x8){0} - INFINITY;
+        Tr = (T + 15) / 16 * 16; /* read whole vectors: the block holds them (bs % 16 == 0) */
         const int nb = (H + 2) / 3 <= (H + 3) / 4 ? 3 : 4; /* heads a pass: the fewer passes, 3 at a tie */
-        for (int g0 = 0; g0 < H; g0 += nb) {
-          const int64_t pk = g0 == 0 ? next_kb : -1, pv = g0 == 0 ? next_vb + (int64_t)t0 * c->v_tok : -1;
-          if (nb == 4 && BF16) logits_by_channel(c, 1, 4, kb, t0, Tr, q, g0, H, pk, pv, s);
-          else if (nb == 4) logits_by_channel(c, 0, 4, kb, t0, Tr, q, g0, H, pk, pv, s);
-          else if (BF16) logits_by_channel(c, 1, 3, kb, t0, Tr, q, g0, H, pk, pv, s);
-          else logits_by_channel(c, 0, 3, kb, t0, Tr, q, g0, H, pk, pv, s);
-        }
+        const int64_t pv = next_vb < 0 ? -1 : next_vb + (int64_t)t0 * c->v_tok;
+        if (nb == 4 && BF16) logits_by_channel(c, 1, 4, kb, t0, Tr, q, H, next_kb, pv, s, top);
+        else if (nb == 4) logits_by_channel(c, 0, 4, kb, t0, Tr, q, H, next_kb, pv, s, top);
+        else if (BF16) logits_by_channel(c, 1, 3, kb, t0, Tr, q, H, next_kb, pv, s, top);
+        else logits_by_channel(c, 0, 3, kb, t0, Tr, q, H, next_kb, pv, s, top);
       } else { /* K by rows (channels contiguous: k_ch = 1) */
         float row[KV_MAX_D];
         for (int t = 0; t < T; ++t) {
@@ -146,23 +231,27 @@ static void task_attend(const Cache* c, const int32_t* table, int h, const float
         }
       }
       for (int g = 0; g < H; ++g) { /* mask past the row's length, then the softmax update */
-        const int64_t see = lens[g / G] - pos0; /* tokens of the tile this row sees */
-        const int n = see < T ? (see > 0 ? (int)see : 0) : T;
+        const int n = tile_rows(lens[g / G] - pos0, T);
         float* sg = s[g];
-        if (n == 0) continue; /* the weighted V rows below take none of this tile */
-        /* the scaled logits and their max, 8 at a time; lanes past n are -inf */
+        const int n8 = (n + 7) / 8 * 8; /* the weights past n are 0: a pass of two heads runs to the longer one's n */
+        if (n8 < T) memset(sg + n8, 0, sizeof(float) * (size_t)(T - n8));
+        if (n == 0) continue; /* this row sees none of the tile */
+        /* the logits' max (q is scaled): the logits pass's when the row sees all it scored, else 8 at a
+         * time with the lanes past n at -inf */
         const vm_i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
         const vm_f32x8 ninf = (vm_f32x8){0} - INFINITY;
         vm_f32x8 vmax = ninf;
-        for (int t = 0; t < n; t += 8) {
-          vm_f32x8 x;
-          memcpy(&x, sg + t, sizeof(x));
-          x *= c->sm_scale;
-          const vm_i32x8 in = lane + t < n;
-          x = (vm_f32x8)((in & (vm_i32x8)x) | (~in & (vm_i32x8)ninf));
-          memcpy(sg + t, &x, sizeof(x));
-          const vm_i32x8 up = x > vmax;
-          vmax = (vm_f32x8)((up & (vm_i32x8)x) | (~up & (vm_i32x8)vmax));
+        if (n == Tr) {
+          memcpy(&vmax, &top[g], sizeof(vmax));
+        } else {
+          for (int t = 0; t < n; t += 8) {
+            vm_f32x8 x;
+            memcpy(&x, sg + t, sizeof(x));
+            const vm_i32x8 in = lane + t < n;
+            x = (vm_f32x8)((in & (vm_i32x8)x) | (~in & (vm_i32x8)ninf));
+            const vm_i32x8 up = x > vmax;
+            vmax = (vm_f32x8)((up & (vm_i32x8)x) | (~up & (vm_i32x8)vmax));
+          }
         }
         float mx = m[g];
         for (int j = 0; j < 8; ++j) mx = vmax[j] > mx ? vmax[j] : mx;
@@ -180,41 +269,15 @@ static void task_attend(const Cache* c, const int32_t* table, int h, const float
         for (int j = 0; j < 8; ++j) sum += vsum[j];
         l[g] = l[g] * corr + sum;
         m[g] = mx;
+        if (corr == 1.0f) continue; /* the maximum held: the sums stand */
         float* ag = acc[g];
 #pragma omp simd
         for (int d = 0; d < D; ++d) ag[d] *= corr;
       }
-      for (int g = 0; g < H; ++g) { /* the weighted V rows: 32 channels of the head in registers */
-        const int64_t see = lens[g / G] - pos0;
-        const int n = see < T ? (int)see : T;
-        const float* pg = s[g];
-        float* ag = acc[g];
-        int d0 = 0;
-        for (; d0 + 32 <= D; d0 += 32) {
-          f32x8 a0, a1, a2, a3;
-          memcpy(&a0, ag + d0, 32);
-          memcpy(&a1, ag + d0 + 8, 32);
-          memcpy(&a2, ag + d0 + 16, 32);
-          memcpy(&a3, ag + d0 + 24, 32);
-          for (int t = 0; t < n; ++t) {
-            const int64_t o = vb + (int64_t)(t0 + t) * c->v_tok + d0;
-            const float p = pg[t];
-            a0 += p * load8(c->v, BF16, o);
-            a1 += p * load8(c->v, BF16, o + 8);
-            a2 += p * load8(c->v, BF16, o + 16);
-            a3 += p * load8(c->v, BF16, o + 24);
-          }
-          memcpy(ag + d0, &a0, 32);
-          memcpy(ag + d0 + 8, &a1, 32);
-          memcpy(ag + d0 + 16, &a2, 32);
-          memcpy(ag + d0 + 24, &a3, 32);
-        }
-        for (; d0 < D; d0 += 8) {
-          f32x8 a0;
-          memcpy(&a0, ag + d0, 32);
-          for (int t = 0; t < n; ++t) a0 += pg[t] * load8(c->v, BF16, vb + (int64_t)(t0 + t) * c->v_tok + d0);
-          memcpy(ag + d0, &a0, 32);
-        }
+      for (int g = 0; g < H; g += 2) { /* the weighted V rows, two heads a pass: each V line read once for both */
+        const int n = tile_rows(lens[g / G] - pos0, T);
+        if (g + 1 < H) weigh_v(c, BF16, 2, vb, t0, n > tile_rows(lens[(g + 1) / G] - pos0, T) ? n : tile_rows(lens[(g + 1) / G] - pos0, T), s[g], s[g + 1], acc[g], acc[g + 1]);
+        else weigh_v(c, BF16, 1, vb, t0, n, s[g], s[g], acc[g], acc[g]);
       }
     }
   }
@@ -253,7 +316,7 @@ int kvsieve_causal_rows(const void* k, const void* v, int is_bf16, int64_t k_blk
                         float* out, float* lse) {
   if (D > KV_MAX_D || D < 8 || D % 8 != 0 || G < 1 || G > CR_MAX_H || block_size < 1) return -1;
   if ((k_tok == 1 && block_size % 16 != 0) || (k_tok != 1 && k_ch != 1)) return -1;
-  const Cache c = {k, v, is_bf16, k_blk, k_head, k_tok, k_ch, v_blk, v_head, v_tok, block_size, hkv, D, G, sm_scale};
+  const Cache c = {k, v, is_bf16, k_blk, k_head, k_tok, k_ch, v_blk, v_head, v_tok, block_size, hkv, D, G};
   const int rows_max = CR_MAX_H / G; /* rows of a request in one task */
   int64_t items = 0;
   for (int64_t r = 0; r < n_req; ++r) {
@@ -299,7 +362,8 @@ int kvsieve_causal_rows(const void* k, const void* v, int is_bf16, int64_t k_blk
     const int64_t first = kv_lens[t.r] - (qo[t.r + 1] - qo[t.r]); /* positions before the request's rows */
     for (int j = 0; j < t.R; ++j) {
       lens[j] = first + (t.r0 - qo[t.r]) + j + 1;
-      memcpy(qp + (int64_t)j * G * D, q + ((t.r0 + j) * hq + (int64_t)t.h * G) * D, sizeof(float) * G * D);
+      const float* qj = q + ((t.r0 + j) * hq + (int64_t)t.h * G) * D;
+      for (int e = 0; e < G * D; ++e) qp[(int64_t)j * G * D + e] = qj[e] * sm_scale; /* logits come out scaled */
     }
     memset(qp + (int64_t)H * D, 0, sizeof(float) * (Hp - H) * D);
     task_attend(&c, table + t.r * table_stride, t.h, qp, H, lens, t.b0, t.b1, s_out + t.at * D, s_lse + t.at);

@@ -4,11 +4,11 @@
  * rows reads the context once, not K + 1 times), and row i of R sees the first kv_len - R + i + 1
  * positions (the later positions of the tile are masked for it). Per (request, KV head, group of rows,
  * part of the blocks) a task keeps an online softmax over tiles of CR_TILE tokens: the logits of the
- * tile for all H heads (K stored by channel: 16 tokens x 3 or 4 heads of sums in registers while the
- * channels pass, the next block's K and V requested meanwhile; K by rows: one dot product per token
- * and head), the softmax update, then the weighted V rows (32 channels of a head in registers while
- * the tokens pass). When the requests x KV heads are
- * fewer than twice the threads, each one's blocks are cut into parts merged afterwards by their
+ * tile for all H heads (q scaled beforehand; K stored by channel: per 16 tokens, 3 or 4 heads at a
+ * time with their sums in registers while the channels pass, the tile's maximum taken from them, the
+ * next block's K and V requested meanwhile; K by rows: one dot product per token and head), the
+ * softmax update, then the weighted V rows (two heads a pass, 32 channels of each in registers while
+ * the tokens pass). When the requests x KV heads are fewer than twice the threads, each one's blocks are cut into parts merged afterwards by their
  * log-sum-exp (flash-decoding's split).
  * Built with -O3 -march=native -fopenmp -fno-math-errno -ffp-contract=fast: the loops marked `omp simd`
  * are vectorized, a product added to a sum is one fused multiply-add, nothing else is reassociated. */

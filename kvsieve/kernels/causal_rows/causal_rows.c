@@ -8,8 +8,8 @@
  * time with their sums in registers while the channels pass, the tile's maximum taken from them, the
  * next block's K and V requested meanwhile; K by rows: one dot product per token and head), the
  * softmax update, then the weighted V rows (two heads a pass, 32 channels of each in registers while
- * the tokens pass). When the requests x KV heads are fewer than twice the threads, each one's blocks are cut into parts merged afterwards by their
- * log-sum-exp (flash-decoding's split).
+ * the tokens pass). When the requests x KV heads are fewer than twice the threads, each one's blocks
+ * are cut into parts merged afterwards by their log-sum-exp (flash-decoding's split).
  * Built with -O3 -march=native -fopenmp -fno-math-errno -ffp-contract=fast: the loops marked `omp simd`
  * are vectorized, a product added to a sum is one fused multiply-add, nothing else is reassociated. */
 #include <math.h>
@@ -242,15 +242,13 @@ static void task_attend(const Cache* c, const int32_t* table, int h, const float
         const vm_f32x8 ninf = (vm_f32x8){0} - INFINITY;
         vm_f32x8 vmax = ninf;
         if (n == Tr) {
-          memcpy(&vmax, &top[g], sizeof(vmax));
+          vmax = top[g];
         } else {
           for (int t = 0; t < n; t += 8) {
             vm_f32x8 x;
             memcpy(&x, sg + t, sizeof(x));
             const vm_i32x8 in = lane + t < n;
-            x = (vm_f32x8)((in & (vm_i32x8)x) | (~in & (vm_i32x8)ninf));
-            const vm_i32x8 up = x > vmax;
-            vmax = (vm_f32x8)((up & (vm_i32x8)x) | (~up & (vm_i32x8)vmax));
+            vmax = max8((vm_f32x8)((in & (vm_i32x8)x) | (~in & (vm_i32x8)ninf)), vmax);
           }
         }
         float mx = m[g];
@@ -265,9 +263,7 @@ static void task_attend(const Cache* c, const int32_t* table, int h, const float
           memcpy(sg + t, &x, sizeof(x));
           vsum += x;
         }
-        float sum = 0.0f;
-        for (int j = 0; j < 8; ++j) sum += vsum[j];
-        l[g] = l[g] * corr + sum;
+        l[g] = l[g] * corr + lane_sum(vsum);
         m[g] = mx;
         if (corr == 1.0f) continue; /* the maximum held: the sums stand */
         float* ag = acc[g];
@@ -276,8 +272,12 @@ static void task_attend(const Cache* c, const int32_t* table, int h, const float
       }
       for (int g = 0; g < H; g += 2) { /* the weighted V rows, two heads a pass: each V line read once for both */
         const int n = tile_rows(lens[g / G] - pos0, T);
-        if (g + 1 < H) weigh_v(c, BF16, 2, vb, t0, n > tile_rows(lens[(g + 1) / G] - pos0, T) ? n : tile_rows(lens[(g + 1) / G] - pos0, T), s[g], s[g + 1], acc[g], acc[g + 1]);
-        else weigh_v(c, BF16, 1, vb, t0, n, s[g], s[g], acc[g], acc[g]);
+        if (g + 1 == H) {
+          weigh_v(c, BF16, 1, vb, t0, n, s[g], NULL, acc[g], NULL);
+        } else {
+          const int n1 = tile_rows(lens[(g + 1) / G] - pos0, T); /* the longer run: the other's weights past it are 0 */
+          weigh_v(c, BF16, 2, vb, t0, n > n1 ? n : n1, s[g], s[g + 1], acc[g], acc[g + 1]);
+        }
       }
     }
   }

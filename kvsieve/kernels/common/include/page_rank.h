@@ -94,19 +94,6 @@ static int64_t top_ascending(const float* score, int64_t n, int64_t k, uint64_t*
   return m;
 }
 
-/* The sums of a, b and c, 8 lanes each. */
-static inline void hsum3(vm_f32x8 a, vm_f32x8 b, vm_f32x8 c, float* out) {
-  float sa = 0.0f, sb = 0.0f, sc = 0.0f;
-  for (int j = 0; j < 8; ++j) {
-    sa += a[j];
-    sb += b[j];
-    sc += c[j];
-  }
-  out[0] = sa;
-  out[1] = sb;
-  out[2] = sc;
-}
-
 /* logits[g * n_pages + p] = sm_scale * qcat[g] . row(p) for KV head h: each page's row (fp32 in row)
  * read once for three heads at a time, their dot products 8 lanes wide in two named sums each (six
  * chains of fused multiply-adds in flight); D is a constant at the call sites that matter. */
@@ -150,9 +137,9 @@ static inline __attribute__((always_inline)) void head_logits(
           memcpy(&w, q2 + d + 8, sizeof(w));
           c1 += w * y;
         }
-        float sums[3];
-        hsum3(a0 + a1, b0 + b1, c0 + c1, sums);
-        for (int j = 0; j < 3; ++j) logits[(g + j) * n_pages + p] = sums[j] * sm_scale;
+        logits[g * n_pages + p] = lane_sum(a0 + a1) * sm_scale;
+        logits[(g + 1) * n_pages + p] = lane_sum(b0 + b1) * sm_scale;
+        logits[(g + 2) * n_pages + p] = lane_sum(c0 + c1) * sm_scale;
       }
       for (; g < G; ++g) { /* the heads past the last three */
         const float* qg = qcat[g];

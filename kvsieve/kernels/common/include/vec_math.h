@@ -50,4 +50,11 @@ static inline vm_f32x8 exp8_nonpositive(vm_f32x8 x) {
   return y * (vm_f32x8)((n1 + 127) << 23) * (vm_f32x8)((n2 + 127) << 23);
 }
 
+/* The sum of the 8 lanes, lane 0 first. */
+static inline float lane_sum(vm_f32x8 v) {
+  float s = 0.0f;
+  for (int j = 0; j < 8; ++j) s += v[j];
+  return s;
+}
+
 #endif

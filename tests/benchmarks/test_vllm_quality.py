@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks._timing import cpu_isa
-from benchmarks.vllm_quality import _kvsieve_runs, _sample
+from benchmarks.vllm_quality import _kvsieve_runs, _paired_modes, _same_tokens, _sample
 from kvsieve.eval.served.agreement import answer_text
 from kvsieve.eval.tasks import Sample, get_task
 from kvsieve.integrations.transformers import KvsieveSession
@@ -98,3 +98,26 @@ def test_cpu_isa_names_the_cpu_and_its_features():
                                                "avx2", "fma", "neon", "asimd", "sve"}
     flags = open("/proc/cpuinfo", encoding="utf-8").read()
     assert ("avx2" in features.split()) == (" avx2" in flags)
+
+
+def test_shared_prefill_pairs_decode_only_selectors_and_refuses_the_rest(tmp_path):
+    """--shared-prefill pairs a selector that selects only while decoding (its prompt cache is a dense
+    request's) and refuses, by mode, one that selects in the prompt and a lossless @K mode."""
+    decode_only = tmp_path / "dsa_dec.yaml"
+    decode_only.write_text("selector: dsa\nparams: {index_topk: 64}\nphases: [generation]\n")
+    both = tmp_path / "block.yaml"
+    both.write_text("selector: block_select\nparams: {block_size: 16}\nphases: [context, generation]\n")
+    modes = ["own", "dense", "quest:budget=64,page_size=16", str(decode_only)]
+    assert _paired_modes(modes) == {"quest:budget=64,page_size=16", str(decode_only)}
+    with pytest.raises(SystemExit, match=f"mode '{both}' selects in the prompt"):
+        _paired_modes(["own", str(both)])
+    with pytest.raises(SystemExit, match="streaming:budget=64.*selects in the prompt"):
+        _paired_modes(["streaming:budget=64"])  # streaming's default phases include the prompt
+    with pytest.raises(SystemExit, match="'quest:budget=64@2' is a lossless mode"):
+        _paired_modes(["quest:budget=64@2"])
+
+
+def test_same_tokens_counts_prompts_equal_to_owns():
+    generated = {"own": [[1, 2], [3, 4], [5]], "dense@q": [[1, 2], [3, 4], [5]], "q": [[1, 2], [3, 9], [5]]}
+    assert _same_tokens(generated) == {"dense@q": 3, "q": 2}
+    assert _same_tokens({"q": [[1]]}) == {}  # no own run: nothing to compare with

@@ -121,7 +121,7 @@ def _worker_config(k: int, **parallel: int):  # noqa: ANN202
     ("quest:budget=64,page_size=16", 2, 2, "pipeline_parallel_size=2"),
     ("quest:budget=1024,page_size=16", 129, 1, r"num_speculative_tokens=129 is outside .* \(1 to 128\)"),
     ("quest:budget=64,page_size=16", 65, 1, "num_speculative_tokens=65 with kvsieve's drafter: .*budget of 64"),
-    ("streaming:budget=64,num_sink=16", 2, 1, "selects in the prompt"),
+    ("streaming:budget=64,num_sink=16", 2, 1, r"selects in the prompt.*phases: \[generation\] in a KVSIEVE_CONFIG file"),
 ])
 def test_drafter_startup_refusals_name_the_field(spec, k, pp, message):
     """What kvsieve's drafter cannot serve exactly is refused when the worker's state is built,

@@ -60,7 +60,8 @@ def check_speculation(vllm_config: Any, config: PluginConfig, plans: list[LayerP
         raise ValueError(
             f"{PREFIX}: selector {config.sparse.selector!r} selects in the prompt (its phases include 'context'), "
             "but under kvsieve's drafter every prompt is vLLM's own dense attention (the verify pass reads the "
-            "prompt's K/V, which must be dense decoding's); set phases=generation")
+            "prompt's K/V, which must be dense decoding's); set phases: [generation] in a KVSIEVE_CONFIG file or "
+            "--additional-config's kvsieve entry (a KVSIEVE_SELECTOR string cannot set phases)")
     why = speculation_refusal(k, plans, prefix_caching=False)
     if why is not None:
         raise ValueError(f"{PREFIX}: {field}={k} with kvsieve's drafter: {why.removeprefix('speculate: ')}")

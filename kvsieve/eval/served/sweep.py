@@ -3,9 +3,10 @@
 :func:`kvsieve.eval.runner.run_sweep` plans the runs, reads what a resume finds and writes the
 summary, plots and report, whichever engine ran them; this module runs the pending ones in vLLM
 engines (:mod:`.engine`, what runs where: :mod:`.protocol`). The prompts are the eval's own (the
-same samples, token ids encoded by the eval's tokenizer); each run's prompts go to its engine in
-one ``generate`` call, greedy, and the answer is cut by the eval's stop rule
-(:func:`.agreement.answer_tokens`). A run is done or failed as a whole (no partial samples).
+same samples, token ids encoded by the eval's tokenizer), greedy, and the answer is cut by the eval's
+stop rule (:func:`.agreement.answer_tokens`). An engine answers a cell's runs prompt-major (each wave
+of prompts in every run's setting back to back, :func:`_generate_cell`), so settings that keep a
+dense prompt cache share one prefill per prompt. A run is done or failed as a whole (no partial samples).
 
 **Decode speed-up.** For each run, at its length: :data:`~.protocol.TIMING_REPS` times, vLLM's own
 attention decodes :data:`~.protocol.DECODE_TOKENS` tokens after the cell's first prompt, then the
@@ -89,23 +90,39 @@ def _tokens(engine: EngineProcess, run: RunSpec, prompts: list[tuple[Sample, lis
     return reply["tokens"]
 
 
-def _generate(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, run: RunSpec) -> Progress:
-    task = get_task(run.task.name, run.task.params)
-    prompts = _cell_prompts(sw, run)
-    t0 = time.perf_counter()
-    outputs = _tokens(engine, run, prompts, task.max_new_tokens)
-    p = Progress(seconds=time.perf_counter() - t0)
+def _generate_cell(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, runs: list[RunSpec]
+                   ) -> dict[str, Progress]:
+    """The rows of ``runs``, the runs of one (task, length) cell on ``engine``, by run folder. Prompt
+    major: each wave of :data:`~.protocol.MAX_NUM_SEQS` prompts is answered by every run's setting
+    back to back, so a setting whose prompt cache is dense's (no ``cache_salt``: the dense label,
+    a generation-only selector's budgets) finds the wave's prompts in vLLM's prefix cache instead of
+    prefilling them again: a cell costs prefills, not settings. A run's seconds are its waves'."""
+    task = get_task(runs[0].task.name, runs[0].task.params)
+    prompts = _cell_prompts(sw, runs[0])
+    tokens: dict[str, list[list[int]]] = {r.folder: [] for r in runs}
+    seconds = dict.fromkeys(tokens, 0.0)
+    for lo in range(0, len(prompts), MAX_NUM_SEQS):
+        wave = prompts[lo:lo + MAX_NUM_SEQS]
+        for run in runs:
+            t0 = time.perf_counter()
+            tokens[run.folder] += _tokens(engine, run, wave, task.max_new_tokens)
+            seconds[run.folder] += time.perf_counter() - t0
     # a continuation is scored against vLLM's own attention's on the same prompts (the dense run's)
-    references = (_tokens(own, run, prompts, task.max_new_tokens, dense=True)
-                  if isinstance(task, ContinuationTask) and run.selector is not None else None)
-    for i, ((sample, ids), tokens) in enumerate(zip(prompts, outputs)):
-        if isinstance(task, ContinuationTask):
-            row = task.reference_row(tokens, None if references is None else references[i], sw.lm.tokenizer)
-        else:
-            row = task.answer_row(answer_text(sw.lm.tokenizer, tokens, task.stop_regex), sample)
-        p.rows.append(prediction_row(sample, len(ids), row, []))
-        p.fractions.append([])
-    return p
+    references = (_tokens(own, runs[0], prompts, task.max_new_tokens, dense=True)
+                  if isinstance(task, ContinuationTask) and any(r.selector is not None for r in runs) else None)
+    made = {}
+    for run in runs:
+        p = Progress(seconds=seconds[run.folder])
+        for i, ((sample, ids), out) in enumerate(zip(prompts, tokens[run.folder])):
+            if isinstance(task, ContinuationTask):
+                ref = None if references is None or run.selector is None else references[i]
+                row = task.reference_row(out, ref, sw.lm.tokenizer)
+            else:
+                row = task.answer_row(answer_text(sw.lm.tokenizer, out, task.stop_regex), sample)
+            p.rows.append(prediction_row(sample, len(ids), row, []))
+            p.fractions.append([])
+        made[run.folder] = p
+    return made
 
 
 def _time(engine: EngineProcess, ids: list[int], run: RunSpec | None) -> float:
@@ -151,9 +168,25 @@ def _finish(sw: ServedSweep, run: RunSpec, measure: Callable[[], tuple[Progress,
     sw.bar.update(len(p.rows))
 
 
-def _finish_generated(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, run: RunSpec) -> None:
-    """A generation run on ``engine``, timed beside ``own``."""
-    _finish(sw, run, lambda: (_generate(sw, own, engine, run), _speed(sw, own, engine, run)))
+def _finish_generated(sw: ServedSweep, own: EngineProcess, engine: EngineProcess, runs: list[RunSpec]) -> None:
+    """The generation runs ``runs`` on ``engine``, a cell at a time (:func:`_generate_cell`), each
+    timed beside ``own``; a cell whose generation failed fails each of its runs."""
+    cells: dict[tuple[str, int], list[RunSpec]] = {}
+    for run in runs:
+        cells.setdefault((run.task.name, run.length), []).append(run)
+    for cell in cells.values():
+        try:
+            made, err = _generate_cell(sw, own, engine, cell), None
+        except Exception as e:  # noqa: BLE001 (recorded in each of the cell's runs by _finish)
+            made, err = {}, e
+        for run in cell:
+            _finish(sw, run, lambda run=run: (_made(made, err, run), _speed(sw, own, engine, run)))
+
+
+def _made(made: dict[str, Progress], err: Exception | None, run: RunSpec) -> Progress:
+    if err is not None:
+        raise err
+    return made[run.folder]
 
 
 def _lossless_engine(sw: ServedSweep, run: RunSpec, k: int, max_len: int) -> EngineProcess:
@@ -216,16 +249,14 @@ def run_served(sw: ServedSweep, runs: list[RunSpec], pending: list[RunSpec]) -> 
         for run in (r for r in pending if r.task.name == AcceptanceTask.name):
             _finish_lossless(sw, own, run, runs)
         pending = [r for r in pending if r.task.name != AcceptanceTask.name]
-        for run in (r for r in pending if r.selector is None):
-            _finish_generated(sw, own, own, run)
+        _finish_generated(sw, own, own, [r for r in pending if r.selector is None])
         for spec in sw.cfg.selectors:
             mine = [r for r in pending if r.selector is spec]
             engine = _start(sw, spec.label, spec, runs, mine) if mine else None
             if engine is None:
                 continue
             try:
-                for run in mine:
-                    _finish_generated(sw, own, engine, run)
+                _finish_generated(sw, own, engine, mine)
             finally:
                 engine.close()
     finally:

@@ -53,6 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
 
 from benchmarks._timing import cpu_isa, load_averages  # noqa: E402
+from benchmarks.vllm_common import vllm_metric  # noqa: E402
 from kvsieve.eval.served.launch import OWN, EngineLaunch, default_threads, drafter_config, model_folder  # noqa: E402
 
 BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
@@ -143,13 +144,6 @@ class EngineCounters:
         scheduler._preempt_request = logging_preempt
 
 
-def _metric(llm, name: str) -> float:  # noqa: ANN001
-    values = [m.value for m in llm.get_metrics() if m.name == name]
-    if not values:
-        raise RuntimeError(f"vLLM reports no metric {name!r} (is log_stats on?)")
-    return float(sum(values))
-
-
 def run_load(args: argparse.Namespace) -> dict:
     """The engine side (this process, vLLM imported): the load loop, then each request alone."""
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -199,15 +193,15 @@ def run_load(args: argparse.Namespace) -> dict:
     load_s = time.monotonic() - t0
     preempted = list(counters.preempted)  # the load's (the alone runs below are never preempted)
     figures = {"steps": steps, "load_s": round(load_s, 1),
-               "preemptions": int(_metric(llm, "vllm:num_preemptions")),
-               "prefix_cache_hit_tokens": int(_metric(llm, "vllm:prefix_cache_hits")),
+               "preemptions": int(vllm_metric(llm, "vllm:num_preemptions")),
+               "prefix_cache_hit_tokens": int(vllm_metric(llm, "vllm:prefix_cache_hits")),
                "aborts": len(aborted), "finished": len(finished), "evictions": counters.evictions,
                "blocks_allocated": counters.allocated, "blocks_reused": counters.reused,
                "preempted_decoding": sum(n > 0 for _, n in preempted),
                "kv_blocks": int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)}
     if args.speculate:  # the load's drafts (vLLM's spec-decode counters, before the alone runs)
-        figures.update(drafted=int(_metric(llm, "vllm:spec_decode_num_draft_tokens")),
-                       accepted=int(_metric(llm, "vllm:spec_decode_num_accepted_tokens")))
+        figures.update(drafted=int(vllm_metric(llm, "vllm:spec_decode_num_draft_tokens")),
+                       accepted=int(vllm_metric(llm, "vllm:spec_decode_num_accepted_tokens")))
 
     alone: dict[str, list[int]] = {}
     for r in work:

@@ -49,8 +49,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
 
 from benchmarks._timing import cpu_isa, load_average  # noqa: E402
-from benchmarks.vllm_common import parse_modes  # noqa: E402
+from benchmarks.vllm_common import parse_modes, vllm_metric  # noqa: E402
 from kvsieve.eval.served.launch import EngineLaunch, model_folder  # noqa: E402
+
+HITS = "vllm:prefix_cache_hits"  # prompt tokens vLLM found in its prefix cache
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -70,14 +72,11 @@ def worker(args: argparse.Namespace) -> None:
         return [SamplingParams(temperature=0.0, max_tokens=p["max_new_tokens"], extra_args=extra)
                 for p in job["prompts"]]
 
-    def hits() -> int:  # prompt tokens vLLM found in its prefix cache so far
-        return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"))
-
     def run(lo: int, hi: int, sampling: list, into: list, phase: str) -> None:
-        t0, h0 = time.perf_counter(), hits()
+        t0, h0 = time.perf_counter(), vllm_metric(llm, HITS)
         into += [list(o.outputs[0].token_ids) for o in llm.generate(prompts[lo:hi], sampling[lo:hi], use_tqdm=False)]
         seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - t0
-        cache_hits[phase] = cache_hits.get(phase, 0) + hits() - h0
+        cache_hits[phase] = cache_hits.get(phase, 0) + int(vllm_metric(llm, HITS) - h0)
 
     own_setting, seconds, cache_hits, ids, dense_ids = params(None), {}, {}, [], []
     if not job["dense_first"]:
@@ -183,11 +182,10 @@ def main() -> None:
               + ", ".join(f"{k} {v:.0f} s, {out['prefix_cache_hit_tokens'][k]} prompt tokens from the prefix cache"
                           for k, v in out["seconds"].items())
               + f"), load {load0:.1f} -> {load_average():.1f}", flush=True)
-    modes = columns
     same_tokens = _same_tokens(generated_by)
-    table = _table(scores, modes, tasks, mean_ci95)
+    table = _table(scores, columns, tasks, mean_ci95)
     if args.kvsieve_results:
-        table += _compare_kvsieve(Path(args.kvsieve_results), prompts, scores, modes, tasks, args.length)
+        table += _compare_kvsieve(Path(args.kvsieve_results), prompts, scores, columns, tasks, args.length)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"vllm_quality-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
@@ -219,6 +217,9 @@ def _paired_modes(modes: list[str]) -> set[str]:
                              "so its prompt's cache is not a dense request's; set phases: [generation] or run it "
                              "without --shared-prefill")
         paired.add(mode)
+    if not paired:
+        raise SystemExit(f"--shared-prefill: none of the modes {modes} is a selector mode to pair with a dense "
+                         "answer; add one or run without --shared-prefill")
     return paired
 
 

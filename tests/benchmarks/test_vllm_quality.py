@@ -115,6 +115,8 @@ def test_shared_prefill_pairs_decode_only_selectors_and_refuses_the_rest(tmp_pat
         _paired_modes(["streaming:budget=64"])  # streaming's default phases include the prompt
     with pytest.raises(SystemExit, match="'quest:budget=64@2' is a lossless mode"):
         _paired_modes(["quest:budget=64@2"])
+    with pytest.raises(SystemExit, match=r"none of the modes \['own', 'dense'\] is a selector mode"):
+        _paired_modes(["own", "dense"])  # nothing to pair: refused, not a run without the pairing
 
 
 def test_same_tokens_counts_prompts_equal_to_owns():

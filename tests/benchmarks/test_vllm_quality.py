@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from benchmarks._timing import cpu_isa
-from benchmarks.vllm_quality import _kvsieve_runs, _paired_modes, _same_tokens, _sample
+from benchmarks.vllm_quality import _kvsieve_runs, _paired_modes, _same_tokens, _sample, make_prompts
 from kvsieve.eval.served.agreement import answer_text
+from kvsieve.eval.model import ByteTokenizer
 from kvsieve.eval.tasks import Sample, get_task
 from kvsieve.integrations.transformers import KvsieveSession
 
@@ -123,3 +124,16 @@ def test_same_tokens_counts_prompts_equal_to_owns():
     generated = {"own": [[1, 2], [3, 4], [5]], "dense@q": [[1, 2], [3, 4], [5]], "q": [[1, 2], [3, 9], [5]]}
     assert _same_tokens(generated) == {"dense@q": 3, "q": 2}
     assert _same_tokens({"q": [[1]]}) == {}  # no own run: nothing to compare with
+
+
+def test_every_task_gets_the_same_n_with_or_without_depths():
+    """A needle task gets ``samples`` prompts per depth; cwe, which has no depth, ``samples`` x the
+    number of depths, and they are the eval's first samples of that task (same index, same prompt)."""
+    tok, depths = ByteTokenizer(), [10.0, 50.0, 90.0]
+    tasks = {name: get_task(name) for name in ("niah_single_1", "cwe")}
+    prompts = make_prompts(tok, tasks, 2048, depths, 2, seed=0)
+    by_task = {name: [p for p in prompts if p["task"] == name] for name in tasks}
+    assert [p["depth"] for p in by_task["niah_single_1"]] == [10.0, 10.0, 50.0, 50.0, 90.0, 90.0]
+    assert [p["sample"] for p in by_task["cwe"]] == list(range(6))
+    eval_cwe = tasks["cwe"].make_samples(tok, 2048, depths, 6, 0)
+    assert [p["ids"] for p in by_task["cwe"]] == [tok.encode(s.prompt, add_special_tokens=True) for s in eval_cwe]

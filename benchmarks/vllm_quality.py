@@ -31,7 +31,8 @@ by name. Each engine's generate time, and the prompt tokens vLLM found in its pr
 
 Prints per task and mode the score with its 95% interval (Wilson for 0/1 scores), each mode's score
 as a fraction of the first mode's, and per prompt how many prompts each mode passes and fails as the
-first mode does. ``--kvsieve-results``: a ``kvsieve eval`` output folder with runs of the same
+first mode does; then per mode each RULER family's mean (the ``niah_*`` variants averaged as one) and
+the aggregate over every task, with their ratios to the first mode's. ``--kvsieve-results``: a ``kvsieve eval`` output folder with runs of the same
 tasks and length (e.g. dense and the same dsa setting): each of its runs is matched by task and
 length, and its per-prompt scores are compared with every mode's (same prompt = same sample index).
 Writes everything to ``--out/vllm_quality-<UTC time>.json``, with the CPU and the load.
@@ -182,6 +183,7 @@ def main() -> None:
               + f"), load {load0:.1f} -> {load_average():.1f}", flush=True)
     same_tokens = _same_tokens(generated_by)
     table = _table(scores, columns, tasks, mean_ci95)
+    aggregate = aggregate_rows(scores, columns)
     if args.kvsieve_results:
         table += _compare_kvsieve(Path(args.kvsieve_results), prompts, scores, columns, tasks, args.length)
     out = Path(args.out)
@@ -189,7 +191,8 @@ def main() -> None:
     path = out / f"vllm_quality-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
     path.write_text(json.dumps({"args": vars(args), "cpu": isa, "started_utc": started.isoformat(timespec="seconds"),
                                 "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                                "runs": runs_meta, "table": table, "same_tokens_as_own": same_tokens,
+                                "runs": runs_meta, "table": table, "aggregate": aggregate,
+                                "same_tokens_as_own": same_tokens,
                                 "prompts": [{k: v for k, v in p.items() if k != "ids"} for p in prompts]}, indent=1))
     print(f"\nwritten: {path}")
 
@@ -270,6 +273,36 @@ def _table(scores: dict, modes: list[str], tasks: dict, mean_ci95) -> list[dict]
             rows.append({"task": name, "mode": mode, "score": mean, "ci95": [lo, hi], "n": len(mine),
                          "ratio_to_first": ratio, "same_pass_fail_as_first": same,
                          "passed": sum(s >= 1.0 for s in mine)})
+    return rows
+
+
+def family(task: str) -> str:
+    """The RULER family a task is averaged in: every ``niah_*`` variant is ``niah``; any other task is its own."""
+    return "niah" if task.startswith("niah_") else task
+
+
+def aggregate_rows(scores: dict[str, dict[str, list[float]]], modes: list[str]) -> list[dict]:
+    """Per mode, the mean score of each task family (the mean of its tasks' means) and ``aggregate``,
+    the mean over every task (RULER's average), each with its ratio to the first mode's (``None``
+    where the first mode's is 0: a ratio to nothing says nothing). Printed and returned."""
+    def groups(mode: str) -> dict[str, float]:
+        means = {task: sum(v) / len(v) for task, v in scores[mode].items()}
+        by_family: dict[str, list[float]] = {}
+        for task, m in means.items():
+            by_family.setdefault(family(task), []).append(m)
+        out = {f: sum(v) / len(v) for f, v in by_family.items()}
+        out["aggregate"] = sum(means.values()) / len(means)
+        return out
+
+    ref = groups(modes[0])
+    rows = []
+    print(f"\n{'family':18} {'mode':60} {'score':>6} {'of ' + modes[0][:20]:>24}")
+    for mode in modes:
+        mine = groups(mode)
+        for name, score in mine.items():
+            ratio = score / ref[name] if ref[name] else None
+            print(f"{name:18} {mode[:60]:60} {score:>6.3f} {'-' if ratio is None else f'{ratio:.2f}':>24}")
+            rows.append({"family": name, "mode": mode, "score": score, "ratio_to_first": ratio})
     return rows
 
 

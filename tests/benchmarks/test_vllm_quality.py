@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks._timing import cpu_isa
-from benchmarks.vllm_quality import _kvsieve_runs, _paired_modes, _same_tokens, _sample, make_prompts
+from benchmarks.vllm_quality import _kvsieve_runs, _paired_modes, _same_tokens, _sample, aggregate_rows, make_prompts
 from kvsieve.eval.served.agreement import answer_text
 from kvsieve.eval.model import ByteTokenizer
 from kvsieve.eval.tasks import Sample, get_task
@@ -137,3 +137,16 @@ def test_every_task_gets_the_same_n_with_or_without_depths():
     assert [p["sample"] for p in by_task["cwe"]] == list(range(6))
     eval_cwe = tasks["cwe"].make_samples(tok, 2048, depths, 6, 0)
     assert [p["ids"] for p in by_task["cwe"]] == [tok.encode(s.prompt, add_special_tokens=True) for s in eval_cwe]
+
+
+def test_aggregate_averages_niah_variants_as_one_family_and_refuses_a_ratio_to_zero():
+    scores = {"dense": {"niah_single_1": [1.0, 1.0], "niah_multikey_1": [0.0, 1.0], "fwe": [0.0, 0.0]},
+              "dsa": {"niah_single_1": [1.0, 0.0], "niah_multikey_1": [0.0, 1.0], "fwe": [1.0, 0.0]}}
+    rows = {(r["mode"], r["family"]): r for r in aggregate_rows(scores, ["dense", "dsa"])}
+    assert rows["dense", "niah"]["score"] == pytest.approx(0.75)
+    assert rows["dsa", "niah"]["score"] == pytest.approx(0.5)
+    assert rows["dsa", "niah"]["ratio_to_first"] == pytest.approx(0.5 / 0.75)
+    assert rows["dsa", "aggregate"]["score"] == pytest.approx((0.5 + 0.5 + 0.5) / 3)
+    assert rows["dense", "aggregate"]["score"] == pytest.approx((1.0 + 0.5 + 0.0) / 3)
+    assert rows["dsa", "fwe"]["ratio_to_first"] is None  # dense scored 0: no ratio
+    assert {f for _, f in rows} == {"niah", "fwe", "aggregate"}

@@ -29,9 +29,11 @@ and the rest of the step (``verify_ms``: vLLM's dense pass over the ``K + 1`` ro
 scheduling), and the cost model ``A * own step / (draft + verify)`` (docs/lossless.md).
 
 Token check (:func:`check_tokens`): every speculative mode's tokens must equal the baseline's; the
-first difference of a request is allowed only where the baseline's two top logprobs (``logprobs=2``:
-log-softmax keeps logit differences) are within ``--tie`` (a verify pass over ``K + 1`` rows rounds
-differently from ``K + 1`` one-token steps). Any other difference makes the run exit with status 1.
+first difference of a request is allowed only where the baseline's two top logits (vLLM's raw logits,
+``logprobs=2``) were a rounding tie (a verify pass over ``K + 1`` rows rounds differently from ``K + 1``
+one-token steps): within ``--tie`` in fp32; in bf16, where vLLM's logits are bf16 values, within
+``--tie`` or one bf16 step at the top logit (the two are neighbouring bf16 values, :func:`tie_tolerance`).
+Any other difference makes the run exit with status 1.
 Prints the CPU line, one JSON line per measurement with the load before and after, the table; writes
 everything to ``--out/vllm_lossless-<UTC time>.json``, again after every measurement (a run stopped
 early keeps its finished measurements and their table). Compare ratios, not figures across runs.
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -101,6 +104,7 @@ def worker(args: argparse.Namespace) -> None:
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=longest + args.new + 64, enforce_eager=True,
               max_num_seqs=conc, max_num_batched_tokens=2048, block_size=args.block_size, seed=0,
               distributed_executor_backend="uni", enable_prefix_caching=True, disable_log_stats=False,
+              **({"logprobs_mode": "raw_logits"} if own else {}),  # the baseline's top two logits, as computed
               speculative_config=EngineLaunch(args.mode).speculative_config())
     tok = llm.get_tokenizer()
     prompts = {n: [tok.encode(essay_haystack(tok, n + 64, start=i), add_special_tokens=False)[:n] for i in range(conc)]
@@ -158,7 +162,7 @@ def worker(args: argparse.Namespace) -> None:
                "decode_tok_s": round(steady_tokens / steady_s, 3),
                "tokens": [latest[r] for r in order]}
         if own:
-            row["top2_gaps"] = [[_gap(lp) for lp in logprobs[r]] for r in order]
+            row["top2_logits"] = [[_top2(lp) for lp in logprobs[r]] for r in order]
         if k is not None:
             row.update(draft_ms=round(1e3 * steady_draft_s / steady_steps, 2),
                        verify_ms=round(1e3 * (steady_s - steady_draft_s) / steady_steps, 2),
@@ -166,24 +170,35 @@ def worker(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps(row), flush=True)
 
 
-def _gap(logprobs: dict[int, Any]) -> float:
-    """The difference of the two highest logprobs at one position (``inf`` with fewer than two)."""
-    top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
-    return top[0] - top[1] if len(top) > 1 else float("inf")
+def _top2(logits: dict[int, Any]) -> list[float]:
+    """The two highest logits at one position (the second ``-inf`` when there is one)."""
+    top = sorted((lp.logprob for lp in logits.values()), reverse=True)
+    return [top[0], top[1] if len(top) > 1 else -math.inf]
 
 
-def check_tokens(base: dict[str, Any], row: dict[str, Any], tie: float = TIE) -> list[str]:
+def tie_tolerance(top: float, dtype: str, tie: float = TIE) -> float:
+    """The largest gap between the two top logits that counts as a rounding tie: ``tie`` in fp32; in
+    bf16 also one bf16 step at ``top`` (``2 ** (floor(log2 |top|) - 7)``: 8 significant bits), so two
+    neighbouring bf16 logits are a tie and anything further apart is not."""
+    if dtype == "float32" or top == 0 or not math.isfinite(top):
+        return tie
+    return max(tie, 2.0 ** (math.floor(math.log2(abs(top))) - 7))
+
+
+def check_tokens(base: dict[str, Any], row: dict[str, Any], tie: float = TIE, dtype: str = "float32") -> list[str]:
     """What differs between a mode's tokens and the baseline's (empty: identical, or every first
-    difference at a rounding tie of the baseline's, module docstring)."""
+    difference at a rounding tie of the baseline's top two logits, :func:`tie_tolerance`)."""
     problems = []
     for i, (want, got) in enumerate(zip(base["tokens"], row["tokens"], strict=True)):
         diff = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), None)
         if diff is None:
             continue
-        gap = base["top2_gaps"][i][diff]
-        if gap >= tie:
+        top, second = base["top2_logits"][i][diff]
+        gap, allowed = top - second, tie_tolerance(top, dtype, tie)
+        if gap > allowed:
             problems.append(f"request {i}, token {diff}: {got[diff]} against the baseline's {want[diff]}, whose two "
-                            f"top logprobs are {gap:.3g} apart (>= {tie}: not a rounding tie)")
+                            f"top logits are {top:.5g} and {second:.5g}, {gap:.3g} apart (> {allowed:.3g} in "
+                            f"{dtype}: not a rounding tie)")
     return problems
 
 
@@ -192,9 +207,9 @@ def ties(base: dict[str, Any], row: dict[str, Any]) -> int:
     return sum(a[:len(b)] != b[:len(a)] for a, b in zip(base["tokens"], row["tokens"]))
 
 
-def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def table(rows: list[dict[str, Any]], tie: float = TIE, dtype: str = "float32") -> list[dict[str, Any]]:
     """Per (prompt length, concurrency, mode): medians over repetitions, the ratio to ``own`` in the
-    same repetition, the cost model and the token check."""
+    same repetition, the cost model and the token check (``tie``, ``dtype``: :func:`check_tokens`)."""
     out = []
     keys = sorted({(r["prompt_tokens"], r["concurrency"]) for r in rows})
     modes = list(dict.fromkeys(r["mode"] for r in rows))
@@ -219,7 +234,7 @@ def table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                              acceptance_by_position=mine[0]["acceptance_by_position"])
             if mode != OWN:
                 checked = split_speculation(mode)[1] is not None
-                problems = [p for r in mine for p in check_tokens(base[r["rep"]], r)] if checked else []
+                problems = [p for r in mine for p in check_tokens(base[r["rep"]], r, tie, dtype)] if checked else []
                 differ = sum(ties(base[r["rep"]], r) for r in mine)
                 entry["tokens"] = ("MISMATCH: " + "; ".join(problems) if problems else
                                    ("own's" if differ == 0 else f"own's ({differ} requests differ at a rounding tie)")
@@ -275,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     path = out / f"vllm_lossless-{started.strftime('%Y%m%dT%H%M%SZ')}.json"
 
     def save() -> list[dict[str, Any]]:  # after every measurement: a run stopped early keeps what it measured
-        result = table(rows)
+        result = table(rows, args.tie, args.dtype)
         path.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "cpu": isa,
                                     "started_utc": started.isoformat(timespec="seconds"),
                                     "finished_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -295,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                         proc.send(f"go {rep} {n} {c}")
                         row = {"mode": mode, **json.loads(proc.read("RESULT ")), "load_before": before,
                                "load_after": _load()}
-                        print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "top2_gaps")}),
+                        print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "top2_logits")}),
                               flush=True)
                         rows.append(row)
                         save()

@@ -12,14 +12,16 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # the benchmarks package lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.vllm_lossless import OWN, ProposeTimer, check_tokens, main, spec_summary, table  # noqa: E402
+from benchmarks.vllm_lossless import OWN, ProposeTimer, check_tokens, main, spec_summary, table, tie_tolerance  # noqa: E402
 from kvsieve.eval.served.launch import EngineLaunch, split_speculation  # noqa: E402
 from kvsieve.eval.served.worker import spec_delta  # noqa: E402
 
 
-def _base(tokens, gaps, rep=0, step_ms=100.0, tok_s=10.0):
+def _base(tokens, gaps, rep=0, step_ms=100.0, tok_s=10.0, top=20.0):
+    """The baseline's row: its top logit ``top`` at every position, the second ``gap`` below it."""
     return {"mode": OWN, "rep": rep, "prompt_tokens": 64, "concurrency": len(tokens), "tokens": tokens,
-            "top2_gaps": gaps, "step_ms": step_ms, "decode_tok_s": tok_s}
+            "top2_logits": [[[top, top - g] for g in request] for request in gaps], "step_ms": step_ms,
+            "decode_tok_s": tok_s}
 
 
 def test_the_lossless_mode_syntax_and_its_refusals():
@@ -45,6 +47,26 @@ def test_a_difference_fails_unless_the_baseline_was_a_rounding_tie():
     assert check_tokens(base, {"tokens": [[1, 2, 3], [4, 7, 6]]}) == []  # request 1 differs at a tie
     problems = check_tokens(base, {"tokens": [[1, 8, 3], [4, 5, 6]]})
     assert len(problems) == 1 and "request 0, token 1" in problems[0] and "not a rounding tie" in problems[0]
+
+
+def test_in_bf16_neighbouring_logits_are_a_tie_and_two_steps_are_not():
+    """bf16 keeps 8 significant bits: between 16 and 32 its values are 0.125 apart, between 1 and 2
+    0.0078125 apart. A gap of one step at the top logit is a tie in bf16, not in fp32; two steps never."""
+    assert tie_tolerance(20.0, "bfloat16") == 0.125 and tie_tolerance(-20.0, "bfloat16") == 0.125
+    assert tie_tolerance(1.5, "bfloat16") == 2.0 ** -7
+    assert tie_tolerance(20.0, "float32") == 1e-3 and tie_tolerance(0.0, "bfloat16") == 1e-3
+    base = _base([[1, 2, 3]], [[5.0, 0.125, 5.0]], top=20.0)
+    assert check_tokens(base, {"tokens": [[1, 9, 3]]}, dtype="bfloat16") == []
+    assert "not a rounding tie" in check_tokens(base, {"tokens": [[1, 9, 3]]}, dtype="float32")[0]
+    two_steps = _base([[1, 2, 3]], [[5.0, 0.25, 5.0]], top=20.0)
+    assert "0.25 apart" in check_tokens(two_steps, {"tokens": [[1, 9, 3]]}, dtype="bfloat16")[0]
+    wider = _base([[1, 2, 3]], [[5.0, 0.002, 5.0]])  # --tie widens the fp32 rule
+    assert check_tokens(wider, {"tokens": [[1, 9, 3]]}, tie=0.01) == []
+    rows = [{**wider, "mode": OWN}, {**wider, "mode": "quest:budget=64@2", "tokens": [[1, 9, 3]],
+                                     "mean_accepted_length": 2.0, "draft_ms": 50.0, "verify_ms": 50.0,
+                                     "acceptance_by_position": [0.5, 0.5]}]
+    assert table(rows, tie=0.01)[1]["tokens"] == "own's (1 requests differ at a rounding tie)"
+    assert table(rows)[1]["tokens"].startswith("MISMATCH: request 0, token 1")
 
 
 def test_spec_summary_from_counter_differences():
@@ -86,7 +108,7 @@ def test_propose_timer_counts_the_wrapped_calls():
 def test_main_exits_1_on_a_mismatch(monkeypatch, tmp_path):
     import benchmarks.vllm_lossless as bench
 
-    rows = {OWN: {"tokens": [[1, 2, 3]], "top2_gaps": [[5.0, 5.0, 5.0]], "step_ms": 100.0, "decode_tok_s": 10.0},
+    rows = {OWN: {"tokens": [[1, 2, 3]], "top2_logits": [[[9.0, 4.0]] * 3], "step_ms": 100.0, "decode_tok_s": 10.0},
             "quest:budget=64@2": {"tokens": [[1, 7, 3]], "step_ms": 100.0, "decode_tok_s": 10.0,
                                   "mean_accepted_length": 2.0, "draft_ms": 50.0, "verify_ms": 50.0,
                                   "acceptance_by_position": [0.5, 0.5]}}

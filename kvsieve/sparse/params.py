@@ -178,5 +178,8 @@ def _ascending_padding_last(units: torch.Tensor) -> bool:
     ``-1`` padding only (what :meth:`SparseRuntimeParams.sort_padding_last` returns)."""
     if units.shape[-1] < 2:
         return True
+    for dim in range(units.dim() - 1):  # a broadcast dim (stride 0, e.g. one selection for every KV head): once
+        if units.stride(dim) == 0:
+            units = units.narrow(dim, 0, min(1, units.shape[dim]))
     a, b = units[..., :-1], units[..., 1:]
     return bool((units >= -1).all()) and bool(torch.where(a < 0, b == -1, (b > a) | (b == -1)).all())

@@ -24,8 +24,9 @@ def run(selector, params, L=64, hq=4, hkv=2, d=16, kind="gqa", seed=0):
 
 
 def test_streaming_topk_selects_sinks_and_window():
-    sel = streaming_topk(torch.tensor([3, 10, 20]), budget=8, num_sink=2)
-    assert sel[0].tolist() == [0, 1, -1, -1, -1, -1, -1, 2]
+    sel = streaming_topk(torch.tensor([3, 10, 20, 8, 0]), budget=8, num_sink=2)
+    assert sel[0].tolist() == [0, 1, 2, -1, -1, -1, -1, -1]  # every position, padding last
+    assert sel[3].tolist() == list(range(8)) and sel[4].tolist() == [-1] * 8
     assert sel[1].tolist() == [0, 1, 4, 5, 6, 7, 8, 9]
     assert sel[2].tolist() == [0, 1, 14, 15, 16, 17, 18, 19]
 

@@ -97,6 +97,9 @@ def test_sort_padding_last_keeps_ordered_units_and_orders_the_rest():
     for seg, want in (([0, -1, 2, 3], [0, 2, 3, -1]), ([1, 1, 2, -1], [1, 1, 2, -1]), ([4, -2, 1, 2], [1, 2, 4, -1]),
                       ([5, 2, -1, -1], [2, 5, -1, -1])):
         assert SparseRuntimeParams.sort_padding_last(torch.tensor([seg])).tolist() == [want]
+        # one selection broadcast to three KV heads (stride 0): checked once, sorted for every head
+        shared = torch.tensor([seg])[:, None].expand(-1, 3, -1)
+        assert SparseRuntimeParams.sort_padding_last(shared).tolist() == [[want] * 3]
 
 
 def test_row_slice_matches_a_plain_loop_and_refuses_a_carrier_without_indices():

@@ -30,23 +30,22 @@ class StreamingConfig:
 
 
 def streaming_topk(kv_lens: torch.Tensor, budget: int, num_sink: int) -> torch.Tensor:
-    """int32 ``[num_tokens, width]``: sinks then window per query, ``-1`` where nothing is selected.
+    """int32 ``[num_tokens, width]``: per query its sinks then its window, ascending, ``-1`` padding last.
 
     ``kv_lens [num_tokens]``: positions each query may attend. A query with ``kv_len <= budget``
     gets every position; ``width`` is ``budget``, capped past the longest context (a budget above
-    the context means everything, without allocating the budget).
+    the context means everything, without allocating the budget). Already in the carrier's order, so
+    :meth:`~kvsieve.sparse.SparseRuntimeParams.from_topk` packs a prompt's selection without sorting it.
     """
     lens = kv_lens.to(torch.int64).unsqueeze(1)
     longest = int(lens.max()) if lens.numel() else 0
     num_sink = min(num_sink, longest)
     budget = min(budget, longest + num_sink + 1)
-    window = budget - num_sink
-    sinks = torch.arange(num_sink, device=kv_lens.device).expand(lens.shape[0], num_sink)
-    recent = lens - window + torch.arange(window, device=kv_lens.device)
-    sinks = torch.where(sinks < lens, sinks, -1)
-    # a window position that falls among the sinks (short context) is already selected
-    recent = torch.where(recent >= torch.clamp(lens.new_full(lens.shape, num_sink), max=lens), recent, -1)
-    return torch.cat([sinks, recent], dim=1).to(torch.int32)
+    cols = torch.arange(budget, device=kv_lens.device)
+    every = torch.where(cols < lens, cols, -1)  # a query seeing at most `budget` positions: all of them
+    # else its sinks, then its last budget - num_sink positions (which start past the sinks)
+    sinks_window = torch.where(cols < num_sink, cols, lens - budget + cols)
+    return torch.where(lens > budget, sinks_window, every).to(torch.int32)
 
 
 @register_selector
@@ -60,7 +59,8 @@ class StreamingSelector(SparseSelector):
         lens = inputs.row_kv_lens
         start = inputs.window_starts(lens).to(lens.device)  # positions counted from the window's start
         sel = streaming_topk(lens - start, self.config.budget, self.config.num_sink)
-        sel = torch.where(sel >= 0, sel + start.unsqueeze(1), -1).to(torch.int32)
+        if bool(start.any()):  # a sliding-window layer: positions counted from the window's start
+            sel = torch.where(sel >= 0, sel + start.unsqueeze(1), -1).to(torch.int32)
         sel = sel.unsqueeze(1).expand(-1, inputs.num_kv_heads, -1)
         return SparseRuntimeParams.from_topk(sel)
 

@@ -45,7 +45,8 @@ from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimePar
 from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.page_selector import PageSelectorBase
 from ..common.page_summary import PageSummaries
-from ..common.paged import drop_empty_columns, gather_padded_keys, top_p_count, top_p_cut, top_p_knob, top_units
+from ..common.paged import (drop_empty_columns, gather_padded_keys, top_p_count, top_p_cut, top_p_knob, top_units,
+                            top_units_topk)
 
 __all__ = ["BlockSelectConfig", "BlockSelectSelector", "SCORE_TYPES", "SCORINGS"]
 
@@ -202,7 +203,7 @@ def _select(inputs: SelectorInputs, cfg: BlockSelectConfig, nb: int, padded: tup
         lens = row_lens[:, c0:c1, None].expand(-1, -1, hkv)
         raw = score_rows(c0, c1)
         scores = inputs.mask_outside_window(_force(raw, lens, cfg), lens, unit=cfg.block_size)
-        picked[:, c0:c1] = top_units(scores, width)
+        picked[:, c0:c1] = top_units_topk(scores, width)
         if cfg.top_p is not None:
             prob = torch.softmax(raw.masked_fill(torch.isneginf(scores), float("-inf")), dim=-1).nan_to_num(0.0)
             sel = picked[:, c0:c1]

@@ -96,6 +96,12 @@ typedef struct {
   int64_t lo, hi;              /* the span of the groups taking the dense form (lo >= hi: none) */
 } BlockRows;
 
+/* Group j's form once its rows are in: dense when it has whole vectors of channels and its rows select
+ * at least a DENSE_SHARE-th of the (row, token) pairs of its span. */
+static void close_group(BlockRows* br, int j, int64_t selected, int D) {
+  br->dense[j] = D % VL == 0 && (br->n - br->gi[j]) * (br->ghi[j] - br->glo[j]) <= DENSE_SHARE * selected;
+}
+
 static void block_rows(BlockRows* br, int64_t b, const int64_t* cur, const int64_t* end, int R, const int64_t* blk,
                        const int64_t* start, const int32_t* cnt, int D) {
   int64_t selected = 0;
@@ -104,10 +110,9 @@ static void block_rows(BlockRows* br, int64_t b, const int64_t* cur, const int64
   br->hi = 0;
   for (int r = 0; r < R; ++r) {
     if (cur[r] >= end[r] || blk[cur[r]] != b) continue;
-    const int j = br->groups;
     if (br->n == 0 || br->rows[br->n - 1] != r - 1) { /* a new group */
-      if (j > 0) br->dense[j - 1] = D % VL == 0 && (br->n - br->gi[j - 1]) * (br->ghi[j - 1] - br->glo[j - 1])
-                                                  <= DENSE_SHARE * selected;
+      const int j = br->groups;
+      if (j > 0) close_group(br, j - 1, selected, D);
       br->gi[j] = br->n;
       br->glo[j] = INT64_MAX;
       br->ghi[j] = 0;
@@ -126,11 +131,9 @@ static void block_rows(BlockRows* br, int64_t b, const int64_t* cur, const int64
     br->last[br->n] = u;
     br->n++;
   }
-  const int j = br->groups;
-  if (j > 0) br->dense[j - 1] = D % VL == 0 && (br->n - br->gi[j - 1]) * (br->ghi[j - 1] - br->glo[j - 1])
-                                              <= DENSE_SHARE * selected;
-  br->gi[j] = br->n;
-  for (int g = 0; g < j; ++g)
+  if (br->groups > 0) close_group(br, br->groups - 1, selected, D);
+  br->gi[br->groups] = br->n;
+  for (int g = 0; g < br->groups; ++g)
     if (br->dense[g]) {
       br->lo = br->glo[g] < br->lo ? br->glo[g] : br->lo;
       br->hi = br->ghi[g] > br->hi ? br->ghi[g] : br->hi;
@@ -251,7 +254,7 @@ static float softmax_weights(float* x, int64_t n, float sm_scale, float* mx) {
 
 /* One thread's buffers, kept across its tiles: s the logits (then weights) of a tile, acc its
  * accumulators [R][G][D], kv a packed block (K [D][w], then V [span][D]), lg a block's logits (then
- * weights) [R * G][w] and a zero row, qt the tile's queries [R * G + RG_BLOCK][D]. */
+ * weights) [R * G][w] and a row of zeros after them, qt the tile's queries [R * G + RG_BLOCK][D]. */
 typedef struct {
   float *s, *acc, *kv, *lg, *qt;
   int64_t s_cap;
@@ -262,7 +265,7 @@ static int scratch_init(Scratch* sc, int64_t w, int D, int G) {
   sc->s_cap = 0;
   sc->acc = (float*)malloc(sizeof(float) * (size_t)TILE_ROWS * G * D);
   sc->kv = (float*)malloc(sizeof(float) * (size_t)w * D);
-  sc->lg = (float*)malloc(sizeof(float) * (size_t)(TILE_ROWS * G + 1) * w);
+  sc->lg = (float*)calloc((size_t)(TILE_ROWS * G + 1) * w, sizeof(float)); /* its last row stays 0 */
   sc->qt = (float*)calloc((size_t)(TILE_ROWS * G + RG_BLOCK) * D, sizeof(float));
   return sc->acc != NULL && sc->kv != NULL && sc->lg != NULL && sc->qt != NULL;
 }
@@ -330,7 +333,7 @@ static int tile_attend(const void* k, const void* v, int is_bf16, int64_t k_ch, 
       }
       for (int i = br.gi[j]; i < br.gi[j + 1]; ++i) {
         const int r = br.rows[i];
-        const float* qh = q + ((n0 + r) * hkv + h) * (int64_t)G * D;
+        const float* qh = sc->qt + (int64_t)r * G * D;
         int n = 0;
         for (; cur[r] < br.last[i]; ++cur[r]) {
           const int64_t u = cur[r];
@@ -370,8 +373,7 @@ static int tile_attend(const void* k, const void* v, int is_bf16, int64_t k_ch, 
     for (int j = 0; j < br.groups; ++j) {
       if (br.dense[j]) {
         const int64_t c0 = br.glo[j] - br.lo, span = br.ghi[j] - br.glo[j];
-        float* zeros = lg + (int64_t)TILE_ROWS * G * w;
-        for (int64_t t = 0; t < span; ++t) zeros[t] = 0.0f;
+        const float* zeros = lg + (int64_t)TILE_ROWS * G * w; /* never written: 0 from scratch_init */
         int n = 0;
         for (int i = br.gi[j]; i < br.gi[j + 1]; ++i, ++n) {
           const int r = br.rows[i];

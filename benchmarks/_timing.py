@@ -5,13 +5,17 @@ because the benchmark machines are shared and a busy neighbour moves the numbers
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
-__all__ = ["Timing", "measure", "load_average", "load_averages", "fmt_ms", "cpu_isa"]
+__all__ = ["Timing", "measure", "load_average", "load_averages", "fmt_ms", "cpu_isa", "write_stamped_json"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +111,14 @@ def fmt_ms(seconds: float) -> str:
     if ms >= 1:
         return f"{ms:.2f}"
     return f"{ms:.3f}"
+
+
+def write_stamped_json(out: str | Path, name: str, payload: dict[str, Any]) -> Path:
+    """``payload`` as ``<out>/<name>-<UTC time>.json`` (the folder made when missing); prints and returns
+    the path."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    print(f"written: {path}")
+    return path

@@ -20,9 +20,6 @@ Prints a table (milliseconds per call and ratios) with the CPU line and load; wr
 from __future__ import annotations
 
 import argparse
-import json
-from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,7 +33,7 @@ from kvsieve.kernels.sparse_gqa_decode.runs import TokenRuns, selection_runs
 from kvsieve.selectors.streaming.selector import streaming_topk
 from kvsieve.sparse import SparseRuntimeParams
 
-from ._timing import cpu_isa, load_averages, measure
+from ._timing import cpu_isa, load_averages, measure, write_stamped_json
 
 __all__ = ["SELECTIONS", "selection", "main"]
 
@@ -130,11 +127,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for r in results:
         print(f"| {r['selection']} | {r['selected_per_row']} | {r['tiled_ms']:.2f} | {r['per_row_ms']:.2f} | "
               f"{r['per_row_over_tiled']:.2f} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"prompt_runs-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}.json"
-    path.write_text(json.dumps({"cpu": cpu, "args": vars(args), "results": results}, indent=1))
-    print(f"written: {path}")
+    write_stamped_json(args.out, "prompt_runs", {"cpu": cpu, "args": vars(args), "results": results})
     return results
 
 

@@ -19,9 +19,7 @@ the load; writes ``--out/vllm_verify_attention-<UTC time>.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the benchmarks package
 
-from benchmarks._timing import cpu_isa, load_averages, measure  # noqa: E402
+from benchmarks._timing import cpu_isa, load_averages, measure, write_stamped_json  # noqa: E402
 from kvsieve.integrations.vllm.layouts import kv_views  # noqa: E402
 from kvsieve.kernels.causal_rows import causal_rows_native  # noqa: E402
 
@@ -123,11 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         print(f"| {r['rows']} | {r['vllm_ms']:.3f} | {r['kvsieve_ms']:.3f} | {r['vllm_over_kvsieve']:.2f} "
               f"| {r['vllm_x_one_row']:.2f} | {r['kvsieve_x_one_row']:.2f} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"vllm_verify_attention-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}.json"
-    path.write_text(json.dumps({"cpu": cpu, "args": vars(args), "results": results}, indent=1))
-    print(f"written: {path}")
+    write_stamped_json(args.out, "vllm_verify_attention", {"cpu": cpu, "args": vars(args), "results": results})
 
 
 if __name__ == "__main__":

@@ -117,6 +117,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     unknown = sorted(set(args.selections) - set(SELECTIONS))
     if unknown:
         raise SystemExit(f"--selections: unknown {unknown}; choose from {list(SELECTIONS)}")
+    if not 1 <= args.rows <= args.length:
+        raise SystemExit(f"--rows {args.rows}: the request's last rows, 1 to --length ({args.length})")
+    if "pages" in args.selections and (args.budget % args.block_size or args.budget < 2 * args.block_size):
+        raise SystemExit(f"--budget {args.budget}: the pages selection takes whole blocks of --block-size "
+                         f"{args.block_size}, at least two (the sink block and the row's own)")
+    if args.heads[0] % args.heads[1]:
+        raise SystemExit(f"--heads {args.heads}: Hq must be a multiple of Hkv")
     torch.set_num_threads(args.threads)
     cpu = cpu_isa()
     print(f"CPU {cpu}; load {load_averages()}; one request of {args.length} positions, its last {args.rows} rows; "

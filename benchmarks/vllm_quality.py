@@ -215,11 +215,15 @@ def _paired_modes(modes: list[str], budgets: list[int] = ()) -> set[str]:
     """The modes ``--shared-prefill`` pairs with a dense request per prompt: every selector mode. A
     mode whose selector selects in the prompt is refused by name (its setting changes the prompt's
     cached K/V, so the dense answer's prefill cannot be its own), as is a lossless ``@K`` mode (exact
-    already: nothing to pair), and a budget of ``budgets`` a paired mode's selector would refuse per
+    already: nothing to pair), a budget given twice in ``budgets``, and one a paired mode's selector would refuse per
     request (the plug-in's own check, :func:`~kvsieve.integrations.vllm.request_settings.parse_request_setting`)."""
     from kvsieve.eval.served.launch import DENSE, OWN, split_speculation
     from kvsieve.integrations.vllm.config import read_plugin_config, selects_in_prompt
     from kvsieve.integrations.vllm.request_settings import parse_request_setting
+
+    twice = sorted({b for b in budgets if list(budgets).count(b) > 1})
+    if twice:
+        raise SystemExit(f"--budgets: {twice} given twice (one column a budget)")
 
     paired = set()
     for mode in modes:

@@ -55,3 +55,16 @@ def test_kernels_that_disagree_stop_the_run(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="window: the tiled prompt kernel and the decode kernel differ"):
         bench.main([*ARGS, "--out", str(tmp_path)])
     assert not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--rows", "301"], r"--rows 301: the request's last rows, 1 to --length \(300\)"),
+    (["--budget", "48"], r"--budget 48: the pages selection takes whole blocks of --block-size 32, at least two"),
+    (["--budget", "32"], r"--budget 32: the pages selection takes whole blocks"),
+    (["--heads", "3,2,32"], r"--heads \[3, 2, 32\]: Hq must be a multiple of Hkv"),
+    (["--selections", "window,stripes"], r"--selections: unknown \['stripes'\]"),
+])
+def test_options_it_cannot_honour_are_refused_by_name(tmp_path, bad, message):
+    with pytest.raises(SystemExit, match=message):
+        bench.main([*ARGS, *bad, "--out", str(tmp_path)])
+    assert not list(tmp_path.glob("*.json"))

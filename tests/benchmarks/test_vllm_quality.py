@@ -161,3 +161,5 @@ def test_budgets_are_checked_per_paired_mode_before_any_engine_starts(tmp_path):
     with pytest.raises(SystemExit, match=r"--budgets: mode 'quest:budget=64,page_size=16' refuses budget 24 per "
                                          r"request: .*page_size"):
         _paired_modes(modes, [24])
+    with pytest.raises(SystemExit, match=r"--budgets: \[32\] given twice"):
+        _paired_modes(modes, [32, 128, 32])

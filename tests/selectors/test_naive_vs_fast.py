@@ -1,6 +1,7 @@
 """Each fast path against its per-request naive reference: identical on tie-free inputs, overlapping on ties."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,6 +86,44 @@ def test_attention_selection(name, params, ties):
             assert fast.sparse_attn_offsets[: sum(lens[:ctx]) + 1].eq(0).all()  # context rows: empty
         _equal_or_overlap(fast, gold, sum(lens), h.hkv, ties, 0.94)
         h.engine.end_step()
+
+
+@pytest.mark.parametrize("params", [
+    {"block_size": 16, "topk_blocks": 5, "init_blocks": 1},
+    {"block_size": 32, "topk_blocks": 3, "score_type": "mean"},
+    {"block_size": 8, "topk_blocks": 6, "init_blocks": 1, "scoring": "summary"},
+    {"block_size": 16, "topk_blocks": 8, "scoring": "summary", "top_p": 0.6},
+])
+def test_block_select_chunks_score_the_blocks_they_see(params, monkeypatch):
+    """With chunks of 37 rows (so each prompt's rows span chunks that see 3 to 19 blocks, fewer than
+    ``topk_blocks`` in the first) the fast path still picks what the naive reference does."""
+    from kvsieve.selectors.block_select import selector as block_select
+
+    monkeypatch.setattr(block_select, "_CHUNK_ROWS", 37)
+    h = Harness("block_select", params, hkv=2, g=4, d=32)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = h.qkv(sum(PROMPTS), gen)
+    inputs = h.hook_inputs([1, 2, 3], PROMPTS, 3, q, k, v)
+    fast, gold = h.selector.predict_attn(inputs), h.selector.predict_attn_naive(inputs)
+    _equal_or_overlap(fast, gold, sum(PROMPTS), h.hkv, False, 1.0)
+
+
+def test_page_prefix_is_each_rows_page_up_to_itself():
+    """:meth:`PageSummaries.prefix` for a prompt's rows (sharing pages), a later chunk's and one
+    decode row, in one call: each row's page min/max over the positions up to it, from the cache."""
+    h = Harness("quest", {"budget": 32, "page_size": 8, "summary_dtype": "bfloat16"}, tpb=16)
+    gen = torch.Generator().manual_seed(6)
+    for rids, lens, ctx in (([1], [29], 1), ([2, 1], [13, 1], 1)):
+        q, k, v = h.qkv(sum(lens), gen)
+        inputs = h.hook_inputs(rids, lens, ctx, q, k, v)
+        h.engine.end_step()
+    rids = [1] * 30 + [2] * 13
+    positions = np.array(list(range(30)) + list(range(13)))
+    kmin, kmax = h.selector.summaries(inputs).prefix(0, h.cache.slots(rids), positions)
+    for i, (rid, p) in enumerate(zip(rids, positions)):
+        keys = h.cache.gather(0, rid)[0][p // 8 * 8: p + 1]
+        assert torch.equal(kmin[i], keys.amin(0).to(torch.bfloat16).float())
+        assert torch.equal(kmax[i], keys.amax(0).to(torch.bfloat16).float())
 
 
 @pytest.mark.parametrize("summary_dtype", ["float32", "bfloat16"])

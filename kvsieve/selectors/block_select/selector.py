@@ -53,6 +53,7 @@ __all__ = ["BlockSelectConfig", "BlockSelectSelector", "SCORE_TYPES", "SCORINGS"
 SCORE_TYPES = ("max", "mean")
 SCORINGS = ("exact", "summary")
 _CHUNK_ELEMENTS = 1 << 25  # logits per chunk of query rows (fp32, 128 MiB)
+_CHUNK_ROWS = 512  # query rows per chunk at most: a chunk scores the blocks its last row sees
 
 
 @dataclass(frozen=True)
@@ -163,15 +164,17 @@ def _with_own_block(scores: torch.Tensor, own: torch.Tensor, own_blk: torch.Tens
     return scores.scatter(-1, own_blk[:, :, None, None, None].expand(*own.shape, 1), own.unsqueeze(-1))
 
 
-def _bound_scores(qp: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, own_min: torch.Tensor,
-                  own_max: torch.Tensor, own_blk: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """``[B, Tc, Hkv, nb]`` group-max Quest bounds: ``qp [B, Tc, Hkv, G, D]``; block summaries
-    ``kmin``/``kmax [B, nb, Hkv, D]``; each row's own block summarized up to itself ``own_min``/
-    ``own_max [B, Tc, Hkv, D]``, at block ``own_blk [B, Tc]``. All fp32."""
-    pos, neg = qp.clamp(min=0), qp.clamp(max=0)
-    scores = torch.einsum("bthgd,bnhd->bthgn", pos, kmax) + torch.einsum("bthgd,bnhd->bthgn", neg, kmin)
-    own = torch.einsum("bthgd,bthd->bthg", pos, own_max) + torch.einsum("bthgd,bthd->bthg", neg, own_min)
-    return (_with_own_block(scores, own, own_blk) * sm_scale).amax(dim=3)
+def _bound_scores(qp: torch.Tensor, bounds: torch.Tensor, own: torch.Tensor, own_blk: torch.Tensor,
+                  sm_scale: float) -> torch.Tensor:
+    """``[B, Tc, Hkv, nb]`` group-max Quest bounds: ``qp [B, Tc, Hkv, G, D]``; ``bounds [B, nb, Hkv,
+    2 * D]`` each block's min and max keys side by side; ``own [B, Tc, Hkv, 2 * D]`` each row's own
+    block summarized up to itself, at block ``own_blk [B, Tc]``. All fp32. ``sum_d max(q_d min_d, q_d
+    max_d)`` is one product of ``[min(q, 0), max(q, 0)]`` with the row; the scale is applied after
+    the group max (a positive scale commutes with it exactly)."""
+    qcat = torch.cat([qp.clamp(max=0), qp.clamp(min=0)], dim=-1)  # [B, Tc, Hkv, G, 2D]
+    scores = torch.einsum("bthgd,bnhd->bthgn", qcat, bounds)
+    own_scores = torch.einsum("bthgd,bthd->bthg", qcat, own)
+    return _with_own_block(scores, own_scores, own_blk).amax(dim=3).mul_(sm_scale)
 
 
 def _padded_rows(inputs: SelectorInputs) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,28 +191,31 @@ def _padded_rows(inputs: SelectorInputs) -> tuple[np.ndarray, torch.Tensor, torc
 
 
 def _select(inputs: SelectorInputs, cfg: BlockSelectConfig, nb: int, padded: tuple[torch.Tensor, ...],
-            score_rows: Callable[[int, int], torch.Tensor], row_cost: int) -> SparseRuntimeParams:
+            score_rows: Callable[[int, int, int], torch.Tensor], row_cost: int) -> SparseRuntimeParams:
     """Score the padded query rows (``padded`` = ``(rows, live, row_lens)`` of :func:`_padded_rows`)
-    in chunks of ``~_CHUNK_ELEMENTS / row_cost`` with ``score_rows(c0, c1) -> [B, c1 - c0, Hkv, nb]``,
-    force and pick, and pack the asked rows."""
-    dev, hkv = inputs.q.device, inputs.num_kv_heads
+    in chunks of at most ``_CHUNK_ROWS`` and ``~_CHUNK_ELEMENTS / row_cost`` rows (``row_cost``: a row's
+    elements over all ``nb`` blocks) with ``score_rows(c0, c1, nb_c) -> [B, c1 - c0, Hkv, nb_c]``, the
+    chunk's first ``nb_c`` blocks (those its rows can see: a prompt's early rows skip the blocks past
+    them), force and pick, and pack the asked rows."""
+    dev, hkv, bs = inputs.q.device, inputs.num_kv_heads, cfg.block_size
     rows, live, row_lens = padded
     b, t_max = rows.shape
     width = min(cfg.topk_blocks, nb)
-    picked = torch.empty(b, t_max, hkv, width, dtype=torch.int64, device=dev)
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, b * row_cost))
+    picked = torch.full((b, t_max, hkv, width), -1, dtype=torch.int64, device=dev)
+    chunk = min(_CHUNK_ROWS, max(1, _CHUNK_ELEMENTS // max(1, b * row_cost)))
     for c0 in range(0, t_max, chunk):
         c1 = min(c0 + chunk, t_max)
+        nb_c = max(1, -(-int(row_lens[:, c0:c1].max()) // bs))
         lens = row_lens[:, c0:c1, None].expand(-1, -1, hkv)
-        raw = score_rows(c0, c1)
-        scores = inputs.mask_outside_window(_force(raw, lens, cfg), lens, unit=cfg.block_size)
-        picked[:, c0:c1] = top_units_topk(scores, width)
+        raw = score_rows(c0, c1, nb_c)
+        scores = inputs.mask_outside_window(_force(raw, lens, cfg), lens, unit=bs)
+        part = picked[:, c0:c1, :, :min(width, nb_c)]
+        part[:] = top_units_topk(scores, part.shape[-1])
         if cfg.top_p is not None:
             prob = torch.softmax(raw.masked_fill(torch.isneginf(scores), float("-inf")), dim=-1).nan_to_num(0.0)
-            sel = picked[:, c0:c1]
-            cut = top_p_cut(sel, torch.gather(prob, -1, sel.clamp(min=0)), torch.ones_like(prob[..., 0]), cfg.top_p)
-            forced = torch.isposinf(torch.gather(scores, -1, sel.clamp(min=0))) & (sel >= 0)
-            picked[:, c0:c1] = torch.where(forced, sel, cut)  # forced blocks are always kept
+            cut = top_p_cut(part, torch.gather(prob, -1, part.clamp(min=0)), torch.ones_like(prob[..., 0]), cfg.top_p)
+            forced = torch.isposinf(torch.gather(scores, -1, part.clamp(min=0))) & (part >= 0)
+            part[:] = torch.where(forced, part, cut)  # forced blocks are always kept
     sel = torch.empty(inputs.num_rows, hkv, width, dtype=torch.int64, device=dev)
     sel[rows[live] - inputs.rows.start] = picked[live]
     if cfg.top_p is not None:
@@ -231,8 +237,9 @@ def block_select(inputs: SelectorInputs, cfg: BlockSelectConfig) -> SparseRuntim
     keys = F.pad(keys.float().masked_fill(~valid[..., None, None], 0.0), (0, 0, 0, 0, 0, nb * bs - keys.shape[1]))
     _, rows, live, row_lens = _padded_rows(inputs)
 
-    def score_rows(c0: int, c1: int) -> torch.Tensor:
-        return _block_scores(_row_queries(inputs, rows[:, c0:c1]), keys, row_lens[:, c0:c1], cfg, inputs.sm_scale)
+    def score_rows(c0: int, c1: int, nb_c: int) -> torch.Tensor:
+        return _block_scores(_row_queries(inputs, rows[:, c0:c1]), keys[:, :nb_c * bs], row_lens[:, c0:c1], cfg,
+                             inputs.sm_scale)
 
     return _select(inputs, cfg, nb, (rows, live, row_lens), score_rows, inputs.q.shape[1] * nb * bs)
 
@@ -248,7 +255,7 @@ def block_select_summary(inputs: SelectorInputs, cfg: BlockSelectConfig, summari
     pmin, pmax = (F.pad(x, (0, 0, 0, 0, 0, nb * r - x.shape[1]))  # [B, nb * r, Hkv, D]; past a length: unread
                   for x in summaries.read(inputs.layer_idx, slots, lens))
     b, _, hkv, d = pmin.shape
-    kmin, kmax = pmin.view(b, nb, r, hkv, d).amin(2), pmax.view(b, nb, r, hkv, d).amax(2)
+    bounds = torch.cat([pmin.view(b, nb, r, hkv, d).amin(2), pmax.view(b, nb, r, hkv, d).amax(2)], dim=-1)
     rows_host, rows, live, row_lens = _padded_rows(inputs)
     last = (row_lens - 1).clamp(min=0)
     own_blk, own_page = last // bs, last // summaries.page_size
@@ -260,11 +267,11 @@ def block_select_summary(inputs: SelectorInputs, cfg: BlockSelectConfig, summari
     live_rows = rows_host[live.cpu().numpy()]
     tmin, tmax = summaries.prefix(inputs.layer_idx, md.slots[md.token_to_req_host[live_rows]], md.positions_host[live_rows])
     own_min[live], own_max[live] = torch.minimum(own_min[live], tmin), torch.maximum(own_max[live], tmax)
-    own_min, own_max = (torch.where(live[..., None, None], x, 0.0) for x in (own_min, own_max))  # padding: finite
+    own = torch.where(live[..., None, None], torch.cat([own_min, own_max], dim=-1), 0.0)  # padding: finite
 
-    def score_rows(c0: int, c1: int) -> torch.Tensor:
-        return _bound_scores(_row_queries(inputs, rows[:, c0:c1]), kmin, kmax, own_min[:, c0:c1],
-                             own_max[:, c0:c1], own_blk[:, c0:c1], inputs.sm_scale)
+    def score_rows(c0: int, c1: int, nb_c: int) -> torch.Tensor:
+        return _bound_scores(_row_queries(inputs, rows[:, c0:c1]), bounds[:, :nb_c], own[:, c0:c1],
+                             own_blk[:, c0:c1], inputs.sm_scale)
 
     return _select(inputs, cfg, nb, (rows, live, row_lens), score_rows, 2 * inputs.q.shape[1] * nb)
 

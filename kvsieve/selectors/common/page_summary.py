@@ -89,25 +89,28 @@ class PageSummaries:
     def prefix(self, layer_idx: int, slots: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``(kmin, kmax)`` each ``[n, Hkv, D]``: for row ``i``, the summary (rounded to the
         summary dtype, as stored) of the page holding ``positions[i]`` over the positions up to and
-        including it, of the request in ``slots[i]``."""
-        pos = positions.astype(np.int64)
-        kmin, kmax, _ = self._summarize(layer_idx, slots, pos // self.page_size, pos + 1)
-        return kmin.to(self.dtype).float(), kmax.to(self.dtype).float()
+        including it, of the request in ``slots[i]``.
 
-    def _summarize(self, layer_idx: int, slots: np.ndarray, page: np.ndarray, lens: np.ndarray
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """fp32 min/max ``[n, Hkv, D]`` of page ``page[i]`` of the request in ``slots[i]`` over its
-        positions ``< lens[i]``, and the block holding each page ``[n]``."""
+        Each distinct (request, page) among the rows is read once, ``[P, page_size, Hkv, D]``, and
+        run through a cumulative min and max over its positions; row ``i`` takes its page's entry at
+        its own offset, which covers exactly the positions up to it (those past it, written or not,
+        never reach it). A prompt's rows share their pages, so they read ``1/page_size`` of what a
+        page a row would."""
         ps, tpb, dev = self.page_size, self.cache.tokens_per_block, self.cache.spec.device
-        pos = torch.from_numpy(page * ps).unsqueeze(1) + torch.arange(ps)  # [n, ps]
-        valid = (pos < torch.from_numpy(lens).unsqueeze(1)).to(dev)
-        table = torch.from_numpy(self.cache.block_table[slots].astype(np.int64))  # [n, max_blocks]
-        blk = torch.gather(table, 1, pos // tpb).to(dev)
-        keys = self.cache.k_cache(layer_idx)[blk, :, (pos % tpb).to(dev)].float()  # [n, ps, Hkv, D]
-        mask = valid[:, :, None, None]
-        kmin = keys.masked_fill(~mask, float("inf")).amin(dim=1)
-        kmax = keys.masked_fill(~mask, float("-inf")).amax(dim=1)
-        return kmin, kmax, blk[:, 0]
+        pos, span = positions.astype(np.int64), self.cache.block_table.shape[1] * tpb  # span: a request's positions
+        first, inverse = np.unique(slots.astype(np.int64) * span + pos // ps * ps, return_inverse=True)
+        page_pos = torch.from_numpy(first % span).unsqueeze(1) + torch.arange(ps)  # [P, ps] each page once
+        table = torch.from_numpy(self.cache.block_table[first // span].astype(np.int64))  # [P, max_blocks]
+        blk = torch.gather(table, 1, page_pos // tpb).to(dev)
+        keys = self.cache.k_cache(layer_idx)[blk, :, (page_pos % tpb).to(dev)].float()  # [P, ps, Hkv, D]
+        row_page = torch.from_numpy(inverse.reshape(-1)).to(dev)
+        offset = torch.from_numpy(pos % ps).to(dev)
+        kmin, kmax = keys.clone(), keys  # running min/max over each page's positions, in place
+        for j in range(1, ps):  # (torch's cummin/cummax along a middle dim are ~10x slower)
+            torch.minimum(kmin[:, j - 1], kmin[:, j], out=kmin[:, j])
+            torch.maximum(kmax[:, j - 1], kmax[:, j], out=kmax[:, j])
+        kmin, kmax = kmin[row_page, offset], kmax[row_page, offset]
+        return kmin.to(self.dtype).float(), kmax.to(self.dtype).float()
 
     def gather(self, layer_idx: int, slots: np.ndarray, lens: np.ndarray) -> torch.Tensor:
         """fp32 ``[B, Hkv, Np, 2, D]`` (``[..., 0, :]`` = min, ``1`` = max): the first

@@ -110,20 +110,21 @@ def test_block_select_chunks_score_the_blocks_they_see(params, monkeypatch):
 
 def test_page_prefix_is_each_rows_page_up_to_itself():
     """:meth:`PageSummaries.prefix` for a prompt's rows (sharing pages), a later chunk's and one
-    decode row, in one call: each row's page min/max over the positions up to it, from the cache."""
+    decode row, in one call (the running min/max), and for rows each on a page of its own (the
+    masked reduction): each row's page min/max over the positions up to it, from the cache."""
     h = Harness("quest", {"budget": 32, "page_size": 8, "summary_dtype": "bfloat16"}, tpb=16)
     gen = torch.Generator().manual_seed(6)
     for rids, lens, ctx in (([1], [29], 1), ([2, 1], [13, 1], 1)):
         q, k, v = h.qkv(sum(lens), gen)
         inputs = h.hook_inputs(rids, lens, ctx, q, k, v)
         h.engine.end_step()
-    rids = [1] * 30 + [2] * 13
-    positions = np.array(list(range(30)) + list(range(13)))
-    kmin, kmax = h.selector.summaries(inputs).prefix(0, h.cache.slots(rids), positions)
-    for i, (rid, p) in enumerate(zip(rids, positions)):
-        keys = h.cache.gather(0, rid)[0][p // 8 * 8: p + 1]
-        assert torch.equal(kmin[i], keys.amin(0).to(torch.bfloat16).float())
-        assert torch.equal(kmax[i], keys.amax(0).to(torch.bfloat16).float())
+    for rids, positions in (([1] * 30 + [2] * 13, list(range(30)) + list(range(13))),
+                            ([1, 2, 1, 1], [29, 12, 3, 21])):  # shared pages; then a page a row
+        kmin, kmax = h.selector.summaries(inputs).prefix(0, h.cache.slots(rids), np.array(positions))
+        for i, (rid, p) in enumerate(zip(rids, positions)):
+            keys = h.cache.gather(0, rid)[0][p // 8 * 8: p + 1]
+            assert torch.equal(kmin[i], keys.amin(0).to(torch.bfloat16).float())
+            assert torch.equal(kmax[i], keys.amax(0).to(torch.bfloat16).float())
 
 
 @pytest.mark.parametrize("summary_dtype", ["float32", "bfloat16"])

@@ -91,11 +91,11 @@ class PageSummaries:
         summary dtype, as stored) of the page holding ``positions[i]`` over the positions up to and
         including it, of the request in ``slots[i]``.
 
-        Each distinct (request, page) among the rows is read once, ``[P, page_size, Hkv, D]``, and
-        run through a cumulative min and max over its positions; row ``i`` takes its page's entry at
-        its own offset, which covers exactly the positions up to it (those past it, written or not,
-        never reach it). A prompt's rows share their pages, so they read ``1/page_size`` of what a
-        page a row would."""
+        Each distinct (request, page) among the rows is read once, ``[P, page_size, Hkv, D]``. Rows
+        that share pages (a prompt's) take a running min and max over each page's positions, at their
+        own offsets: ``1/page_size`` of the reading of a page a row. Rows each on a page of their own
+        (decode rows) mask the positions past their offset and reduce: a few operations where the
+        running form takes ``2 * (page_size - 1)``. Positions past a row, written or not, never reach it."""
         ps, tpb, dev = self.page_size, self.cache.tokens_per_block, self.cache.spec.device
         pos, span = positions.astype(np.int64), self.cache.block_table.shape[1] * tpb  # span: a request's positions
         first, inverse = np.unique(slots.astype(np.int64) * span + pos // ps * ps, return_inverse=True)
@@ -105,11 +105,17 @@ class PageSummaries:
         keys = self.cache.k_cache(layer_idx)[blk, :, (page_pos % tpb).to(dev)].float()  # [P, ps, Hkv, D]
         row_page = torch.from_numpy(inverse.reshape(-1)).to(dev)
         offset = torch.from_numpy(pos % ps).to(dev)
-        kmin, kmax = keys.clone(), keys  # running min/max over each page's positions, in place
-        for j in range(1, ps):  # (torch's cummin/cummax along a middle dim are ~10x slower)
-            torch.minimum(kmin[:, j - 1], kmin[:, j], out=kmin[:, j])
-            torch.maximum(kmax[:, j - 1], kmax[:, j], out=kmax[:, j])
-        kmin, kmax = kmin[row_page, offset], kmax[row_page, offset]
+        if len(first) == len(pos):  # a page a row
+            past = (torch.arange(ps, device=dev) > offset[:, None])[..., None, None]  # [n, ps, 1, 1]
+            rows = keys[row_page]
+            kmin = rows.masked_fill(past, float("inf")).amin(dim=1)
+            kmax = rows.masked_fill(past, float("-inf")).amax(dim=1)
+        else:
+            kmin, kmax = keys.clone(), keys  # running min/max over each page's positions, in place
+            for j in range(1, ps):  # (torch's cummin/cummax along a middle dim are ~10x slower)
+                torch.minimum(kmin[:, j - 1], kmin[:, j], out=kmin[:, j])
+                torch.maximum(kmax[:, j - 1], kmax[:, j], out=kmax[:, j])
+            kmin, kmax = kmin[row_page, offset], kmax[row_page, offset]
         return kmin.to(self.dtype).float(), kmax.to(self.dtype).float()
 
     def gather(self, layer_idx: int, slots: np.ndarray, lens: np.ndarray) -> torch.Tensor:

@@ -44,7 +44,7 @@ from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.page_selector import PageSelectorBase
-from ..common.page_summary import PageSummaries
+from ..common.page_summary import PageSummaries, bound_query
 from ..common.paged import (drop_empty_columns, gather_padded_keys, top_p_count, top_p_cut, top_p_knob, top_units,
                             top_units_topk)
 
@@ -168,10 +168,10 @@ def _bound_scores(qp: torch.Tensor, bounds: torch.Tensor, own: torch.Tensor, own
                   sm_scale: float) -> torch.Tensor:
     """``[B, Tc, Hkv, nb]`` group-max Quest bounds: ``qp [B, Tc, Hkv, G, D]``; ``bounds [B, nb, Hkv,
     2 * D]`` each block's min and max keys side by side; ``own [B, Tc, Hkv, 2 * D]`` each row's own
-    block summarized up to itself, at block ``own_blk [B, Tc]``. All fp32. ``sum_d max(q_d min_d, q_d
-    max_d)`` is one product of ``[min(q, 0), max(q, 0)]`` with the row; the scale is applied after
-    the group max (a positive scale commutes with it exactly)."""
-    qcat = torch.cat([qp.clamp(max=0), qp.clamp(min=0)], dim=-1)  # [B, Tc, Hkv, G, 2D]
+    block summarized up to itself, at block ``own_blk [B, Tc]``. All fp32. One product of
+    :func:`bound_query` with each row; the scale is applied after the group max (a positive scale
+    commutes with it exactly)."""
+    qcat = bound_query(qp)  # [B, Tc, Hkv, G, 2D]
     scores = torch.einsum("bthgd,bnhd->bthgn", qcat, bounds)
     own_scores = torch.einsum("bthgd,bthd->bthg", qcat, own)
     return _with_own_block(scores, own_scores, own_blk).amax(dim=3).mul_(sm_scale)

@@ -43,7 +43,7 @@ from ...metadata import KVCacheManager
 from ...sparse import SelectorInputs, SparseRuntimeParams
 from .paged import drop_empty_columns, pack_generation_rows, top_p_count, top_p_cut, top_units, top_units_topk
 
-__all__ = ["SUMMARY_DTYPES", "SCORE_MODES", "PageSummaries", "page_scores", "select_pages", "select_pages_naive"]
+__all__ = ["SUMMARY_DTYPES", "SCORE_MODES", "PageSummaries", "bound_query", "page_scores", "select_pages", "select_pages_naive"]
 
 SUMMARY_DTYPES = {"bfloat16": torch.bfloat16, "float8_e5m2": torch.float8_e5m2, "float32": torch.float32}
 SCORE_MODES = ("sign", "bound")
@@ -159,6 +159,12 @@ def keep_top_channels(qg: torch.Tensor, topr: int) -> torch.Tensor:
     return qg * keep.unsqueeze(-2)
 
 
+def bound_query(q: torch.Tensor) -> torch.Tensor:
+    """``[..., 2 * D]``: ``[min(q, 0), max(q, 0)]`` of ``q [..., D]``, whose product with a ``(min, max)``
+    summary row is Quest's bound ``sum_d max(q_d * min_d, q_d * max_d)``."""
+    return torch.cat([q.clamp(max=0), q.clamp(min=0)], dim=-1)
+
+
 def page_scores(q: torch.Tensor, summ: torch.Tensor, valid: torch.Tensor | None, *, mode: str, topr: int,
                 sm_scale: float) -> torch.Tensor:
     """fp32 ``[T, Hkv, Np]``: softmax-over-pages page scores, averaged over each KV group.
@@ -179,7 +185,7 @@ def page_scores(q: torch.Tensor, summ: torch.Tensor, valid: torch.Tensor | None,
         zero = torch.zeros_like(qg)
         qcat = torch.cat([torch.where(positive, zero, qg), torch.where(positive, qg, zero)], dim=-1)
     else:
-        qcat = torch.cat([qg.clamp(max=0), qg.clamp(min=0)], dim=-1)  # [T, Hkv, G, 2D]
+        qcat = bound_query(qg)  # [T, Hkv, G, 2D]
     logits = torch.matmul(qcat, summ.view(t, hkv, n_pages, 2 * d).transpose(-1, -2))  # [T, Hkv, G, Np]
     if valid is None:
         return torch.softmax(logits * sm_scale, dim=-1).mean(dim=2)

@@ -321,3 +321,46 @@ def test_projections_load_in_fp32_under_a_bf16_default_dtype(tmp_path):
     except NativeUnavailable as e:
         pytest.skip(f"native kernel unavailable: {e}")
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_index_keys_are_index_tensors_keys_without_the_queries(tmp_path, monkeypatch):
+    """``index_keys`` gives ``index_tensors``' k bit for bit on every path (native call, the module's
+    stacked matmul, a separate query input, finished tensors), and a step no phase of which selects
+    (a decode-only DSA's prompt) writes those keys without projecting a query: its pool equals a
+    selecting plan's after the same prompt, though ``index_tensors`` is never called for it."""
+    from kvsieve.kernels.indexer_project.native import MAX_TOKENS
+    from kvsieve.selectors.dsa.projections import IndexerProjections, save_projections
+
+    torch.manual_seed(5)
+    path = tmp_path / "indexer.pt"
+    save_projections(str(path), {0: IndexerProjections(96, 4, 32, 16)})
+    sel = create_selector("dsa", projections=str(path), index_topk=8)
+    for t in (5, MAX_TOKENS + 40):
+        hidden, pos = torch.randn(t, 96).to(torch.bfloat16), torch.randint(0, 9000, (t,))
+        for ii in (IndexerInputs(hidden=hidden), IndexerInputs(hidden=hidden, q_input=torch.randn(t, 96)),
+                   IndexerInputs(q_index=torch.randn(t, 4, 32), k_index=torch.randn(t, 32),
+                                 weights=torch.rand(t, 4))):
+            assert torch.equal(sel.index_keys(0, ii, pos), sel.index_tensors(0, ii, pos)[1])
+
+    def pools(phases, refuse_tensors):
+        spec = KVCacheSpec(num_layers=1, num_blocks=32, tokens_per_block=16, num_kv_heads=2, head_dim=16,
+                           max_requests=2, max_blocks_per_seq=16)
+        cache = KVCacheManager(spec)
+        plan = lower_config(SparseAttentionConfig("dsa", dict(projections=str(path), index_topk=8), phases=phases),
+                            num_layers=1)[0]
+        if refuse_tensors:
+            def refuse(*a, **k):
+                raise AssertionError("a step that selects nowhere projected its queries")
+            monkeypatch.setattr(plan.selector, "index_tensors", refuse)
+        layer = SparseAttention(layer_idx=0, num_q_heads=4, num_kv_heads=2, head_dim=16, plan=plan)
+        engine = Engine(cache, [layer], max_num_requests=2, max_num_tokens=256)
+        g = torch.Generator().manual_seed(1)
+        t = 150
+        md = engine.begin_step([0], [t], 1)
+        qkv = [torch.randn(t, *s, generator=g) for s in ((4, 16), (2, 16), (2, 16))]
+        hidden = torch.randn(t, 96, generator=g).to(torch.bfloat16)
+        layer.forward(*qkv, md, model_inputs=IndexerInputs(hidden=hidden))
+        engine.end_step()
+        return cache.aux_pools[INDEX_K_POOL][0].clone()
+
+    assert torch.equal(pools(("generation",), True), pools(None, False))

@@ -31,15 +31,17 @@ STEPS = [{"A": ([3, 4], 0, 40), "B": ([7, 8], 0, 33)},
          {"C": ([4, 3, 9], 70, 1), "B": ([7, 8], 35, 1)}]
 QUEST = ("quest", {"budget": 32, "page_size": 16})
 DSA = "dsa"
+DSA_DECODE_ONLY = "dsa decode-only"  # its prompt steps write index keys without projecting queries
 
 
 class _Plugin:
     """The plug-in's per-process side on a hand-made vLLM cache: a translator, one runner per layer."""
 
     def __init__(self, selector: tuple[str, dict] | str, tmp_path, check: bool) -> None:  # noqa: ANN001
-        if selector == DSA:
+        phases = ("generation",) if selector == DSA_DECODE_ONLY else None
+        if selector in (DSA, DSA_DECODE_ONLY):
             selector = ("dsa", {"index_topk": 16, "projections": _dsa_projections(tmp_path / "indexer.pt")})
-        cfg = PluginConfig(sparse=SparseAttentionConfig(selector[0], selector[1]), check_state=check)
+        cfg = PluginConfig(sparse=SparseAttentionConfig(selector[0], selector[1], phases=phases), check_state=check)
         self.view = _foreign()
         self.raw = [_owner_cache("vllm-cpu") for _ in range(LAYERS)]
         for i in range(LAYERS):
@@ -89,7 +91,7 @@ class _Plugin:
         return {name: [p.clone() for p in pools] for name, pools in self.view.aux_pools.items()}
 
 
-@pytest.mark.parametrize("selector", [QUEST, DSA], ids=["quest", "dsa"])
+@pytest.mark.parametrize("selector", [QUEST, DSA, DSA_DECODE_ONLY], ids=["quest", "dsa", "dsa-decode-only"])
 def test_check_passes_and_changes_nothing_while_blocks_change_hands(selector, tmp_path):
     on, off = _Plugin(selector, tmp_path, True), _Plugin(selector, tmp_path, False)
     gen_on, gen_off = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)

@@ -129,9 +129,13 @@ class IndexerProjections(nn.Module):
         return self._rope(q, positions, cos, sin), w
 
     def keys(self, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None = None,
-             sin: torch.Tensor | None = None) -> torch.Tensor:
-        """``k_I [T, D]`` fp32 of the cached tokens (key norm and RoPE applied)."""
-        return self._rope(self.k_norm(self.wk(hidden.to(self.wk.weight.dtype))).float(), positions, cos, sin)
+             sin: torch.Tensor | None = None, *, stacked: torch.Tensor | None = None) -> torch.Tensor:
+        """``k_I [T, D]`` fp32 of the cached tokens (key norm and RoPE applied); ``stacked``: this
+        module's :meth:`stacked_weight`, whose key rows then project (the matmul :meth:`forward` runs
+        with it, so the two agree bit for bit)."""
+        x = hidden.to(self.wk.weight.dtype)
+        k = self.wk(x) if stacked is None else nn.functional.linear(x, stacked[self.n_heads * (self.head_dim + 1):])
+        return self._rope(self.k_norm(k).float(), positions, cos, sin)
 
     @property
     def weight_scale(self) -> float:
@@ -140,8 +144,9 @@ class IndexerProjections(nn.Module):
 
     def stacked_weight(self) -> torch.Tensor | None:
         """``[H*D + H + D, hidden_size]``: ``wq``, ``weights_proj`` and ``wk`` stacked, a copy for
-        :meth:`forward`'s ``stacked`` (one matmul reads the three weights in one pass); ``None`` when
-        the queries project another input (``q_input_size != hidden_size``)."""
+        :meth:`forward`'s ``stacked`` (one matmul reads the query weights in one pass, one more the
+        key's) and the native kernel's packing; ``None`` when the queries project another input
+        (``q_input_size != hidden_size``)."""
         if self.q_input_size != self.hidden_size:
             return None
         return torch.cat([self.wq.weight, self.weights_proj.weight, self.wk.weight]).detach().clone()
@@ -153,9 +158,10 @@ class IndexerProjections(nn.Module):
         all fp32, RoPE applied, ``w`` scaled by ``D**-0.5 * H**-0.5``. Without ``q_input``, q and k
         share one buffer and one in-place neox RoPE (a decode step's few tokens pay per op, not per
         flop); the values are :meth:`queries`' and :meth:`keys`', bit for bit. ``stacked``: this
-        module's :meth:`stacked_weight`, for one matmul in place of three (equal up to its rounding;
-        a decode step's weights are cold, and in the engine one pass over them costs about two thirds
-        of three); refused with ``q_input`` or another shape."""
+        module's :meth:`stacked_weight`, for one matmul over ``wq`` and ``weights_proj`` in place of two
+        (equal up to its rounding; a decode step's weights are cold); ``k`` is then the key rows' own
+        matmul, so it is :meth:`keys`' bit for bit whether or not the queries are projected (a prompt
+        that only writes keys projects no query); refused with ``q_input`` or another shape."""
         h, d, r = self.n_heads, self.head_dim, self.rope_dim
         if stacked is not None and (q_input is not None or stacked.shape != (h * d + h + d, self.hidden_size)):
             raise ValueError(f"IndexerProjections: stacked must be [{h * d + h + d}, {self.hidden_size}] "
@@ -168,7 +174,8 @@ class IndexerProjections(nn.Module):
         if stacked is None:
             q, w, k = self.wq(x), self.weights_proj(x), self.wk(x)
         else:
-            q, w, k = nn.functional.linear(x, stacked).split((h * d, h, d), dim=-1)
+            q, w = nn.functional.linear(x, stacked[: h * d + h]).split((h * d, h), dim=-1)
+            k = nn.functional.linear(x, stacked[h * d + h:])
         qk = torch.empty(x.shape[0], h + 1, d, dtype=torch.float32, device=x.device)  # q's heads, then k
         qk[:, :h] = q.view(-1, h, d)
         qk[:, h] = self.k_norm(k)

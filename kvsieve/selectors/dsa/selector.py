@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -44,6 +43,7 @@ from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, SparseSelector, register_selector
 from ...sparse.knobs import KnobError, check_knobs, knob
 from ..common.paged import drop_empty_columns, top_p_cut, top_p_knob
+from .logits_chunks import logits_chunks
 from .projections import IndexerInputs, IndexerProjections, load_projections, projections_geometry, rope_cos_sin
 
 __all__ = ["DSAConfig", "DSASelector", "IndexerInputs", "INDEX_K_POOL", "INDEX_K_SCALE_POOL"]
@@ -175,13 +175,20 @@ class DSASelector(SparseSelector):
 
     # ---- hooks ---------------------------------------------------------------------------
     def on_append(self, inputs: SelectorInputs) -> None:
-        """Compute index q/k/weights for the step's tokens (from ``inputs.model_inputs``, this step's
-        :class:`IndexerInputs`, which the layer checked) and write k into the aux pool."""
+        """Compute the index keys of the step's tokens (from ``inputs.model_inputs``, this step's
+        :class:`IndexerInputs`, which the layer checked) and write them into the aux pool; when a phase
+        of the step selects, also their index queries and weights, which :meth:`predict_attn` reads."""
         md = inputs.metadata
-        q, k, w = self.index_tensors(inputs.layer_idx, inputs.model_inputs, md.positions)
-        if q.shape[0] != md.num_tokens:
-            raise ValueError(f"dsa: IndexerInputs cover {q.shape[0]} tokens, the step has {md.num_tokens}")
+        if not inputs.phases:  # no row of this step selects (a decode-only DSA's prompt): its keys alone
+            k = self.index_keys(inputs.layer_idx, inputs.model_inputs, md.positions)
+            q = w = None
+        else:
+            q, k, w = self.index_tensors(inputs.layer_idx, inputs.model_inputs, md.positions)
+        if k.shape[0] != md.num_tokens:
+            raise ValueError(f"dsa: IndexerInputs cover {k.shape[0]} tokens, the step has {md.num_tokens}")
         self._write_keys(inputs, k)
+        if q is None:
+            return
         if self.k_dtype == torch.float8_e4m3fn:
             from ...kernels.dsa_indexer.quant import quantize_pow2_fp8
 
@@ -205,14 +212,7 @@ class DSASelector(SparseSelector):
             q, k, w = ii.q_index.float(), ii.k_index.float(), ii.weights.float()
             q = q if q_dtype == torch.float32 else q.to(q_dtype).float()
         else:
-            if layer not in self.projections:
-                raise RuntimeError(f"dsa: layer {layer} got hidden states but has no IndexerProjections; load a "
-                                   "projections file (config 'projections') or call set_projections")
-            positions = positions.to(ii.hidden.device)
-            c = self.config
-            cos, sin = ii.cos, ii.sin
-            if cos is None and c.rope_dim:  # the default RoPE of the configured rope_theta
-                cos, sin = self._default_rope(positions)
+            positions, cos, sin = self._rope_inputs(layer, ii, positions)
             with torch.no_grad():  # index tensors only select: no gradient flows through them
                 q, k, w = self._project(layer, ii, positions, cos, sin, q_dtype)
         c = self.config
@@ -220,6 +220,39 @@ class DSASelector(SparseSelector):
             raise ValueError(f"dsa: index tensors must be q [T, {c.n_heads}, {c.head_dim}], k [T, {c.head_dim}], "
                              f"w [T, {c.n_heads}]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(w.shape)}")
         return q, k, w
+
+    def index_keys(self, layer: int, ii: IndexerInputs, positions: torch.Tensor) -> torch.Tensor:
+        """fp32 index keys ``k [T, Di]`` of the step's tokens: :meth:`index_tensors`' ``k`` bit for bit,
+        without projecting the queries where the module projects (a step longer than the native call
+        takes; the queries are a ``H x Di + H`` wide matmul beside the key's ``Di``). Writes nothing."""
+        if ii.is_finished:
+            k = ii.k_index.float()
+        else:
+            positions, cos, sin = self._rope_inputs(layer, ii, positions)
+            call = self._native[layer]
+            if call is not None and ii.q_input is None and call.takes(ii.hidden, cos, sin):
+                k = self.index_tensors(layer, ii, positions)[1]  # the native call projects all three at once
+            else:
+                with torch.no_grad():
+                    stacked = self._stacked[layer] if ii.q_input is None else None  # as _project's module call
+                    k = self.projections[layer].keys(ii.hidden, positions, cos, sin, stacked=stacked)
+        if k.shape[1:] != (self.config.head_dim,):
+            raise ValueError(f"dsa: index keys must be k [T, {self.config.head_dim}]; got {tuple(k.shape)}")
+        return k
+
+    def _rope_inputs(self, layer: int, ii: IndexerInputs, positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(positions, cos, sin)`` on the hidden state's device for projecting ``ii.hidden``: the
+        inputs' own RoPE, else the configured default (none without ``rope_dim``). Refuses a layer
+        without projections."""
+        if layer not in self.projections:
+            raise RuntimeError(f"dsa: layer {layer} got hidden states but has no IndexerProjections; load a "
+                               "projections file (config 'projections') or call set_projections")
+        positions = positions.to(ii.hidden.device)
+        cos, sin = ii.cos, ii.sin
+        if cos is None and self.config.rope_dim:  # the default RoPE of the configured rope_theta
+            cos, sin = self._default_rope(positions)
+        return positions, cos, sin
 
     def _project(self, layer: int, ii: IndexerInputs, positions: torch.Tensor, cos: torch.Tensor | None,
                  sin: torch.Tensor | None, q_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -337,7 +370,8 @@ class DSASelector(SparseSelector):
         k_pool, s_pool = self.index_pools(inputs)
         lens, r0 = md.token_kv_lens, inputs.rows.start
         out = torch.empty(inputs.num_rows, self.config.index_topk, dtype=torch.int32, device=lens.device)
-        for rows, logits in self._logits_chunks(inputs, q, w, k_pool, s_pool):
+        for rows, logits in logits_chunks(inputs, q, w, k_pool, s_pool, self.logits_kernel,
+                                          self.config.max_logits_elems):
             logits = inputs.mask_outside_window(logits, lens[rows])
             picked = run_topk(self._workspace, logits, lens[rows].contiguous())
             if self.config.top_p is not None:
@@ -362,64 +396,6 @@ class DSASelector(SparseSelector):
                                             self.config.index_topk)
         except NativeUnavailable:
             return None
-
-    def _logits_chunks(self, inputs: SelectorInputs, q: torch.Tensor, w: torch.Tensor, k_pool: torch.Tensor,
-                       s_pool: torch.Tensor | None):
-        """Yield ``(rows slice, logits [n, width])`` in row chunks within the budget
-        (``max_logits_elems``). A context request without cached history uses the ragged prefill
-        path over its own keys (read back from the pool, so both paths score the stored values),
-        one request at a time; the other rows (decode, chunked-prefill continuations) take the
-        paged decode path, consecutive requests batched into one chunk."""
-        if self.logits_kernel == "triton":
-            from ...kernels.dsa_indexer import triton as impl
-        else:
-            from ...kernels.dsa_indexer import naive as impl
-        md = inputs.metadata
-        lens = md.token_kv_lens
-        lens_host = inputs.token_kv_lens_host()
-        qs = md.query_start_host
-        budget = self.config.max_logits_elems
-
-        def paged(c0: int, c1: int):
-            w_c = int(lens_host[c0:c1].max())
-            return slice(c0, c1), impl.indexer_logits_decode(q[c0:c1], k_pool, s_pool, w[c0:c1], md.block_table,
-                                                              md.token_to_req[c0:c1], lens[c0:c1], w_c)
-
-        span: list[int] = []  # [first row, end row, widest row] of the paged rows not yet yielded
-        for i in inputs.requests:
-            t0, t1 = int(qs[i]), int(qs[i + 1])
-            if t1 == t0:
-                continue
-            if md.is_context(i) and int(md.kv_lens_host[i]) == t1 - t0:
-                if span:
-                    yield paged(span[0], span[1])
-                    span = []
-                blk, off = inputs.cache.physical(np.full(t1 - t0, md.slots[i], dtype=np.int32),
-                                                 np.arange(t1 - t0, dtype=np.int32))
-                keys = k_pool[blk, off]
-                scales = None if s_pool is None else s_pool[blk, off]
-                step = max(1, budget // max(int(lens_host[t1 - 1]), 1))
-                for c0 in range(t0, t1, step):
-                    c1 = min(t1, c0 + step)
-                    start = torch.zeros(c1 - c0, dtype=torch.int32, device=lens.device)
-                    yield slice(c0, c1), impl.indexer_logits_prefill(q[c0:c1], keys, scales, w[c0:c1], start,
-                                                                     lens[c0:c1], int(lens_host[c0:c1].max()))
-                continue
-            width = max(int(lens_host[t1 - 1]), 1)
-            if t1 - t0 == 1:  # a decode row joins the open span unless that breaks the budget
-                if span and (span[1] != t0 or (t1 - span[0]) * max(span[2], width) > budget):
-                    yield paged(span[0], span[1])
-                    span = []
-                span = [span[0], t1, max(span[2], width)] if span else [t0, t1, width]
-                continue
-            if span:
-                yield paged(span[0], span[1])
-                span = []
-            step = max(1, budget // width)
-            for c0 in range(t0, t1, step):
-                yield paged(c0, min(t1, c0 + step))
-        if span:
-            yield paged(span[0], span[1])
 
 
 def _top_p_tokens(picked: torch.Tensor, logits: torch.Tensor, lens: torch.Tensor, p: float) -> torch.Tensor:

@@ -169,12 +169,14 @@ def _bound_scores(qp: torch.Tensor, bounds: torch.Tensor, own: torch.Tensor, own
     """``[B, Tc, Hkv, nb]`` group-max Quest bounds: ``qp [B, Tc, Hkv, G, D]``; ``bounds [B, nb, Hkv,
     2 * D]`` each block's min and max keys side by side; ``own [B, Tc, Hkv, 2 * D]`` each row's own
     block summarized up to itself, at block ``own_blk [B, Tc]``. All fp32. One product of
-    :func:`bound_query` with each row; the scale is applied after the group max (a positive scale
-    commutes with it exactly)."""
+    :func:`bound_query` with each row, the group max taken in the product's own layout before the
+    own block's score (group max too) is put in place; the scale is applied after the group max (a
+    positive scale commutes with it exactly)."""
     qcat = bound_query(qp)  # [B, Tc, Hkv, G, 2D]
-    scores = torch.einsum("bthgd,bnhd->bthgn", qcat, bounds)
-    own_scores = torch.einsum("bthgd,bthd->bthg", qcat, own)
-    return _with_own_block(scores, own_scores, own_blk).amax(dim=3).mul_(sm_scale)
+    scores = torch.einsum("bthgd,bnhd->bhtgn", qcat, bounds).amax(dim=3).permute(0, 2, 1, 3)  # [B, Tc, Hkv, nb]
+    own_scores = torch.einsum("bthgd,bthd->bthg", qcat, own).amax(dim=3)  # [B, Tc, Hkv]
+    own_at = own_blk[:, :, None, None].expand(*own_scores.shape, 1)
+    return scores.scatter(-1, own_at, own_scores.unsqueeze(-1)).mul_(sm_scale)
 
 
 def _padded_rows(inputs: SelectorInputs) -> tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor]:

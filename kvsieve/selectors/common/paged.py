@@ -56,13 +56,15 @@ def top_units_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     ``N < 2**32``; other dtypes take :func:`top_units`): each score's order-preserving int32 image
     (IEEE bits, negatives flipped; ``-0.0`` as ``+0.0``) is shifted left 32 bits and joined with
     ``2**32 - 1 - index``, so every key is distinct and ties rank the lower index first — the
-    stable sort's order, found by a partial selection."""
+    stable sort's order, found by a partial selection. The keys are built in place (one int64
+    tensor, no temporaries the size of ``scores`` beyond the int32 image)."""
     n = scores.shape[-1]
     if scores.dtype != torch.float32 or n >= 2 ** 32:
         return top_units(scores, k)
     bits = (scores + 0.0).view(torch.int32)
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    keys = (bits << 32) + (2 ** 32 - 1 - torch.arange(n, device=scores.device))
+    bits ^= (bits >> 31) & 0x7FFFFFFF  # negatives flipped: the int32 order is the float order
+    keys = bits.to(torch.int64).bitwise_left_shift_(32)
+    keys += 2 ** 32 - 1 - torch.arange(n, device=scores.device)
     order = torch.topk(keys, k, dim=-1, sorted=True).indices
     picked = torch.gather(scores, -1, order)
     return torch.where(torch.isneginf(picked), -1, order)

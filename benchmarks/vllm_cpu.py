@@ -4,6 +4,7 @@ plug-in (dense and with selectors), at several concurrencies, measured side by s
     python benchmarks/vllm_cpu.py [--model smollm2] [--prompt-tokens 8000] [--concurrency 1,8]
                                   [--max-tokens 16] [--reps 2] [--threads 1] [--block-size 128] [--dtype bfloat16]
                                   [--modes own,dense,quest:budget=256,quest:budget=512] [--layer-times]
+                                  [--shared-prefix]
                                   [--out bench_out]
 
 Runs in the vLLM virtual environment (docs/vllm.md); the engines are started by kvsieve's one
@@ -24,6 +25,10 @@ share a block), each generating greedy tokens (``ignore_eos``), the engine stepp
 first time an engine sees it (``cold_prompts`` in the row) and found in the cache afterwards, so the
 repetitions and the higher concurrencies re-prefill nothing they saw (each request still reads its
 own blocks when it decodes; Quest's page summaries live per physical block and stay valid).
+``--shared-prefix``: the prompts are one text (the same filler) with each request's own last line
+(``Letter i.``), so every block but the last is one physical block read by every request, as when
+sessions ask about one document held in the prefix cache; a measurement's requests then prefill the
+document once between them, wherever vLLM's scheduler finds its blocks already computed.
 ``prefill_s``: from adding the requests until every one has its first token (compare it only
 between rows with the same ``cold_prompts``; the table's prefill column is the first repetition of
 the first concurrency, prompts cold). ``decode_tok_s``: ``C`` / the median duration of the *decode
@@ -64,7 +69,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -125,8 +130,7 @@ def worker(args: argparse.Namespace) -> None:
               max_num_seqs=conc, block_size=args.block_size, seed=0, distributed_executor_backend="uni",
               enable_prefix_caching=True)
     tok = llm.get_tokenizer()
-    filler = tok.encode(FILLER * (args.prompt_tokens // 20 + 1), add_special_tokens=False)
-    prompts = [(tok.encode(f"Letter {i}.") + filler)[: args.prompt_tokens] for i in range(conc)]  # no shared block
+    prompts = prompt_ids(tok, conc, args.prompt_tokens, shared_prefix=args.shared_prefix)
     engine = llm.llm_engine
     chunk = engine.vllm_config.scheduler_config.max_num_batched_tokens
     timer = None
@@ -186,6 +190,17 @@ def worker(args: argparse.Namespace) -> None:
                                       **(timer.summary(layer_steps) if timer is not None else {})}), flush=True)
 
 
+def prompt_ids(tok: Any, n: int, tokens: int, *, shared_prefix: bool) -> list[list[int]]:
+    """``n`` prompts of ``tokens`` token ids each (``tok``: the model's tokenizer): ``Letter i.`` then
+    the filler text, so no two share their first block; or (``shared_prefix``) the filler text then
+    `` Letter i.``, so all share every token before their last line."""
+    filler = tok.encode(FILLER * (tokens // 20 + 1), add_special_tokens=False)
+    if not shared_prefix:
+        return [(tok.encode(f"Letter {i}.") + filler)[:tokens] for i in range(n)]
+    lines = [tok.encode(f" Letter {i}.", add_special_tokens=False) for i in range(n)]
+    return [filler[: tokens - len(line)] + line for line in lines]
+
+
 def _max_len(args: argparse.Namespace) -> int:
     return args.prompt_tokens + args.max_tokens + max(args.concurrency) * -(-args.prompt_tokens // 2048) + 16
 
@@ -227,7 +242,8 @@ def _start(mode: str, args: argparse.Namespace, log: Path) -> EngineProcess:
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--model-name", args.model_name,
            "--prompt-tokens", str(args.prompt_tokens),
            "--max-tokens", str(args.max_tokens), "--concurrency", ",".join(map(str, args.concurrency)),
-           "--block-size", str(args.block_size), "--dtype", args.dtype, *(["--layer-times"] if args.layer_times else [])]
+           "--block-size", str(args.block_size), "--dtype", args.dtype, *(["--layer-times"] if args.layer_times else []),
+           *(["--shared-prefix"] if args.shared_prefix else [])]
     return EngineProcess(mode, cmd, launch.env(), log)
 
 
@@ -249,6 +265,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per engine, unbound (0: vLLM's binding)")
     ap.add_argument("--layer-times", action="store_true",
                     help="also time each attention layer's call in the decode steps (module hooks; module docstring)")
+    ap.add_argument("--shared-prefix", action="store_true",
+                    help="the requests' prompts share all but their last line (one document; module docstring)")
     ap.add_argument("--out", default="bench_out", help="folder of the JSON result")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # internal: one engine process
     ap.add_argument("--model-name", help=argparse.SUPPRESS)  # internal: the worker's --model before resolving

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.vllm_cpu import (AttentionTimer, _kv_space_gib, _table, check_memory, free_full_attention_bound,
-                                 same_rest_ratio)
+                                 prompt_ids, same_rest_ratio)
 
 
 def _args(dtype: str, concurrency: list[int]) -> SimpleNamespace:
@@ -83,3 +83,23 @@ def test_table_bound_is_the_first_modes_step_without_its_full_attention_layers()
     assert dsa["decode_ratio"] == round(100 / 95, 3) and dsa["full_attn_ms"] == 4.0 and own["attn_ms"] == 12.0
     # the attention ratio takes the rest of the step as the first mode's: 100 / (100 - 12 + 6), not 100 / 95
     assert dsa["attn_ratio"] == round(100 / 94, 3) and own["attn_ratio"] == 1.0
+
+
+class _WordTokenizer:
+    """A stand-in tokenizer: one id per whitespace-separated word (a BOS id 1 unless told otherwise)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [hash(w) % 50000 + 2 for w in text.split()]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_prompts_share_a_document_only_when_asked(shared):
+    """``--shared-prefix``: every prompt the same length and the same up to its own last line (so all
+    of their blocks but the last are one); without it no two prompts share their first block."""
+    prompts = prompt_ids(_WordTokenizer(), 8, 300, shared_prefix=shared)
+    assert {len(p) for p in prompts} == {300} and len({tuple(p) for p in prompts}) == 8
+    common = min(next((j for j, (a, b) in enumerate(zip(p, prompts[0])) if a != b), 300) for p in prompts[1:])
+    if shared:
+        assert common >= 300 - 3  # " Letter i." is two words here
+    else:
+        assert common < 128

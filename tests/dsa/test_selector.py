@@ -341,6 +341,8 @@ def test_index_keys_are_index_tensors_keys_without_the_queries(tmp_path, monkeyp
                    IndexerInputs(q_index=torch.randn(t, 4, 32), k_index=torch.randn(t, 32),
                                  weights=torch.rand(t, 4))):
             assert torch.equal(sel.index_keys(0, ii, pos), sel.index_tensors(0, ii, pos)[1])
+    with pytest.raises(ValueError, match=r"keys: stacked must be \[164, 96\]"):
+        sel.projections[0].keys(hidden, pos, stacked=torch.zeros(100, 96))
 
     def pools(phases, refuse_tensors):
         spec = KVCacheSpec(num_layers=1, num_blocks=32, tokens_per_block=16, num_kv_heads=2, head_dim=16,

@@ -133,8 +133,12 @@ class IndexerProjections(nn.Module):
         """``k_I [T, D]`` fp32 of the cached tokens (key norm and RoPE applied); ``stacked``: this
         module's :meth:`stacked_weight`, whose key rows then project (the matmul :meth:`forward` runs
         with it, so the two agree bit for bit)."""
+        h, d = self.n_heads, self.head_dim
+        if stacked is not None and stacked.shape != (h * d + h + d, self.hidden_size):
+            raise ValueError(f"IndexerProjections.keys: stacked must be [{h * d + h + d}, {self.hidden_size}] "
+                             f"(stacked_weight()); got {tuple(stacked.shape)}")
         x = hidden.to(self.wk.weight.dtype)
-        k = self.wk(x) if stacked is None else nn.functional.linear(x, stacked[self.n_heads * (self.head_dim + 1):])
+        k = self.wk(x) if stacked is None else nn.functional.linear(x, stacked[h * d + h:])
         return self._rope(self.k_norm(k).float(), positions, cos, sin)
 
     @property

@@ -133,13 +133,19 @@ class IndexerProjections(nn.Module):
         """``k_I [T, D]`` fp32 of the cached tokens (key norm and RoPE applied); ``stacked``: this
         module's :meth:`stacked_weight`, whose key rows then project (the matmul :meth:`forward` runs
         with it, so the two agree bit for bit)."""
-        h, d = self.n_heads, self.head_dim
-        if stacked is not None and stacked.shape != (h * d + h + d, self.hidden_size):
-            raise ValueError(f"IndexerProjections.keys: stacked must be [{h * d + h + d}, {self.hidden_size}] "
-                             f"(stacked_weight()); got {tuple(stacked.shape)}")
+        self._check_stacked(stacked, None, ".keys")
         x = hidden.to(self.wk.weight.dtype)
-        k = self.wk(x) if stacked is None else nn.functional.linear(x, stacked[h * d + h:])
+        k = self.wk(x) if stacked is None else nn.functional.linear(x, stacked[self.n_heads * (self.head_dim + 1):])
         return self._rope(self.k_norm(k).float(), positions, cos, sin)
+
+    def _check_stacked(self, stacked: torch.Tensor | None, q_input: torch.Tensor | None, where: str) -> None:
+        """Refuse a ``stacked`` weight (when given) of another shape than :meth:`stacked_weight`'s or
+        given with ``q_input``, naming the caller (``where``)."""
+        h, d = self.n_heads, self.head_dim
+        if stacked is not None and (q_input is not None or stacked.shape != (h * d + h + d, self.hidden_size)):
+            raise ValueError(f"IndexerProjections{where}: stacked must be [{h * d + h + d}, {self.hidden_size}] "
+                             f"(stacked_weight()) and comes without q_input; got {tuple(stacked.shape)}"
+                             f"{' with q_input' if q_input is not None else ''}")
 
     @property
     def weight_scale(self) -> float:
@@ -167,10 +173,7 @@ class IndexerProjections(nn.Module):
         matmul, so it is :meth:`keys`' bit for bit whether or not the queries are projected (a prompt
         that only writes keys projects no query); refused with ``q_input`` or another shape."""
         h, d, r = self.n_heads, self.head_dim, self.rope_dim
-        if stacked is not None and (q_input is not None or stacked.shape != (h * d + h + d, self.hidden_size)):
-            raise ValueError(f"IndexerProjections: stacked must be [{h * d + h + d}, {self.hidden_size}] "
-                             f"(stacked_weight()) and comes without q_input; got {tuple(stacked.shape)}"
-                             f"{' with q_input' if q_input is not None else ''}")
+        self._check_stacked(stacked, q_input, "")
         if q_input is not None:
             q, w = self.queries(hidden, positions, q_input, cos, sin)
             return q, self.keys(hidden, positions, cos, sin), w

@@ -196,9 +196,15 @@ def prompt_ids(tok: Any, n: int, tokens: int, *, shared_prefix: bool) -> list[li
     `` Letter i.``, so all share every token before their last line."""
     filler = tok.encode(FILLER * (tokens // 20 + 1), add_special_tokens=False)
     if not shared_prefix:
-        return [(tok.encode(f"Letter {i}.") + filler)[:tokens] for i in range(n)]
-    lines = [tok.encode(f" Letter {i}.", add_special_tokens=False) for i in range(n)]
-    return [filler[: tokens - len(line)] + line for line in lines]
+        prompts = [(tok.encode(f"Letter {i}.") + filler)[:tokens] for i in range(n)]
+    else:
+        lines = [tok.encode(f" Letter {i}.", add_special_tokens=False) for i in range(n)]
+        prompts = [filler[: max(tokens - len(line), 0)] + line for line in lines]
+    if any(len(p) != tokens for p in prompts):
+        got = sorted({len(p) for p in prompts})
+        raise ValueError(f"--prompt-tokens {tokens}: the prompts came out {got} tokens long"
+                         f"{' (each request line alone is longer)' if shared_prefix else ''}")
+    return prompts
 
 
 def _max_len(args: argparse.Namespace) -> int:
@@ -242,8 +248,8 @@ def _start(mode: str, args: argparse.Namespace, log: Path) -> EngineProcess:
     cmd = [sys.executable, __file__, "--worker", "--model", args.model, "--model-name", args.model_name,
            "--prompt-tokens", str(args.prompt_tokens),
            "--max-tokens", str(args.max_tokens), "--concurrency", ",".join(map(str, args.concurrency)),
-           "--block-size", str(args.block_size), "--dtype", args.dtype, *(["--layer-times"] if args.layer_times else []),
-           *(["--shared-prefix"] if args.shared_prefix else [])]
+           "--block-size", str(args.block_size), "--dtype", args.dtype,
+           *(["--layer-times"] if args.layer_times else []), *(["--shared-prefix"] if args.shared_prefix else [])]
     return EngineProcess(mode, cmd, launch.env(), log)
 
 

@@ -103,3 +103,10 @@ def test_prompts_share_a_document_only_when_asked(shared):
         assert common >= 300 - 3  # " Letter i." is two words here
     else:
         assert common < 128
+
+
+def test_prompts_too_short_for_their_own_line_are_refused():
+    """A shared-prefix prompt shorter than a request's own line would come out longer than asked:
+    refused, naming --prompt-tokens."""
+    with pytest.raises(ValueError, match=r"--prompt-tokens 1: the prompts came out \[2\] tokens long"):
+        prompt_ids(_WordTokenizer(), 3, 1, shared_prefix=True)

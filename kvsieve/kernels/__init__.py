@@ -10,7 +10,7 @@ loads Triton or CuTe until it is named.
 
 Ops: ``sparse_gqa_decode``, ``sparse_mla_decode``, ``paged_prefill``, ``compact_kv``, ``topk``,
 ``dsa_indexer``, ``page_topk``, ``page_minmax``, ``head_tables``, ``segment_check``, ``prompt_runs``,
-``prompt_index``. Pieces several
+``prompt_index``, ``block_bound``. Pieces several
 ops share are in ``common`` (an op imports no other op); ahead-of-time compile reports and the
 CuTe bundle builder are in ``aot``.
 """

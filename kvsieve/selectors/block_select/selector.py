@@ -20,7 +20,8 @@ sliding-window layer the blocks lying wholly before a query's window are not can
   bound), so it needs ``score_type="max"``. The query's own block is summarized over its positions
   up to the query only (complete pages from the pool, its own page from the cache), so several
   query tokens of one request in a step choose what one-token steps would. Reads ``O(context /
-  page)`` summaries per query row instead of every key.
+  page)`` summaries per query row instead of every key. On the CPU the rows' selection is one native
+  call (:mod:`kvsieve.kernels.block_bound`) where it applies (no ``top_p``, no window).
 
 Adaptive budget (``top_p``, beyond NSA/MiniMax-M3; Twilight, arXiv 2502.02770): a block's
 estimated mass is the softmax, over the query's visible blocks, of its group-max block score
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...kernels.common.native import NativeUnavailable
 from ...kernels.decode_layer.plan import DecodeProgram
 from ...metadata import KVCacheManager
 from ...sparse import BudgetKnob, Capabilities, SelectorInputs, SparseRuntimeParams, register_selector
@@ -270,12 +272,39 @@ def block_select_summary(inputs: SelectorInputs, cfg: BlockSelectConfig, summari
     tmin, tmax = summaries.prefix(inputs.layer_idx, md.slots[md.token_to_req_host[live_rows]], md.positions_host[live_rows])
     own_min[live], own_max[live] = torch.minimum(own_min[live], tmin), torch.maximum(own_max[live], tmax)
     own = torch.where(live[..., None, None], torch.cat([own_min, own_max], dim=-1), 0.0)  # padding: finite
+    native = _bound_select_native(inputs, cfg, bounds, own, (rows, live, row_lens))
+    if native is not None:
+        return native
 
     def score_rows(c0: int, c1: int, nb_c: int) -> torch.Tensor:
         return _bound_scores(_row_queries(inputs, rows[:, c0:c1]), bounds[:, :nb_c], own[:, c0:c1],
                              own_blk[:, c0:c1], inputs.sm_scale)
 
     return _select(inputs, cfg, nb, (rows, live, row_lens), score_rows, 2 * inputs.q.shape[1] * nb)
+
+
+def _bound_select_native(inputs: SelectorInputs, cfg: BlockSelectConfig, bounds: torch.Tensor, own: torch.Tensor,
+                         padded: tuple[torch.Tensor, ...]) -> SparseRuntimeParams | None:
+    """:func:`block_select_summary`'s selection in one native call (:mod:`kvsieve.kernels.block_bound`:
+    no ``[rows x blocks]`` scores beyond a row's), or ``None`` where it does not apply: ``top_p``, a
+    sliding window, queries off the CPU or past the kernel's shapes, or no library. ``bounds [B, nb,
+    Hkv, 2 * D]`` and ``own [B, Tmax, Hkv, 2 * D]`` as there; ``padded`` = ``(rows, live, row_lens)``."""
+    from ...kernels.block_bound.native import block_bound_topk_native, supports_block_bound
+
+    if cfg.top_p is not None or inputs.window is not None or not supports_block_bound(inputs.q, inputs.num_kv_heads):
+        return None
+    rows, live, row_lens = padded
+    req = torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(rows)[live]
+    width = min(cfg.topk_blocks, bounds.shape[1])
+    try:
+        picked = block_bound_topk_native(bounds, own[live], inputs.q[rows[live]], req, row_lens[live],
+                                         block_size=cfg.block_size, k=width, init_units=cfg.init_blocks,
+                                         local_units=cfg.local_blocks, sm_scale=inputs.sm_scale)
+    except NativeUnavailable:
+        return None
+    sel = torch.empty(inputs.num_rows, inputs.num_kv_heads, width, dtype=torch.int32)
+    sel[rows[live] - inputs.rows.start] = picked
+    return SparseRuntimeParams.from_topk(sel, block_size=cfg.block_size)
 
 
 @register_selector

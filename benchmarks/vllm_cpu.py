@@ -29,6 +29,9 @@ own blocks when it decodes; Quest's page summaries live per physical block and s
 (``Letter i.``), so every block but the last is one physical block read by every request, as when
 sessions ask about one document held in the prefix cache; a measurement's requests then prefill the
 document once between them, wherever vLLM's scheduler finds its blocks already computed.
+Before any measurement each engine answers one warm-up request (a prompt of ``--prompt-tokens`` whose
+first block is unlike every measured prompt's, two tokens): without it the mode measured first in a
+run prefilled an 8K prompt 1-3 s slower than it did when measured second, whichever mode it was.
 ``prefill_s``: from adding the requests until every one has its first token (compare it only
 between rows with the same ``cold_prompts``; the table's prefill column is the first repetition of
 the first concurrency, prompts cold). ``decode_tok_s``: ``C`` / the median duration of the *decode
@@ -143,6 +146,11 @@ def worker(args: argparse.Namespace) -> None:
             raise SystemExit(f"--layer-times: attention modules share a layer index ({sorted(layers)}); the "
                              "timer keeps one per layer")
         timer = AttentionTimer(by_index)
+    # one warm-up request, its prompt unlike every measured one (a first block of its own): the engine's
+    # first-request costs (allocations, oneDNN's primitives for a chunk's shapes) fall on no measurement
+    warm = prompt_ids(tok, conc + 1, args.prompt_tokens, shared_prefix=False)[conc]
+    llm.generate([TokensPrompt(prompt_token_ids=warm)], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                 use_tqdm=False)
     prefilled: set[int] = set()
     print("READY", flush=True)
     for n, line in enumerate(sys.stdin):

@@ -51,6 +51,8 @@ def test_block_bound_refuses_past_its_shapes_and_without_library(monkeypatch):
     assert not supports_block_bound(q[:, :, :1].expand(-1, -1, 300), 2) and not supports_block_bound(q, 3)
     with pytest.raises(ValueError, match="sees past the 5 blocks"):
         block_bound_topk_native(bounds, own, q, req, lens, **{**kw, "block_size": 4})
+    with pytest.raises(ValueError, match=r"a request in 0 .. 1 of bounds, got 49 entries in 0 .. 2"):
+        block_bound_topk_native(bounds, own, q, req + (req == 1).int(), lens, **kw)
     with pytest.raises(RuntimeError, match=r"kvsieve_block_bound_topk returned -1 \(D=16, G=17"):
         block_bound_topk_native(bounds, own, q[:, :1].expand(-1, 34, -1), req, lens, **kw)
     monkeypatch.setenv("KVSIEVE_NATIVE", "0")

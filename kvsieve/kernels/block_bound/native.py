@@ -54,6 +54,9 @@ def block_bound_topk_native(bounds: torch.Tensor, own: torch.Tensor, q: torch.Te
     if own.shape[1:] != (hkv, d2) or d2 != 2 * q.shape[-1] or len(lens) and int(lens.max()) > u * block_size:
         raise ValueError(f"block_bound_topk: bounds {list(bounds.shape)}, own {list(own.shape)} and q "
                          f"{list(q.shape)} disagree, or a row sees past the {u} blocks of bounds")
+    if len(req) != len(lens) or len(req) and not 0 <= int(req.min()) <= int(req.max()) < b:
+        raise ValueError(f"block_bound_topk: req must give each of the {len(lens)} rows a request in 0 .. {b - 1} "
+                         f"of bounds, got {len(req)} entries" + (f" in {int(req.min())} .. {int(req.max())}" if len(req) else ""))
     units = -(-max(u, 1) // UNIT_TILE) * UNIT_TILE
     bt = F.pad(bounds.to(torch.float32).permute(0, 2, 3, 1), (0, units - u)).contiguous()  # [B, Hkv, 2D, U']
     ownf, qf = own.to(torch.float32).contiguous(), q.to(torch.float32).contiguous()
